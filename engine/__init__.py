@@ -1,0 +1,1 @@
+"""Engine: the model, KV cache, sampling, speculative decoding and drafters — pure tensor code, no sockets."""
