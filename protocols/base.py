@@ -1,0 +1,13 @@
+"""The base of every wire message and the protocol version peers compare in the handshake."""
+
+from typing import ClassVar
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, array_like=True, forbid_unknown_fields=True):
+    """A wire message. Subclasses set `kind`, the string that travels in the first frame."""
+
+    kind: ClassVar[str] = ""

@@ -1,0 +1,164 @@
+"""Control channel: lifecycle, liveness, device leases and preemption.
+
+Control travels on its own socket (actor DEALER ↔ coordinator ROUTER) so it never queues behind bulk
+tensors, and the actor's IO thread flags it to the compute loop at once (preemption is honoured
+between steps, not after a backlog of data).
+"""
+
+from enum import StrEnum
+from typing import Annotated
+
+import msgspec
+from slipstream.protocols.base import Message
+
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+NonNegF = Annotated[float, msgspec.Meta(ge=0.0)]
+
+
+class ControlKind(StrEnum):
+    HELLO = "control.hello"
+    INIT = "control.init"
+    READY = "control.ready"
+    HEARTBEAT = "control.heartbeat"
+    PING = "control.ping"
+    PONG = "control.pong"
+    STATUS = "control.status"
+    IDLE = "control.idle"
+    LEASE = "control.lease"
+    PREEMPT = "control.preempt"
+    RELEASED = "control.released"
+    SHUTDOWN = "control.shutdown"
+    DEAD = "control.dead"
+
+
+class Hello(Message, frozen=True, kw_only=True):
+    """Actor → supervisor, first message after connecting: who it is and where its data socket is."""
+
+    kind = ControlKind.HELLO
+    role: str
+    rank: NonNeg
+    pid: int
+    host: str
+    data_endpoint: str
+    protocol_version: int
+
+
+class Init(Message, frozen=True, kw_only=True):
+    """Supervisor → actor: the actor's config (validated against its Config type) and its peers."""
+
+    kind = ControlKind.INIT
+    config: msgspec.Raw
+    run_dir: str
+    peers: dict[str, str]  # "role:rank" -> data endpoint
+    heartbeat_s: NonNegF
+    threads: NonNeg
+
+
+class Ready(Message, frozen=True, kw_only=True):
+    """Actor → supervisor: on_start finished; the actor serves messages from now on."""
+
+    kind = ControlKind.READY
+    role: str
+    rank: NonNeg
+
+
+class Heartbeat(Message, frozen=True, kw_only=True):
+    """Both directions, every heartbeat interval. `handled` and `queued` let an owner see a stuck loop."""
+
+    kind = ControlKind.HEARTBEAT
+    seq: NonNeg
+    sent_ns: int
+    handled: NonNeg = 0
+    queued: NonNeg = 0
+
+
+class Ping(Message, frozen=True, kw_only=True):
+    """Round-trip probe (latency benchmark, liveness checks)."""
+
+    kind = ControlKind.PING
+    seq: NonNeg
+    sent_ns: int
+
+
+class Pong(Message, frozen=True, kw_only=True):
+    kind = ControlKind.PONG
+    seq: NonNeg
+    sent_ns: int
+
+
+class Status(Message, frozen=True, kw_only=True):
+    """Actor → coordinator: a named report with scalar fields (progress, metrics, results)."""
+
+    kind = ControlKind.STATUS
+    topic: str
+    fields: dict[str, int | float | str | bool | None]
+
+
+class Idle(Message, frozen=True, kw_only=True):
+    """Rollout → coordinator: my queue drained; my device can be leased."""
+
+    kind = ControlKind.IDLE
+    role: str
+    rank: NonNeg
+    policy_version: NonNeg
+
+
+class Lease(Message, frozen=True, kw_only=True):
+    """Coordinator → actor: you may use `device` with `threads` threads until preempted."""
+
+    kind = ControlKind.LEASE
+    lease_id: NonNeg
+    device: str
+    threads: NonNeg
+    cpus: list[NonNeg] = []
+
+
+class Preempt(Message, frozen=True, kw_only=True):
+    """Coordinator → actor: release lease `lease_id` now (honoured within one step)."""
+
+    kind = ControlKind.PREEMPT
+    lease_id: NonNeg
+    reason: str
+    sent_ns: int
+
+
+class Released(Message, frozen=True, kw_only=True):
+    """Actor → coordinator: lease released; `latency_ns` is preempt-receipt to release."""
+
+    kind = ControlKind.RELEASED
+    lease_id: NonNeg
+    latency_ns: NonNeg
+
+
+class Shutdown(Message, frozen=True, kw_only=True):
+    kind = ControlKind.SHUTDOWN
+    reason: str
+
+
+class Dead(Message, frozen=True, kw_only=True):
+    """An actor that is dying says so (failure is a message); the supervisor also reports deaths it sees."""
+
+    kind = ControlKind.DEAD
+    role: str
+    rank: NonNeg
+    reason: str
+    exit_code: int | None = None
+
+
+MESSAGES: tuple[type[Message], ...] = (
+    Hello,
+    Init,
+    Ready,
+    Heartbeat,
+    Ping,
+    Pong,
+    Status,
+    Idle,
+    Lease,
+    Preempt,
+    Released,
+    Shutdown,
+    Dead,
+)
+
+__all__ = [m.__name__ for m in MESSAGES] + ["MESSAGES", "ControlKind"]

@@ -1,0 +1,74 @@
+"""Learner channel: scored GRPO groups in, versioned exact weight updates out.
+
+A weight update is bucketed (a large model does not travel as one message) and every bucket carries
+a checksum of its raw tensor bytes, which the receiver checks before applying anything.
+"""
+
+from enum import StrEnum
+from typing import Annotated
+
+import msgspec
+import torch
+from slipstream.protocols.base import Message
+
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class LearnerKind(StrEnum):
+    GROUP = "learner.group"
+    WEIGHTS = "learner.weights"
+    WEIGHTS_ACK = "learner.weights_ack"
+    STEP = "learner.step"
+
+
+class ScoredGroup(Message, frozen=True, kw_only=True):
+    """Coordinator → learner: one prompt's G responses with behaviour log-probs and rewards."""
+
+    kind = LearnerKind.GROUP
+    step: NonNeg
+    group_id: NonNeg
+    prompt_ids: torch.Tensor  # [prompt_len] int64
+    response_ids: list[torch.Tensor]  # G × [response_len] int64
+    behaviour_logprobs: list[torch.Tensor]  # G × [response_len] float32
+    rewards: list[float]
+    policy_version: NonNeg
+
+
+class WeightUpdate(Message, frozen=True, kw_only=True):
+    """Learner → rollout: bucket `bucket` of `num_buckets` of policy version `version`."""
+
+    kind = LearnerKind.WEIGHTS
+    version: NonNeg
+    bucket: NonNeg
+    num_buckets: Annotated[int, msgspec.Meta(ge=1)]
+    names: list[str]
+    tensors: list[torch.Tensor]
+    checksum: str  # hex digest over the raw bytes of `tensors`, in order
+
+
+class WeightAck(Message, frozen=True, kw_only=True):
+    """Rollout → coordinator: version applied (or refused, with the reason)."""
+
+    kind = LearnerKind.WEIGHTS_ACK
+    version: NonNeg
+    role: str
+    rank: NonNeg
+    ok: bool
+    error: str | None = None
+
+
+class StepStats(Message, frozen=True, kw_only=True):
+    """Learner → coordinator: what one optimisation step did."""
+
+    kind = LearnerKind.STEP
+    step: NonNeg
+    version: NonNeg
+    loss: float
+    grad_norm: float
+    tokens: NonNeg
+    elapsed_s: Annotated[float, msgspec.Meta(ge=0.0)]
+
+
+MESSAGES: tuple[type[Message], ...] = (ScoredGroup, WeightUpdate, WeightAck, StepStats)
+
+__all__ = [m.__name__ for m in MESSAGES] + ["MESSAGES", "LearnerKind"]

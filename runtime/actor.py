@@ -1,0 +1,173 @@
+"""The Actor base class: a small object with a typed handler per message type.
+
+    class Echo(Actor):
+        role = "echo"
+
+        class Config(msgspec.Struct, forbid_unknown_fields=True):
+            delay_s: float = 0.0
+
+        @handler
+        def on_ping(self, msg: Ping, sender: str) -> None:
+            self.send(sender, Pong(seq=msg.seq, sent_ns=msg.sent_ns))
+
+An actor never touches a socket. Its host process (`slipstream.runtime.host`) runs an IO thread that
+owns every socket, decodes incoming frames into the actor's `Inbox` and forwards what the actor sends.
+The compute loop (`Actor.serve`) drains the inbox — control first — dispatching each message to the
+handler whose annotation names its type, and calls `step()` in between for actors with continuous
+work (a decode iteration, a drafter training step). A long step polls `control_pending()` so a
+preemption is honoured within one step.
+
+A handler that raises is a bug in that handler: the exception is logged with the message kind, the
+message is dropped and the actor keeps serving. `Fatal` ends the actor (it sends `Dead` first).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import typing
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import msgspec
+import structlog
+import zmq
+from slipstream.protocols.base import Message
+from slipstream.protocols.control import Shutdown
+from slipstream.runtime.codec import Codec
+from slipstream.runtime.inbox import Inbox
+
+COORDINATOR = "coordinator"  # destination name of the control socket
+
+
+class Fatal(Exception):
+    """Raised by a handler or step to end the actor: it reports Dead with this reason and exits."""
+
+
+class EmptyConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Config of an actor that takes none."""
+
+
+def handler(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks a method as the handler for the message type its `msg` parameter is annotated with."""
+    fn.__slipstream_handler__ = True  # type: ignore[attr-defined]
+    return fn
+
+
+class Outbox(typing.Protocol):
+    """What an actor sends through: the host's IO thread, or a test harness."""
+
+    def send(self, dest: str, frames: list[Any]) -> zmq.MessageTracker | None: ...
+
+
+class Actor:
+    """Base class of every actor. Subclasses set `role`, `Config` and handlers."""
+
+    role: ClassVar[str] = "actor"
+    Config: ClassVar[type[msgspec.Struct]] = EmptyConfig
+    _handlers: ClassVar[dict[type[Message], str]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        table: dict[type[Message], str] = {}
+        for klass in reversed(cls.__mro__):
+            for name, fn in vars(klass).items():
+                if not getattr(fn, "__slipstream_handler__", False):
+                    continue
+                hints = typing.get_type_hints(fn)
+                params = list(inspect.signature(fn).parameters)
+                if len(params) < 2 or params[1] not in hints:
+                    raise TypeError(
+                        f"{cls.__name__}.{name}: a handler's message parameter needs a type annotation"
+                    )
+                tp = hints[params[1]]
+                if not (isinstance(tp, type) and issubclass(tp, Message)):
+                    raise TypeError(f"{cls.__name__}.{name}: {tp} is not a Message type")
+                table[tp] = name
+        cls._handlers = table
+
+    def __init__(
+        self,
+        config: msgspec.Struct,
+        *,
+        rank: int,
+        outbox: Outbox,
+        inbox: Inbox,
+        run_dir: str = "",
+        peers: dict[str, str] | None = None,
+        log: Any = None,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.name = f"{self.role}:{rank}"
+        self.run_dir = run_dir
+        self.peers = dict(peers or {})
+        self.inbox = inbox
+        self.log = log if log is not None else structlog.get_logger().bind(role=self.role, rank=rank)
+        self._outbox = outbox
+        self._codec = Codec()  # the compute thread's own: codecs hold per-call state
+        self._stopping = False
+        self.handled = 0
+
+    # -- hooks for subclasses -----------------------------------------------------------------------
+
+    def on_start(self) -> None:
+        """Called once before the first message; raise (or Fatal) to fail the handshake."""
+
+    def on_stop(self) -> None:
+        """Called once on shutdown, before the process exits."""
+
+    def step(self) -> bool:
+        """Continuous work between messages. Return True if there is more to do right away."""
+        return False
+
+    # -- API for subclasses -------------------------------------------------------------------------
+
+    def send(self, dest: str, msg: Message) -> zmq.MessageTracker | None:
+        """Sends `msg` to peer `dest` ("role:rank") or to COORDINATOR.
+
+        Large tensors leave without a copy: do not modify them until the returned tracker is done.
+        """
+        return self._outbox.send(dest, self._codec.encode(msg))
+
+    def control_pending(self) -> bool:
+        """True while a control message (preempt, shutdown, lease) waits: long steps poll this."""
+        return self.inbox.control_event.is_set()
+
+    def stop(self) -> None:
+        """Ends `serve` after the current message."""
+        self._stopping = True
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    def dispatch(self, msg: Message, sender: str) -> None:
+        name = self._handlers.get(type(msg))
+        if name is None:
+            if isinstance(msg, Shutdown):
+                self.log.info("shutdown", reason=msg.reason)
+                self.stop()
+                return
+            self.log.warning("no_handler", kind=msg.kind, sender=sender)
+            return
+        try:
+            getattr(self, name)(msg, sender)
+        except Fatal:
+            raise
+        except Exception:
+            self.log.exception("handler_failed", kind=msg.kind, sender=sender)
+        finally:
+            self.handled += 1
+
+    def serve(self, *, idle_wait_s: float = 0.05) -> None:
+        """Runs until shutdown: drain control, then data, then `step()`; block only when idle."""
+        busy = False
+        while not self._stopping:
+            got = self.inbox.get(timeout=0 if busy else idle_wait_s)
+            if got is not None:
+                _, (sender, msg) = got
+                self.dispatch(msg, sender)
+                continue
+            started = time.perf_counter()
+            busy = self.step()
+            if busy and time.perf_counter() - started > 1.0:
+                self.log.debug("long_step", seconds=time.perf_counter() - started)

@@ -1,0 +1,213 @@
+"""Entry point of an actor process: handshake, then the actor's compute loop beside its IO thread.
+
+The supervisor (or a node agent on another host) starts it as
+
+    python -m slipstream.runtime.host --actor pkg.mod:Class --rank 0 --control ipc://… --run-dir RUN
+
+Handshake: connect the control DEALER (identity "role:rank") and bind the data ROUTER; send Hello;
+wait for Init (the actor's config, its peers, the heartbeat interval, its thread budget); build the
+actor and run `on_start`; send Ready. Any failure on the way is sent as `Dead` with the reason (a bad
+config names its field) and the process exits non-zero.
+
+The thread budget is applied before torch does any work — oversubscribing cores on a small host is
+catastrophic (DESIGN §2) — and the process dies with its parent (PR_SET_PDEATHSIG on Linux).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+from slipstream.protocols import PROTOCOL_VERSION
+from slipstream.protocols.control import Dead, Hello, Init, Ready, Shutdown
+from slipstream.runtime import logs
+from slipstream.runtime.actor import COORDINATOR, Actor
+from slipstream.runtime.codec import Codec, ProtocolError
+from slipstream.runtime.config import ConfigError, convert
+from slipstream.runtime.inbox import Inbox
+from slipstream.runtime.io_thread import ActorIO
+from slipstream.runtime.transport import CurveKeys, ipc_endpoint, make_socket, start_authenticator
+
+
+def import_actor(path: str) -> type[Actor]:
+    """The Actor subclass named by "pkg.module:Class"."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"actor path {path!r} must look like 'package.module:Class'")
+    cls = getattr(importlib.import_module(module_name), attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, Actor)):
+        raise ValueError(f"{path!r} is not an Actor subclass")
+    return cls
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if parent_pid and os.getppid() != parent_pid:
+        os._exit(3)  # the parent died before prctl took effect
+
+
+def apply_threads(threads: int) -> None:
+    """Pins torch/OpenMP to this actor's lease of cores (env for libraries not yet imported)."""
+    if threads <= 0:
+        return
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    if "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        torch.set_num_threads(threads)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="slipstream-actor", description=__doc__.splitlines()[0])
+    p.add_argument("--actor", required=True, help="pkg.module:Class")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--control", required=True, help="the coordinator's control endpoint")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--events", default=None, help="the coordinator's event-stream endpoint (XSUB)")
+    p.add_argument("--curve-key", default=None, help="the run's key file (tcp across hosts)")
+    p.add_argument("--data-host", default=None, help="bind data on tcp://HOST:* instead of ipc://")
+    p.add_argument("--handshake-timeout", type=float, default=60.0)
+    p.add_argument("--parent-pid", type=int, default=0)
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    _die_with_parent(args.parent_pid)
+    cls = import_actor(args.actor)
+    name = f"{cls.role}:{args.rank}"
+    log = logs.configure(
+        role=cls.role,
+        rank=args.rank,
+        run_dir=Path(args.run_dir),
+        events_endpoint=args.events,
+        level=args.log_level,
+    )
+    ctx = zmq.Context()
+    keys = CurveKeys.load(Path(args.curve_key)) if args.curve_key else None
+    auth = start_authenticator(ctx, keys) if keys is not None and args.data_host else None
+    control_curve = keys if args.control.startswith("tcp://") else None
+    control = make_socket(ctx, zmq.DEALER, identity=name, connect=args.control, curve=control_curve)
+    if args.data_host:
+        data = make_socket(ctx, zmq.ROUTER, bind=f"tcp://{args.data_host}:*", curve=keys)
+    else:
+        data = make_socket(ctx, zmq.ROUTER, bind=ipc_endpoint(args.run_dir, f"data-{cls.role}-{args.rank}"))
+    data_endpoint = data.getsockopt(zmq.LAST_ENDPOINT).decode()
+    codec = Codec()
+    io: ActorIO | None = None
+    exit_code = 0
+
+    def report_dead(reason: str, code: int) -> None:
+        log.error("dead", reason=reason)
+        frames = codec.encode(Dead(role=cls.role, rank=args.rank, reason=reason, exit_code=code))
+        if io is not None and io.is_alive():
+            outbox.send(COORDINATOR, frames)
+        else:
+            control.send_multipart(frames)
+
+    try:
+        hello = Hello(
+            role=cls.role,
+            rank=args.rank,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            data_endpoint=data_endpoint,
+            protocol_version=PROTOCOL_VERSION,
+        )
+        control.send_multipart(codec.encode(hello))
+        init = _await_init(control, codec, args.handshake_timeout, log)
+        if init is None:
+            log.error("handshake_timeout", seconds=args.handshake_timeout)
+            return 4
+        apply_threads(init.threads)
+        try:
+            config = convert(msgspec.msgpack.decode(init.config), cls.Config, where=f"{name} config")
+        except (ConfigError, msgspec.DecodeError) as e:
+            report_dead(f"bad config: {e}", 2)
+            return 2
+        inbox = Inbox(capacity=256)
+        io = ActorIO(
+            ctx=ctx, name=name, control=control, data=data, inbox=inbox, log=log,
+            heartbeat_s=init.heartbeat_s, supervisor_timeout_s=max(10 * init.heartbeat_s, 5.0),
+            peers=init.peers, curve=keys,
+        )  # fmt: skip
+        outbox = io.outbox()
+        actor = cls(
+            config,
+            rank=args.rank,
+            outbox=outbox,
+            inbox=inbox,
+            run_dir=args.run_dir,
+            peers=init.peers,
+            log=log,
+        )
+        io.progress = actor
+        io.start()
+        signal.signal(signal.SIGTERM, lambda *_: inbox.put_control((COORDINATOR, Shutdown(reason="SIGTERM"))))
+        try:
+            actor.on_start()
+        except Exception as e:
+            log.exception("on_start_failed")
+            report_dead(f"on_start failed: {type(e).__name__}: {e}", 1)
+            return 1
+        actor.send(COORDINATOR, Ready(role=cls.role, rank=args.rank))
+        log.info("ready", pid=os.getpid(), data=data_endpoint, threads=init.threads)
+        try:
+            actor.serve()
+        except Exception as e:  # Fatal, or a bug in the loop itself
+            log.exception("serve_failed")
+            report_dead(f"{type(e).__name__}: {e}", 1)
+            exit_code = 1
+        finally:
+            try:
+                actor.on_stop()
+            except Exception:
+                log.exception("on_stop_failed")
+        log.info("stopped", handled=actor.handled, dropped=io.dropped)
+        return exit_code
+    finally:
+        if io is not None:
+            outbox.close()
+            io.stop()
+        else:
+            control.close(linger=500)
+            data.close(linger=0)
+        if auth is not None:
+            auth.stop()
+        logs.close()
+        ctx.term()
+
+
+def _await_init(control: zmq.Socket, codec: Codec, timeout_s: float, log: Any) -> Init | None:
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        if not control.poll(int(left * 1000)):
+            return None
+        try:
+            msg = codec.decode(control.recv_multipart(copy=False))
+        except ProtocolError as e:
+            log.warning("dropped_malformed", lane="control", error=str(e))
+            continue
+        if isinstance(msg, Init):
+            return msg
+        if isinstance(msg, Shutdown):
+            log.info("shutdown_before_init", reason=msg.reason)
+            return None
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

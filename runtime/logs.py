@@ -1,0 +1,140 @@
+"""Structured logs: structlog JSON lines, one file per actor in the run directory, plus a live stream.
+
+Every record is one JSON object per line with `ts` (unix seconds, float: latency analysis needs more
+than ISO-second precision), `level`, `event`, `role`, `rank` and the call's fields. The file is the
+durable record; the live stream is a PUB socket connected to the coordinator's event proxy (XSUB →
+XPUB), which `slipstream logs RUN --follow` subscribes to. PUB drops instead of blocking when nobody
+keeps up, so logging never stalls a compute loop.
+
+Metrics are logs with `event="metric"`; the coordinator reduces them per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import msgspec
+import structlog
+import zmq
+from slipstream.runtime.transport import SocketOptions, make_socket
+
+_json = msgspec.json.Encoder()
+
+
+class _Sink:
+    """Writes rendered lines to a file, the live stream and (optionally) stderr. Thread-safe."""
+
+    def __init__(self, file: BinaryIO | None, pub: zmq.Socket | None, topic: bytes, echo: bool) -> None:
+        self._file, self._pub, self._topic, self._echo = file, pub, topic, echo
+        self._lock = threading.Lock()
+
+    def msg(self, line: bytes) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.write(line + b"\n")
+                self._file.flush()
+            if self._pub is not None:
+                try:
+                    self._pub.send_multipart([self._topic, line], flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # a slow or absent subscriber must never stall the actor
+            if self._echo:
+                sys.stderr.buffer.write(line + b"\n")
+                sys.stderr.flush()
+
+    debug = info = warning = warn = error = critical = exception = fatal = log = msg
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+            if self._pub is not None:
+                self._pub.close(linger=200)
+                self._pub = None
+
+
+_sink: _Sink | None = None
+
+
+def _render(_: Any, __: str, event: dict[str, Any]) -> bytes:
+    return _json.encode(event)
+
+
+def _default(obj: Any) -> Any:
+    return repr(obj)
+
+
+def configure(
+    *,
+    role: str,
+    rank: int | None = None,
+    run_dir: Path | None = None,
+    events_endpoint: str | None = None,
+    level: str = "info",
+    echo: bool = False,
+) -> structlog.stdlib.BoundLogger:
+    """Configures this process's logging and returns a logger bound with role and rank.
+
+    Writes to `run_dir/logs/{role}-{rank}.jsonl` when `run_dir` is given; publishes to
+    `events_endpoint` when given; echoes to stderr when `echo`.
+    """
+    global _sink
+    if _sink is not None:
+        _sink.close()
+    name = role if rank is None else f"{role}-{rank}"
+    file = None
+    if run_dir is not None:
+        log_dir = Path(run_dir) / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        file = open(log_dir / f"{name}.jsonl", "ab")
+    pub = None
+    if events_endpoint is not None:
+        pub = make_socket(
+            zmq.Context.instance(), zmq.PUB, connect=events_endpoint, options=SocketOptions(sndhwm=10_000)
+        )
+    topic = role.encode() if rank is None else f"{role}:{rank}".encode()
+    _sink = _Sink(file, pub, topic, echo)
+    global _json
+    _json = msgspec.json.Encoder(enc_hook=_default)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt=None, utc=True, key="ts"),
+            structlog.processors.format_exc_info,
+            _render,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        logger_factory=lambda *_: _sink,
+        cache_logger_on_first_use=False,
+    )
+    return structlog.get_logger().bind(role=role, rank=rank)
+
+
+def close() -> None:
+    """Flushes and closes the sink (end of process)."""
+    global _sink
+    if _sink is not None:
+        _sink.close()
+        _sink = None
+
+
+def read_records(run_dir: Path) -> list[dict[str, Any]]:
+    """Every record of every actor log in `run_dir`, merged by time (malformed lines are skipped)."""
+    records: list[dict[str, Any]] = []
+    for path in sorted((Path(run_dir) / "logs").glob("*.jsonl")):
+        with open(path, "rb") as f:
+            for line in f:
+                try:
+                    rec = msgspec.json.decode(line)
+                except msgspec.DecodeError:
+                    continue  # a torn last line of a killed actor
+                if isinstance(rec, dict):
+                    records.append(rec)
+    records.sort(key=lambda r: r.get("ts", 0.0))
+    return records

@@ -1,0 +1,364 @@
+"""The supervisor: spawns actor processes, shakes hands, watches them, and shuts everything down.
+
+It lives in the coordinator's asyncio loop and owns the control ROUTER. Start-up is all or nothing:
+every actor must send Hello, then (once all data endpoints are known) each gets Init with its config
+and the peer directory, and must answer Ready within the handshake timeout — otherwise every process
+is killed and `SupervisorError` names the actor and its reason (a bad config names its field).
+
+Death is noticed two ways: the process exits (awaited directly, so SIGKILL is seen at once) or its
+heartbeats stop for `missed_beats` intervals (a hung process, or a host that vanished; it is then
+killed). Either way the owner gets an `ActorDied` on `deaths` and decides; nothing is retried silently.
+Shutdown goes from the top: Shutdown to everyone, a grace period, then SIGTERM, then SIGKILL; no
+process is left behind.
+
+Also runs the run's live event proxy: actors' log PUB sockets → XSUB here → XPUB that
+`slipstream logs --follow` subscribes to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+from slipstream.protocols import PROTOCOL_VERSION, Message
+from slipstream.protocols.control import Dead, Heartbeat, Hello, Init, Ready, Shutdown
+from slipstream.runtime.codec import Codec, ProtocolError
+from slipstream.runtime.transport import CurveKeys, ipc_endpoint, make_socket
+
+
+class SupervisorError(RuntimeError):
+    """Start-up failed; the message names the actor and why."""
+
+
+class ActorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """One actor process to start."""
+
+    actor: str  # import path "pkg.module:Class"
+    rank: int = 0  # rank within its role
+    config: dict[str, Any] = {}  # converted to the actor's Config type (and validated) in the actor
+    threads: int = 1  # torch/OpenMP threads: the actor's share of this host's cores
+    cpus: list[int] = []  # cores to pin to (empty: no pinning)
+    env: dict[str, str] = {}
+
+
+@dataclass(frozen=True)
+class ActorDied:
+    name: str
+    reason: str
+    exit_code: int | None
+    detected_after_s: float  # from the last sign of life to detection
+
+
+@dataclass
+class _Proc:
+    spec: ActorSpec
+    name: str
+    proc: asyncio.subprocess.Process
+    role: str = ""
+    hello: Hello | None = None
+    ready: bool = False
+    dead: bool = False
+    reason: str = ""
+    last_seen: float = field(default_factory=time.monotonic)
+    watcher: asyncio.Task[None] | None = None
+
+
+class Supervisor:
+    def __init__(
+        self,
+        run_dir: Path | str,
+        *,
+        heartbeat_s: float = 1.0,
+        missed_beats: int = 3,
+        handshake_timeout_s: float = 120.0,
+        curve: CurveKeys | None = None,
+        log: Any = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.heartbeat_s, self.missed_beats = heartbeat_s, missed_beats
+        self.handshake_timeout_s = handshake_timeout_s
+        self.curve = curve
+        self.log = log
+        self.ctx = zmq.asyncio.Context()
+        self.control_endpoint = ipc_endpoint(self.run_dir, "control")
+        self.events_in = ipc_endpoint(self.run_dir, "events-in")
+        self.events_out = ipc_endpoint(self.run_dir, "events")
+        self._router = make_socket(self.ctx, zmq.ROUTER, bind=self.control_endpoint)
+        self._codec = Codec()
+        self._procs: dict[str, _Proc] = {}
+        self.inbox: asyncio.Queue[tuple[str, Message]] = asyncio.Queue(maxsize=10_000)
+        self.deaths: asyncio.Queue[ActorDied] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
+        self._proxy = _EventProxy(self.events_in, self.events_out)
+        (self.run_dir / "endpoints.json").write_bytes(
+            msgspec.json.encode({"control": self.control_endpoint, "events": self.events_out})
+        )
+
+    # -- start --------------------------------------------------------------------------------------
+
+    async def start(self, specs: list[ActorSpec]) -> None:
+        """Spawns every actor and completes the handshake, or kills them all and raises."""
+        self._proxy.start()
+        self._tasks.append(asyncio.create_task(self._recv_loop(), name="supervisor-recv"))
+        try:
+            for spec in specs:
+                await self._spawn(spec)
+            await self._handshake()
+        except BaseException:
+            await self.shutdown(reason="start-up failed", grace_s=0.5)
+            raise
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="supervisor-heartbeat"))
+
+    async def _spawn(self, spec: ActorSpec) -> None:
+        from slipstream.runtime.host import import_actor  # role comes from the class
+
+        try:
+            role = import_actor(spec.actor).role
+        except (ImportError, ValueError) as e:
+            raise SupervisorError(f"{spec.actor}: cannot load actor: {e}") from None
+        name = f"{role}:{spec.rank}"
+        if name in self._procs:
+            raise SupervisorError(f"{name}: two actors with the same role and rank")
+        env = dict(os.environ, **spec.env)
+        if spec.threads > 0:
+            for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+                env[var] = str(spec.threads)
+        cmd = [
+            sys.executable, "-m", "slipstream.runtime.host",
+            "--actor", spec.actor, "--rank", str(spec.rank),
+            "--control", self.control_endpoint, "--run-dir", str(self.run_dir),
+            "--events", self.events_in, "--parent-pid", str(os.getpid()),
+            "--handshake-timeout", str(self.handshake_timeout_s),
+        ]  # fmt: skip
+        cpus = set(spec.cpus)
+        proc = await asyncio.create_subprocess_exec(
+            *cmd,
+            env=env,
+            start_new_session=True,  # Ctrl-C reaches the coordinator, which shuts actors down in order
+            stdin=asyncio.subprocess.DEVNULL,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+        )
+        entry = _Proc(spec=spec, name=name, proc=proc, role=role)
+        self._procs[name] = entry
+        entry.watcher = asyncio.create_task(self._watch_exit(entry), name=f"watch-{name}")
+        self._emit("spawned", actor=name, pid=proc.pid, threads=spec.threads)
+
+    async def _handshake(self) -> None:
+        deadline = time.monotonic() + self.handshake_timeout_s
+
+        async def until(done: Any, what: str) -> None:
+            while not all(done(p) for p in self._procs.values()):
+                for p in self._procs.values():
+                    if p.dead:
+                        raise SupervisorError(f"{p.name} died during start-up: {p.reason}")
+                if time.monotonic() > deadline:
+                    missing = [p.name for p in self._procs.values() if not done(p)]
+                    raise SupervisorError(
+                        f"handshake timed out after {self.handshake_timeout_s}s waiting for {what} from {missing}"
+                    )
+                await asyncio.sleep(0.01)
+
+        await until(lambda p: p.hello is not None, "hello")
+        peers = {name: p.hello.data_endpoint for name, p in self._procs.items() if p.hello is not None}
+        for p in self._procs.values():
+            init = Init(
+                config=msgspec.Raw(msgspec.msgpack.encode(p.spec.config)),
+                run_dir=str(self.run_dir),
+                peers=peers,
+                heartbeat_s=self.heartbeat_s,
+                threads=p.spec.threads,
+            )
+            await self.send(p.name, init)
+        await until(lambda p: p.ready, "ready")
+        self._emit("all_ready", actors=sorted(self._procs))
+
+    # -- messaging ----------------------------------------------------------------------------------
+
+    async def send(self, name: str, msg: Message) -> None:
+        """Sends a control message to actor `name`."""
+        frames = self._codec.encode(msg)
+        try:
+            await self._router.send_multipart([name.encode(), *frames], copy=len(frames) <= 2)
+        except zmq.ZMQError as e:  # EHOSTUNREACH from ROUTER_MANDATORY: not connected (any more)
+            if not self._closing:
+                self._emit("send_failed", actor=name, kind=msg.kind, error=str(e), level="warning")
+
+    async def broadcast(self, msg: Message) -> None:
+        for name, p in self._procs.items():
+            if not p.dead:
+                await self.send(name, msg)
+
+    def alive(self) -> list[str]:
+        return [name for name, p in self._procs.items() if not p.dead]
+
+    def pid(self, name: str) -> int:
+        return self._procs[name].proc.pid
+
+    async def _recv_loop(self) -> None:
+        while True:
+            frames = await self._router.recv_multipart(copy=False)
+            sender = frames[0].bytes.decode(errors="replace")
+            entry = self._procs.get(sender)
+            try:
+                msg = self._codec.decode(frames[1:])
+            except ProtocolError as e:
+                self._emit("dropped_malformed", sender=sender, error=str(e), level="warning")
+                continue
+            if entry is None:
+                self._emit("unknown_sender", sender=sender, kind=msg.kind, level="warning")
+                continue
+            entry.last_seen = time.monotonic()
+            if isinstance(msg, Heartbeat):
+                continue
+            if isinstance(msg, Hello):
+                if msg.protocol_version != PROTOCOL_VERSION:
+                    self._emit("protocol_mismatch", actor=sender, theirs=msg.protocol_version, level="error")
+                    await self.send(
+                        sender, Shutdown(reason=f"protocol {msg.protocol_version} != {PROTOCOL_VERSION}")
+                    )
+                    continue
+                entry.hello = msg
+            elif isinstance(msg, Ready):
+                entry.ready = True
+                self._emit("ready", actor=sender)
+            elif isinstance(msg, Dead):
+                self._mark_dead(entry, msg.reason, msg.exit_code)
+            else:
+                await self.inbox.put((sender, msg))
+
+    # -- liveness -----------------------------------------------------------------------------------
+
+    async def _watch_exit(self, entry: _Proc) -> None:
+        code = await entry.proc.wait()
+        if not self._closing and not entry.dead:
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            self._mark_dead(entry, how, code)
+        entry.dead = True
+
+    async def _heartbeat_loop(self) -> None:
+        seq = 0
+        limit = self.missed_beats * self.heartbeat_s
+        while True:
+            seq += 1
+            beat = Heartbeat(seq=seq, sent_ns=time.time_ns())
+            now = time.monotonic()
+            for name, p in list(self._procs.items()):
+                if p.dead:
+                    continue
+                if now - p.last_seen > limit:
+                    self._mark_dead(p, f"no heartbeat for {now - p.last_seen:.2f}s", None)
+                    with contextlib.suppress(ProcessLookupError):
+                        p.proc.kill()
+                    continue
+                await self.send(name, beat)
+            await asyncio.sleep(self.heartbeat_s)
+
+    def _mark_dead(self, entry: _Proc, reason: str, code: int | None) -> None:
+        if entry.dead:
+            return
+        entry.dead = True
+        entry.reason = reason
+        after = time.monotonic() - entry.last_seen
+        self._emit("actor_dead", actor=entry.name, reason=reason, exit_code=code,
+                   detected_after_s=round(after, 3), level="error")  # fmt: skip
+        self.deaths.put_nowait(ActorDied(entry.name, reason, code, after))
+
+    # -- shutdown -----------------------------------------------------------------------------------
+
+    async def shutdown(self, *, reason: str = "done", grace_s: float = 5.0) -> None:
+        """Shutdown to all, wait `grace_s`, then SIGTERM, then SIGKILL. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        self._emit("shutdown", reason=reason)
+        for task in self._tasks[1:]:  # heartbeats stop first; the receive loop still hears Dead/Status
+            task.cancel()
+        for name, p in self._procs.items():
+            if p.proc.returncode is None:
+                await self.send(name, Shutdown(reason=reason))
+        procs = [p.proc for p in self._procs.values()]
+        if not await _wait_all(procs, grace_s):
+            for sig, wait in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
+                for proc in procs:
+                    if proc.returncode is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            proc.send_signal(sig)
+                if await _wait_all(procs, wait):
+                    break
+        for task in self._tasks + [p.watcher for p in self._procs.values() if p.watcher]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._router.close(linger=0)
+        self._proxy.stop()
+        self.ctx.term()
+
+    async def __aenter__(self) -> Supervisor:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown(reason="exit")
+
+    def _emit(self, event: str, level: str = "info", **fields: Any) -> None:
+        if self.log is not None:
+            getattr(self.log, level)(event, **fields)
+
+
+async def _wait_all(procs: list[asyncio.subprocess.Process], timeout: float) -> bool:
+    pending = [p.wait() for p in procs if p.returncode is None]
+    if not pending:
+        return True
+    _, not_done = await asyncio.wait([asyncio.ensure_future(w) for w in pending], timeout=timeout)
+    for fut in not_done:
+        fut.cancel()
+    return not not_done
+
+
+class _EventProxy:
+    """XSUB (actors' log PUBs connect) → XPUB (log followers connect), on its own thread."""
+
+    def __init__(self, inbound: str, outbound: str) -> None:
+        self.inbound, self.outbound = inbound, outbound
+        self._ctx = zmq.Context()
+        self._thread: threading.Thread | None = None
+        self._ctrl_endpoint = f"inproc://events-ctrl-{id(self)}"
+
+    def start(self) -> None:
+        xsub = make_socket(self._ctx, zmq.XSUB, bind=self.inbound)
+        xpub = make_socket(self._ctx, zmq.XPUB, bind=self.outbound)
+        ctrl = self._ctx.socket(zmq.PAIR)
+        ctrl.bind(self._ctrl_endpoint)
+        self._ctrl = self._ctx.socket(zmq.PAIR)
+        self._ctrl.connect(self._ctrl_endpoint)
+
+        def run() -> None:
+            try:
+                zmq.proxy_steerable(xsub, xpub, None, ctrl)
+            except zmq.ContextTerminated:
+                pass
+            finally:
+                for s in (xsub, xpub, ctrl):
+                    s.close(linger=0)
+
+        self._thread = threading.Thread(target=run, name="event-proxy", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._ctrl.send(b"TERMINATE")
+            self._thread.join(5)
+            self._ctrl.close(linger=0)
+            self._thread = None
+        self._ctx.term()

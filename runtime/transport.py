@@ -1,0 +1,153 @@
+"""Sockets: the one factory every ZeroMQ socket in Slipstream comes from, endpoints, and CURVE keys.
+
+Topology: the coordinator binds a ROUTER for control; each actor connects a DEALER with identity
+"role:rank" to it, and binds a ROUTER of its own for bulk data that peers reach with DEALERs. Every
+socket gets finite high-water marks (backpressure instead of unbounded memory), linger 0 (shutdown
+never hangs on unsent data) and a receive-size limit (zmq disconnects a peer that sends more).
+
+Same host: ipc:// under a private 0700 directory — the file system is the access control. Across
+hosts: tcp:// with CURVE encryption and authentication; the launcher makes one key pair per run
+(`CurveKeys.generate`) and hands it to every actor; a ZAP handler refuses any peer that does not
+present the run's public key, so a peer without the run's key cannot connect.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+S = TypeVar("S", bound=zmq.Socket)
+
+# sun_path is 108 bytes on Linux; leave room for the socket file name.
+_MAX_IPC_DIR = 80
+
+
+@dataclass(frozen=True, kw_only=True)
+class SocketOptions:
+    """Options applied to every socket the factory makes."""
+
+    sndhwm: int = 1000  # messages queued per peer before send blocks / fails with EAGAIN
+    rcvhwm: int = 1000
+    max_msg_bytes: int = 2 << 30  # inbound frame limit; a peer sending more is disconnected
+    linger_ms: int = 0
+    sndbuf: int = 4 << 20  # kernel buffers: fewer syscalls for large tensor frames
+    rcvbuf: int = 4 << 20
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """The run's CURVE key pair (Z85 text). Everyone in a run holds it; nobody else does."""
+
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def generate(cls) -> CurveKeys:
+        public, secret = zmq.curve_keypair()
+        return cls(public, secret)
+
+    def save(self, directory: Path) -> Path:
+        """Writes the key pair to `directory/run.key` (mode 0600) and returns the path."""
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / "run.key"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(self.public + b"\n" + self.secret + b"\n")
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> CurveKeys:
+        lines = Path(path).read_bytes().split()
+        if len(lines) != 2 or len(lines[0]) != 40 or len(lines[1]) != 40:
+            raise ValueError(f"{path}: not a Slipstream CURVE key file (two 40-character Z85 keys)")
+        return cls(lines[0], lines[1])
+
+
+def make_socket(
+    ctx: zmq.Context[S],
+    kind: int,
+    *,
+    identity: str | None = None,
+    bind: str | None = None,
+    connect: str | None = None,
+    options: SocketOptions | None = None,
+    curve: CurveKeys | None = None,
+) -> S:
+    """A configured socket, bound or connected. With `curve`, binding makes it a CURVE server."""
+    if (bind is None) == (connect is None):
+        raise ValueError("make_socket needs exactly one of bind= or connect=")
+    o = options or SocketOptions()
+    sock = ctx.socket(kind)
+    try:
+        sock.setsockopt(zmq.LINGER, o.linger_ms)
+        sock.setsockopt(zmq.SNDHWM, o.sndhwm)
+        sock.setsockopt(zmq.RCVHWM, o.rcvhwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, o.max_msg_bytes)
+        sock.setsockopt(zmq.SNDBUF, o.sndbuf)
+        sock.setsockopt(zmq.RCVBUF, o.rcvbuf)
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity.encode())
+        if kind == zmq.ROUTER:
+            # An unroutable destination is an error, not a silent drop.
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if curve is not None:
+            if bind is not None:
+                sock.curve_server = True
+                sock.curve_secretkey = curve.secret
+                sock.curve_publickey = curve.public
+            else:
+                sock.curve_serverkey = curve.public
+                sock.curve_publickey = curve.public
+                sock.curve_secretkey = curve.secret
+        if bind is not None:
+            sock.bind(bind)
+        else:
+            sock.connect(connect)
+    except Exception:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> ThreadAuthenticator:
+    """ZAP handler for `ctx`: CURVE clients must present the run's public key; others are refused."""
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+
+    class _RunKeyOnly:
+        def callback(self, domain: str, z85_key: bytes) -> bool:
+            return hmac.compare_digest(z85_key, keys.public)
+
+    auth.configure_curve_callback(domain="*", credentials_provider=_RunKeyOnly())
+    return auth
+
+
+def socket_dir(run_dir: Path | str) -> Path:
+    """A private (0700) directory for this run's ipc sockets, short enough for sun_path."""
+    run_dir = Path(run_dir).resolve()
+    candidate = run_dir / "sock"
+    if len(str(candidate)) > _MAX_IPC_DIR:
+        digest = hashlib.sha1(str(run_dir).encode()).hexdigest()[:12]
+        candidate = Path(tempfile.gettempdir()) / f"slipstream-{os.getuid()}-{digest}"
+    candidate.mkdir(parents=True, exist_ok=True)
+    os.chmod(candidate, 0o700)
+    return candidate
+
+
+def ipc_endpoint(run_dir: Path | str, name: str) -> str:
+    """ipc:// endpoint for `name` (e.g. "control", "data-rollout-0") inside the run's socket dir."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
+    return f"ipc://{socket_dir(run_dir) / safe}"
+
+
+def peer_identity(role: str, rank: int) -> str:
+    return f"{role}:{rank}"
