@@ -9,6 +9,7 @@ from typing import Annotated
 
 import msgspec
 import torch
+
 from slipstream.protocols.base import Message
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]

@@ -8,6 +8,7 @@ from enum import StrEnum
 from typing import Annotated
 
 import msgspec
+
 from slipstream.protocols.base import Message
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]

@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import msgspec
 import structlog
 import zmq
+
 from slipstream.protocols.base import Message
 from slipstream.protocols.control import Shutdown
 from slipstream.runtime.codec import Codec

@@ -22,6 +22,7 @@ from typing import Any
 
 import msgspec
 import torch
+
 from slipstream.protocols import Message, control, drafter, learner, reward, rollout
 
 CHANNELS: tuple[ModuleType, ...] = (control, rollout, reward, learner, drafter)
@@ -104,8 +105,8 @@ class Codec:
 
     def encode(self, msg: Message) -> list[Any]:
         """Frames for `msg`: kind, body, then one buffer per large tensor (zero-copy views)."""
-        kind = msg.kind
-        if not kind or kind not in self.types:
+        kind = getattr(msg, "kind", "")
+        if not kind or self.types.get(kind) is not type(msg):
             raise TypeError(f"{type(msg).__name__} is not a registered message type")
         self._out = []
         try:

@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 import zmq
+
 from slipstream.protocols import PROTOCOL_VERSION
 from slipstream.protocols.control import Dead, Hello, Init, Ready, Shutdown
 from slipstream.runtime import logs

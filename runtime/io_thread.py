@@ -24,6 +24,7 @@ from collections import deque
 from typing import Any
 
 import zmq
+
 from slipstream.protocols.control import Heartbeat, Ping, Pong, Shutdown
 from slipstream.runtime.actor import COORDINATOR
 from slipstream.runtime.codec import Codec, ProtocolError

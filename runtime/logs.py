@@ -20,6 +20,7 @@ from typing import Any, BinaryIO
 import msgspec
 import structlog
 import zmq
+
 from slipstream.runtime.transport import SocketOptions, make_socket
 
 _json = msgspec.json.Encoder()

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 import torch
+
 from slipstream.protocols.control import Status
 from slipstream.protocols.drafter import HiddenStates
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
@@ -122,7 +123,7 @@ async def run(
                 died = sup.deaths.get_nowait()
                 raise RuntimeError(f"{died.name} died: {died.reason}")
             try:
-                sender, msg = await asyncio.wait_for(sup.inbox.get(), timeout=min(left, 0.5))
+                _, msg = await asyncio.wait_for(sup.inbox.get(), timeout=min(left, 0.5))
             except TimeoutError:
                 continue
             if isinstance(msg, Status) and msg.topic == "smoke_done":

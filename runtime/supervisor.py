@@ -31,9 +31,12 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
+
 from slipstream.protocols import PROTOCOL_VERSION, Message
 from slipstream.protocols.control import Dead, Heartbeat, Hello, Init, Ready, Shutdown
 from slipstream.runtime.codec import Codec, ProtocolError
+from slipstream.runtime.config import ConfigError, convert
+from slipstream.runtime.host import import_actor
 from slipstream.runtime.transport import CurveKeys, ipc_endpoint, make_socket
 
 
@@ -114,21 +117,28 @@ class Supervisor:
         self._proxy.start()
         self._tasks.append(asyncio.create_task(self._recv_loop(), name="supervisor-recv"))
         try:
-            for spec in specs:
-                await self._spawn(spec)
+            classes = [self._check(spec) for spec in specs]  # every config is valid before anything spawns
+            for spec, cls in zip(specs, classes, strict=True):
+                await self._spawn(spec, cls.role)
             await self._handshake()
         except BaseException:
             await self.shutdown(reason="start-up failed", grace_s=0.5)
             raise
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="supervisor-heartbeat"))
 
-    async def _spawn(self, spec: ActorSpec) -> None:
-        from slipstream.runtime.host import import_actor  # role comes from the class
-
+    @staticmethod
+    def _check(spec: ActorSpec) -> type:
         try:
-            role = import_actor(spec.actor).role
+            cls = import_actor(spec.actor)
         except (ImportError, ValueError) as e:
             raise SupervisorError(f"{spec.actor}: cannot load actor: {e}") from None
+        try:
+            convert(spec.config, cls.Config, where=f"{cls.role}:{spec.rank} config")
+        except ConfigError as e:
+            raise SupervisorError(str(e)) from None
+        return cls
+
+    async def _spawn(self, spec: ActorSpec, role: str) -> None:
         name = f"{role}:{spec.rank}"
         if name in self._procs:
             raise SupervisorError(f"{name}: two actors with the same role and rank")
@@ -206,6 +216,10 @@ class Supervisor:
 
     def pid(self, name: str) -> int:
         return self._procs[name].proc.pid
+
+    def endpoints(self) -> dict[str, str]:
+        """Data endpoints of the actors that said Hello ("role:rank" → endpoint)."""
+        return {n: p.hello.data_endpoint for n, p in self._procs.items() if p.hello is not None}
 
     async def _recv_loop(self) -> None:
         while True:

@@ -1,0 +1,186 @@
+"""The `slipstream` command line.
+
+    slipstream smoke                       # real actor processes exchanging tensors: checks the wiring
+    slipstream bench transport --json      # transport figures as one JSON object
+    slipstream models pull smollm2-135m    # convert the embedded model offline, print its directory
+    slipstream logs RUN [--follow] [--role R] [--level L] [--event E]
+
+Every subcommand is named here from the start; one whose feature has not landed yet says so plainly
+and exits with status 2, so scripts never mistake it for success.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+NOT_YET = {
+    "train": "the GRPO loop (coordinator, learner and verifier actors)",
+    "generate": "the engine's generation front end (issue: Engine)",
+    "trace": "span export to Chrome-trace JSON (observability)",
+    "report": "PNG run reports (observability)",
+    "drafter": "the adaptive drafter (issue: Adaptive drafter)",
+    "launch": "multi-node launch from a topology file (deploy)",
+}
+BENCH_NOT_YET = {
+    "decode": "the engine's decode benchmark (issue: Engine)",
+    "rollout": "the long-tail rollout benchmark (issue: Adaptive rollout)",
+    "e2e": "the end-to-end RL step benchmark",
+}
+
+
+def _not_yet(what: str, lands_with: str) -> int:
+    print(f"slipstream {what}: not available yet — it lands with {lands_with}.", file=sys.stderr)
+    return 2
+
+
+def _cmd_smoke(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from slipstream.runtime import logs, smoke
+
+    run_dir = Path(args.run_dir or f"runs/smoke-{time.strftime('%Y%m%d-%H%M%S')}")
+    log = logs.configure(role="coordinator", run_dir=run_dir, echo=args.verbose)
+    started = time.perf_counter()
+    result = uvloop.run(smoke.run(run_dir, sinks=args.sinks, messages=args.messages, log=log))
+    result = {**result, "wall_s": round(time.perf_counter() - started, 2), "run_dir": str(run_dir)}
+    print(json.dumps(result))
+    return 0 if result.get("bad") == 0 else 1
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.what in BENCH_NOT_YET:
+        return _not_yet(f"bench {args.what}", BENCH_NOT_YET[args.what])
+    from slipstream.benchmarks import transport
+
+    result = transport.run()
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>16}  {value}")
+    return 0
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from slipstream.engine import hub
+
+    if args.action == "list":
+        for name in sorted(hub.MODELS):
+            print(f"{name}\t{hub.model_dir(name)}")
+        return 0
+    print(hub.pull(args.name))
+    return 0
+
+
+def _matches(rec: dict[str, Any], args: argparse.Namespace) -> bool:
+    if (
+        args.role
+        and str(rec.get("role")) != args.role
+        and f"{rec.get('role')}:{rec.get('rank')}" != args.role
+    ):
+        return False
+    if args.level and rec.get("level") != args.level:
+        return False
+    return not (args.event and rec.get("event") != args.event)
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    import msgspec
+    import zmq
+
+    from slipstream.runtime import logs
+
+    run_dir = Path(args.run)
+    if not (run_dir / "logs").is_dir():
+        print(f"slipstream logs: {run_dir} is not a run directory (no logs/ in it)", file=sys.stderr)
+        return 2
+    for rec in logs.read_records(run_dir):
+        if _matches(rec, args):
+            print(json.dumps(rec))
+    if not args.follow:
+        return 0
+    endpoints = json.loads((run_dir / "endpoints.json").read_text())
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(endpoints["events"])
+    sub.setsockopt(zmq.SUBSCRIBE, (args.role or "").encode())
+    try:
+        while True:
+            _, line = sub.recv_multipart()
+            try:
+                rec = msgspec.json.decode(line)
+            except msgspec.DecodeError:
+                continue
+            if _matches(rec, args):
+                print(json.dumps(rec), flush=True)
+    except KeyboardInterrupt:
+        return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="slipstream",
+        description="GRPO for reasoning LLMs that turns the rollout long tail into drafter training "
+        "and lossless speculative decoding.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("train", help="run GRPO training from a config (not yet)")
+    s.add_argument("config", nargs="?")
+    s.add_argument("overrides", nargs="*", help="key.sub=value")
+    s = sub.add_parser("generate", help="generate with the engine, speculation on or off (not yet)")
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+
+    s = sub.add_parser("models", help="embedded models: pull (convert offline) and list")
+    msub = s.add_subparsers(dest="action", required=True)
+    pull = msub.add_parser("pull", help="convert a named model once, print its directory")
+    pull.add_argument("name")
+    msub.add_parser("list", help="known model names and where they live")
+
+    s = sub.add_parser("bench", help="benchmarks printing JSON: transport (decode, rollout, e2e: not yet)")
+    s.add_argument("what", choices=["transport", *BENCH_NOT_YET])
+    s.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    s.add_argument("--model", default=None)
+
+    s = sub.add_parser("logs", help="print a run's logs, merged by time; --follow streams live events")
+    s.add_argument("run", help="run directory")
+    s.add_argument("--follow", "-f", action="store_true")
+    s.add_argument("--role", default=None, help="role or role:rank")
+    s.add_argument("--level", default=None)
+    s.add_argument("--event", default=None)
+
+    s = sub.add_parser("trace", help="write a run's spans as Chrome-trace JSON (not yet)")
+    s.add_argument("run", nargs="?")
+    s = sub.add_parser("report", help="draw a run's PNG report (not yet)")
+    s.add_argument("run", nargs="?")
+    s = sub.add_parser("drafter", help="drafter warmup and export (not yet)")
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s = sub.add_parser("launch", help="start a run across nodes from a topology file (not yet)")
+    s.add_argument("rest", nargs=argparse.REMAINDER)
+
+    s = sub.add_parser("smoke", help="smoke-test the actor runtime with real processes and sockets")
+    s.add_argument("--sinks", type=int, default=2)
+    s.add_argument("--messages", type=int, default=64, help="tensor messages per sink")
+    s.add_argument("--run-dir", default=None)
+    s.add_argument("--verbose", "-v", action="store_true", help="echo the coordinator's log to stderr")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"smoke": _cmd_smoke, "bench": _cmd_bench, "models": _cmd_models, "logs": _cmd_logs}
+    if args.command in handlers:
+        try:
+            return handlers[args.command](args)
+        except (TimeoutError, ValueError, RuntimeError, OSError) as e:
+            print(f"slipstream {args.command}: {e}", file=sys.stderr)
+            return 1
+    return _not_yet(args.command, NOT_YET[args.command])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

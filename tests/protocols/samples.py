@@ -1,0 +1,129 @@
+"""One deterministic instance of every wire message (shared by round-trip and golden-bytes tests)."""
+
+import msgspec
+import torch
+
+from slipstream.protocols import Message, control, drafter, learner, reward, rollout
+
+
+def samples() -> dict[str, Message]:
+    """kind → an instance with every field set; tensors small enough to inline unless noted."""
+    sampling = rollout.SamplingSpec(temperature=0.7, top_p=0.9, top_k=20, max_tokens=128, stop_token_ids=[2])
+    out: list[Message] = [
+        control.Hello(
+            role="rollout", rank=1, pid=4242, host="node-a", data_endpoint="ipc:///tmp/x", protocol_version=1
+        ),
+        control.Init(
+            config=msgspec.Raw(msgspec.msgpack.encode({"lr": 1e-6})),
+            run_dir="/runs/r1",
+            peers={"rollout:0": "ipc:///tmp/r0"},
+            heartbeat_s=0.5,
+            threads=2,
+        ),
+        control.Ready(role="rollout", rank=1),
+        control.Heartbeat(seq=7, sent_ns=123456789, handled=3, queued=1),
+        control.Ping(seq=1, sent_ns=99),
+        control.Pong(seq=1, sent_ns=99),
+        control.Status(
+            topic="progress", fields={"step": 3, "loss": 0.5, "ok": True, "note": "x", "none": None}
+        ),
+        control.Idle(role="rollout", rank=0, policy_version=4),
+        control.Lease(lease_id=9, device="cpu:0", threads=1, cpus=[0]),
+        control.Preempt(lease_id=9, reason="step done", sent_ns=5),
+        control.Released(lease_id=9, latency_ns=1000),
+        control.Shutdown(reason="done"),
+        control.Dead(role="drafter", rank=0, reason="OOM", exit_code=137),
+        sampling,
+        rollout.GenerateRequest(
+            group_id=3,
+            prompt_ids=torch.arange(6),
+            num_samples=4,
+            seed=11,
+            sampling=sampling,
+            policy_version=2,
+        ),
+        rollout.Completion(
+            group_id=3,
+            sample_index=1,
+            token_ids=torch.tensor([5, 6, 7]),
+            logprobs=torch.tensor([-0.5, -1.0, -0.25]),
+            finish_reason="stop",
+            policy_version=2,
+            accept_length=2.5,
+        ),
+        rollout.IterationStats(
+            rank=0,
+            iteration=10,
+            batch_size=4,
+            arm="ngram:d4",
+            drafted=16,
+            accepted=9,
+            committed=13,
+            iter_s=0.05,
+        ),
+        reward.ScoreRequest(
+            group_id=3,
+            sample_index=1,
+            prompt="1+1?",
+            response="2",
+            answer="2",
+            metadata_json="{}",
+            policy_version=2,
+        ),
+        reward.Reward(group_id=3, sample_index=1, reward=1.0, error=None, elapsed_s=0.01, policy_version=2),
+        learner.ScoredGroup(
+            step=1,
+            group_id=3,
+            prompt_ids=torch.arange(4),
+            response_ids=[torch.tensor([1, 2]), torch.tensor([3])],
+            behaviour_logprobs=[torch.tensor([-0.5, -0.5]), torch.tensor([-1.0])],
+            rewards=[1.0, 0.0],
+            policy_version=2,
+        ),
+        learner.WeightUpdate(
+            version=3,
+            bucket=0,
+            num_buckets=1,
+            names=["w"],
+            tensors=[torch.ones(2, 2, dtype=torch.bfloat16)],
+            checksum="abc",
+        ),
+        learner.WeightAck(version=3, role="rollout", rank=0, ok=True, error=None),
+        learner.StepStats(step=1, version=3, loss=0.25, grad_norm=1.5, tokens=100, elapsed_s=2.0),
+        drafter.HiddenStates(
+            group_id=3,
+            sample_index=1,
+            token_ids=torch.arange(3),
+            hidden=torch.full((3, 2), 0.5, dtype=torch.bfloat16),
+            response_start=1,
+            policy_version=2,
+        ),
+        drafter.DrafterUpdate(
+            version=1,
+            policy_version=2,
+            names=["fc"],
+            tensors=[torch.zeros(2, dtype=torch.float16)],
+            checksum="d",
+        ),
+        drafter.DrafterStats(rank=0, version=1, steps=10, loss=0.5, buffer_tokens=1000, elapsed_s=1.0),
+    ]
+    return {m.kind: m for m in out}
+
+
+def equal(a: object, b: object) -> bool:
+    """Structural equality that compares tensors by dtype, shape and values."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, msgspec.Raw):
+        return isinstance(b, msgspec.Raw) and bytes(a) == bytes(b)
+    if isinstance(a, msgspec.Struct):
+        return type(a) is type(b) and all(equal(getattr(a, f), getattr(b, f)) for f in a.__struct_fields__)
+    if isinstance(a, list | tuple):
+        return (
+            isinstance(b, list | tuple)
+            and len(a) == len(b)
+            and all(equal(x, y) for x, y in zip(a, b, strict=True))
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    return a == b

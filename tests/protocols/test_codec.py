@@ -1,0 +1,135 @@
+"""Codec: round trips for every message and dtype, golden bytes per message, exact frame counts."""
+
+import msgspec
+import pytest
+import torch
+
+from slipstream.runtime.codec import DTYPES, Codec, registry
+from tests.protocols.samples import equal, samples
+
+# The MessagePack body of each sample message. A change here is a wire-format change: bump
+# PROTOCOL_VERSION and update deliberately.
+GOLDEN = {
+    "control.hello": "96a7726f6c6c6f757401cd1092a66e6f64652d61ac6970633a2f2f2f746d702f7801",
+    "control.init": (
+        "9581a26c72cb3eb0c6f7a0b5ed8da82f72756e732f723181a9726f6c6c6f75743a30ad6970633a2f2f2f746d70"
+        "2f7230cb3fe000000000000002"
+    ),
+    "control.ready": "92a7726f6c6c6f757401",
+    "control.heartbeat": "9407ce075bcd150301",
+    "control.ping": "920163",
+    "control.pong": "920163",
+    "control.status": (
+        "92a870726f677265737385a47374657003a46c6f7373cb3fe0000000000000a26f6bc3a46e6f7465a178a46e6f6e65c0"
+    ),
+    "control.idle": "93a7726f6c6c6f75740004",
+    "control.lease": "9409a56370753a30019100",
+    "control.preempt": "9309a97374657020646f6e6505",
+    "control.released": "9209cd03e8",
+    "control.shutdown": "91a4646f6e65",
+    "control.dead": "94a76472616674657200a34f4f4dcc89",
+    "rollout.sampling": "95cb3fe6666666666666cb3feccccccccccccd14cc809102",
+    "rollout.generate": (
+        "960393a5696e7436349106c4300000000000000000010000000000000002000000000000000300000000000000"
+        "04000000000000000500000000000000040b95cb3fe6666666666666cb3feccccccccccccd14cc80910202"
+    ),
+    "rollout.completion": (
+        "97030193a5696e7436349103c41805000000000000000600000000000000070000000000000093a7666c6f6174"
+        "33329103c40c000000bf000080bf000080bea473746f7002cb4004000000000000"
+    ),
+    "rollout.iteration": "98000a04a86e6772616d3a643410090dcb3fa999999999999a",
+    "reward.score": "970301a4312b313fa132a132a27b7d02",
+    "reward.reward": "960301cb3ff0000000000000c0cb3f847ae147ae147b02",
+    "learner.group": (
+        "97010393a5696e7436349104c42000000000000000000100000000000000020000000000000003000000000000"
+        "009293a5696e7436349102c4100100000000000000020000000000000093a5696e7436349101c4080300000000"
+        "0000009293a7666c6f617433329102c408000000bf000000bf93a7666c6f617433329101c404000080bf92cb3f"
+        "f0000000000000cb000000000000000002"
+    ),
+    "learner.weights": "9603000191a1779193a862666c6f61743136920202c408803f803f803f803fa3616263",
+    "learner.weights_ack": "9503a7726f6c6c6f757400c3c0",
+    "learner.step": "960103cb3fd0000000000000cb3ff800000000000064cb4000000000000000",
+    "drafter.hidden": (
+        "96030193a5696e7436349103c41800000000000000000100000000000000020000000000000093a862666c6f61"
+        "743136920302c40c003f003f003f003f003f003f0102"
+    ),
+    "drafter.update": "95010291a266639193a7666c6f617431369102c40400000000a164",
+    "drafter.stats": "9600010acb3fe0000000000000cd03e8cb3ff0000000000000",
+}
+
+
+@pytest.fixture
+def codec() -> Codec:
+    return Codec()
+
+
+def test_every_registered_kind_has_a_sample() -> None:
+    assert set(registry()) == set(samples())
+
+
+@pytest.mark.parametrize("kind", sorted(samples()))
+def test_round_trip(codec: Codec, kind: str) -> None:
+    msg = samples()[kind]
+    frames = codec.encode(msg)
+    assert bytes(frames[0]) == kind.encode()
+    assert equal(codec.decode(frames), msg)
+
+
+@pytest.mark.parametrize("kind", sorted(samples()))
+def test_golden_bytes(codec: Codec, kind: str) -> None:
+    assert bytes(codec.encode(samples()[kind])[1]).hex() == GOLDEN[kind]
+
+
+@pytest.mark.parametrize("name", sorted(DTYPES))
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (5,), (600, 3)])
+def test_every_dtype_round_trips(codec: Codec, name: str, shape: tuple[int, ...]) -> None:
+    dtype = DTYPES[name]
+    raw = torch.randint(0, 256, (int(torch.tensor(shape).prod()) * torch.empty((), dtype=dtype).element_size(),),
+                        dtype=torch.uint8)  # fmt: skip
+    t = raw.view(dtype).reshape(shape)  # arbitrary bit patterns: NaNs too, compared bitwise below
+    msg = msgspec.structs.replace(samples()["learner.weights"], tensors=[t])
+    frames = codec.encode(msg)
+    out = codec.decode(frames).tensors[0]
+    assert out.dtype == dtype and out.shape == t.shape
+    assert torch.equal(out.reshape(-1).view(torch.uint8), raw)
+    big = raw.numel() > codec.inline_bytes
+    assert len(frames) == 2 + big  # exact frame count: inline below the threshold, own frame above
+
+
+def test_non_contiguous_and_large(codec: Codec) -> None:
+    base = torch.randn(512, 1024)
+    views = [base.t(), base[:, ::2], base[100:300]]  # [1024, 512], strided, offset
+    msg = msgspec.structs.replace(samples()["learner.weights"], tensors=views, names=["a", "b", "c"])
+    frames = codec.encode(msg)
+    assert len(frames) == 2 + 3
+    out = codec.decode(frames).tensors
+    for o, v in zip(out, views, strict=True):
+        assert torch.equal(o, v) and o.is_contiguous()
+
+
+def test_huge_tensor_zero_copy(codec: Codec) -> None:
+    t = torch.randn(64 << 18)  # 64 MiB
+    frames = codec.encode(msgspec.structs.replace(samples()["learner.weights"], tensors=[t]))
+    assert len(frames) == 3 and memoryview(frames[2]).nbytes == t.numel() * 4
+    assert frames[2].ctypes.data == t.data_ptr()  # the sender hands zmq the tensor's own memory
+    out = codec.decode(frames).tensors[0]
+    assert torch.equal(out, t)
+
+
+def test_decoded_tensor_aliases_received_frame(codec: Codec) -> None:
+    t = torch.arange(1000, dtype=torch.float32)
+    frames = [
+        bytes(f) for f in codec.encode(msgspec.structs.replace(samples()["learner.weights"], tensors=[t]))
+    ]
+    buf = bytearray(frames[2])
+    out = codec.decode([frames[0], frames[1], buf]).tensors[0]
+    buf[0:4] = b"\x00\x00\x80\x3f"  # 1.0f
+    assert out[0].item() == 1.0  # documented contract: clone what you keep
+
+
+def test_codec_rejects_unregistered_message(codec: Codec) -> None:
+    class Stray(msgspec.Struct):
+        x: int = 0
+
+    with pytest.raises(TypeError, match="not a registered message"):
+        codec.encode(Stray())  # type: ignore[arg-type]

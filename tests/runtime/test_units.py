@@ -1,0 +1,208 @@
+"""Unit tests of the runtime pieces that need no processes: config, inbox, actor dispatch, sockets."""
+
+import threading
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+
+from slipstream.protocols.control import Ping, Preempt, Shutdown, Status
+from slipstream.runtime.actor import Actor, Fatal, handler
+from slipstream.runtime.config import ConfigError, load
+from slipstream.runtime.inbox import Inbox
+from slipstream.runtime.transport import CurveKeys, ipc_endpoint, make_socket, start_authenticator
+
+# -- config -----------------------------------------------------------------------------------------
+
+
+class Learner(msgspec.Struct, forbid_unknown_fields=True):
+    lr: float = 1e-6  # step size
+    steps: int = 3  # optimiser steps
+
+
+class Run(msgspec.Struct, forbid_unknown_fields=True):
+    name: str = "run"
+    learner: Learner = msgspec.field(default_factory=Learner)
+
+
+def test_config_yaml_and_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("name: a\nlearner:\n  lr: 0.5\n")
+    cfg = load(path, Run, ["learner.steps=7", "name=b"])
+    assert cfg == Run(name="b", learner=Learner(lr=0.5, steps=7))
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "overrides", "message"),
+    [
+        ("learner:\n  lrr: 0.5\n", [], r"^learner\.lrr: unknown field$"),
+        ("learner:\n  steps: many\n", [], r"^learner\.steps: expected `int`, got `str`$"),
+        ("", ["learner.steps=1.5"], r"^learner\.steps: expected `int`, got `float`$"),
+        ("nmae: x\n", [], r"^nmae: unknown field$"),
+        ("- 1\n", [], r"top level must be a mapping"),
+        ("learner: [\n", [], r"invalid YAML"),
+        ("", ["learner"], r"must look like key\.sub=value"),
+        ("name: a\n", ["name.sub=1"], r"^name: is a value"),
+    ],
+)
+def test_config_errors_name_the_field(
+    tmp_path: Path, yaml_text: str, overrides: list[str], message: str
+) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=message):
+        load(path, Run, overrides)
+
+
+# -- inbox ------------------------------------------------------------------------------------------
+
+
+def test_inbox_serves_control_first_and_bounds_data() -> None:
+    box = Inbox(capacity=2)
+    assert box.put_data("d1") and box.put_data("d2")
+    assert not box.put_data("d3")  # full: the IO thread must stop reading
+    box.put_control("c1")
+    assert box.control_event.is_set()
+    assert box.get(0) == (True, "c1")
+    assert not box.control_event.is_set()
+    assert box.get(0) == (False, "d1")
+    assert box.get(0) == (False, "d2")
+    assert box.get(0) is None
+
+
+def test_inbox_wakes_a_blocked_reader() -> None:
+    box = Inbox(capacity=1)
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(box.get(5.0)))
+    t.start()
+    box.put_control("wake")
+    t.join(2.0)
+    assert got == [(True, "wake")]
+
+
+# -- actor dispatch ---------------------------------------------------------------------------------
+
+
+class FakeOutbox:
+    """Isolates the actor from sockets in these unit tests."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, list[object]]] = []
+
+    def send(self, dest: str, frames: list[object]) -> None:
+        self.sent.append((dest, frames))
+
+
+class Echo(Actor):
+    role = "echo"
+
+    @handler
+    def on_ping(self, msg: Ping, sender: str) -> None:
+        if msg.seq == 13:
+            raise ValueError("unlucky")
+        if msg.seq == 666:
+            raise Fatal("asked to die")
+        self.send(sender, Status(topic="pong", fields={"seq": msg.seq}))
+
+    @handler
+    def on_preempt(self, msg: Preempt, sender: str) -> None:
+        self.preempted = msg.lease_id
+
+
+def make_echo() -> tuple[Echo, FakeOutbox]:
+    out = FakeOutbox()
+    return Echo(Echo.Config(), rank=0, outbox=out, inbox=Inbox(8)), out
+
+
+def test_handlers_are_found_by_annotation() -> None:
+    assert Echo._handlers == {Ping: "on_ping", Preempt: "on_preempt"}
+
+
+def test_handler_without_annotation_is_rejected() -> None:
+    with pytest.raises(TypeError, match="needs a type annotation"):
+
+        class Bad(Actor):
+            @handler
+            def on_x(self, msg, sender):  # type: ignore[no-untyped-def]
+                pass
+
+
+def test_control_is_served_before_data_and_shutdown_stops() -> None:
+    echo, out = make_echo()
+    for seq in (1, 2):
+        echo.inbox.put_data(("peer:0", Ping(seq=seq, sent_ns=0)))
+    echo.inbox.put_control(("coordinator", Preempt(lease_id=4, reason="x", sent_ns=0)))
+    echo.inbox.put_control(("coordinator", Shutdown(reason="done")))
+    echo.serve(idle_wait_s=0.01)
+    assert echo.preempted == 4
+    assert out.sent == []  # the data lane never ran: both control messages came first
+
+
+def test_failing_handler_is_logged_and_serving_continues() -> None:
+    echo, out = make_echo()
+    for seq in (1, 13, 2):
+        echo.inbox.put_data(("peer:0", Ping(seq=seq, sent_ns=0)))
+    echo.step = lambda: echo.stop() or False  # type: ignore[method-assign]  # stop once the inbox drained
+    echo.serve(idle_wait_s=0.01)
+    assert [dest for dest, _ in out.sent] == ["peer:0", "peer:0"]  # 1 and 2 answered; 13 raised
+    assert echo.handled == 3
+
+
+def test_fatal_ends_the_actor() -> None:
+    echo, _ = make_echo()
+    echo.inbox.put_data(("peer:0", Ping(seq=666, sent_ns=0)))
+    with pytest.raises(Fatal, match="asked to die"):
+        echo.serve(idle_wait_s=0.01)
+
+
+# -- sockets ----------------------------------------------------------------------------------------
+
+
+def test_curve_refuses_a_peer_without_the_run_key() -> None:
+    ctx = zmq.Context()
+    keys = CurveKeys.generate()
+    auth = start_authenticator(ctx, keys)
+    try:
+        server = make_socket(ctx, zmq.ROUTER, bind="tcp://127.0.0.1:*", curve=keys)
+        endpoint = server.getsockopt(zmq.LAST_ENDPOINT).decode()
+        good = make_socket(ctx, zmq.DEALER, identity="good:0", connect=endpoint, curve=keys)
+        intruder = make_socket(ctx, zmq.DEALER, identity="evil:0", connect=endpoint, curve=CurveKeys(
+            keys.public, CurveKeys.generate().secret))  # fmt: skip  # right server key, wrong own key
+        plain = make_socket(ctx, zmq.DEALER, identity="plain:0", connect=endpoint)
+        for s in (intruder, plain, good):
+            s.send(s.getsockopt(zmq.IDENTITY))
+        server.setsockopt(zmq.RCVTIMEO, 1500)
+        assert server.recv_multipart() == [b"good:0", b"good:0"]
+        with pytest.raises(zmq.Again):
+            server.recv_multipart()
+        for s in (server, good, intruder, plain):
+            s.close(0)
+    finally:
+        auth.stop()
+        ctx.term()
+
+
+def test_curve_key_file_round_trip_and_errors(tmp_path: Path) -> None:
+    keys = CurveKeys.generate()
+    path = keys.save(tmp_path / "keys")
+    assert (path.stat().st_mode & 0o777) == 0o600
+    assert CurveKeys.load(path) == keys
+    path.write_text("nonsense")
+    with pytest.raises(ValueError, match="not a Slipstream CURVE key file"):
+        CurveKeys.load(path)
+
+
+def test_ipc_endpoint_stays_short_for_deep_run_dirs(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 120)
+    endpoint = ipc_endpoint(deep, "data-rollout-0")
+    assert len(endpoint) - len("ipc://") < 107
+    ctx = zmq.Context()
+    sock = make_socket(ctx, zmq.ROUTER, bind=endpoint)
+    sock.close(0)
+    ctx.term()
+
+
+def test_make_socket_needs_exactly_one_of_bind_or_connect() -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        make_socket(zmq.Context.instance(), zmq.PUSH)
