@@ -1,0 +1,165 @@
+"""Model-free n-gram drafter over a GRPO prompt group (prompt lookup across siblings).
+
+The G responses of one prompt repeat each other (and the prompt) heavily, so the continuation of the
+request's last n tokens elsewhere in the group is a good draft. Per group the drafter keeps every
+document (the prompt once, then each sibling's response) and an index n-gram → [(document, continuation
+position)], for n from `max_n` down to `min_n`. The index is append-only and updated from the new suffix of
+each request's history only: committing t tokens costs O(t · (max_n − min_n + 1)), never a rescan.
+
+A proposal uses the longest n that matches. The continuations of its most recent `max_matches`
+occurrences are merged into a trie whose nodes count how many occurrences pass through them; the draft is
+the best `verify` trie nodes by count (ties: shallower, then more recent), at most `topk` children per
+node — so topk == 1 is the chain of the most frequent continuation and topk > 1 a small tree of the
+runners-up. Drafts are deterministic: draft_probs is None (a point mass).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from slipstream.engine.drafters.base import Draft, Drafter, DraftState
+
+__all__ = ["NGramDrafter"]
+
+
+@dataclass
+class _Group:
+    docs: list[list[int]] = field(default_factory=list)
+    index: dict[tuple[int, ...], list[tuple[int, int]]] = field(default_factory=dict)
+    prompt_indexed: bool = False
+
+
+@dataclass
+class _Request:
+    group_id: Hashable
+    doc: int  # index into the group's docs
+    synced: int  # how many history tokens are in the doc
+    first_indexed: int  # continuation positions below this are not indexed (the prompt, seen once)
+
+
+class NGramDrafter(Drafter):
+    """Prompt-lookup drafter over all sequences of a prompt group."""
+
+    name = "ngram"
+
+    def __init__(self, min_n: int = 2, max_n: int = 4, max_matches: int = 32) -> None:
+        if min_n < 1:
+            raise ValueError(f"min_n must be >= 1, got {min_n}")
+        if max_n < min_n:
+            raise ValueError(f"max_n must be >= min_n={min_n}, got {max_n}")
+        if max_matches < 1:
+            raise ValueError(f"max_matches must be >= 1, got {max_matches}")
+        self.min_n, self.max_n, self.max_matches = min_n, max_n, max_matches
+        self._groups: dict[Hashable, _Group] = {}
+        self._requests: dict[Hashable, _Request] = {}
+
+    # -- tables --------------------------------------------------------------------------------------------
+
+    def _sync(self, state: DraftState) -> _Request:
+        """Bring the group's tables up to date with the request's history (its new suffix only)."""
+        req = self._requests.get(state.request_id)
+        group = self._groups.setdefault(state.group_id, _Group())
+        if req is None:
+            # The prompt is indexed once per group; a sibling indexes only continuations in its response.
+            first = 0 if not group.prompt_indexed else state.prompt_len
+            group.prompt_indexed = True
+            group.docs.append([])
+            req = _Request(state.group_id, len(group.docs) - 1, 0, first)
+            self._requests[state.request_id] = req
+        history = state.tokens
+        if len(history) > req.synced:
+            new = history[req.synced :]
+            new = new.tolist() if isinstance(new, Tensor) else list(new)
+            doc = group.docs[req.doc]
+            for token in new:
+                self._append(group, req, doc, int(token))
+            req.synced = len(doc)
+        return req
+
+    def _append(self, group: _Group, req: _Request, doc: list[int], token: int) -> None:
+        pos = len(doc)
+        doc.append(token)
+        if pos < req.first_indexed:
+            return
+        for n in range(self.min_n, self.max_n + 1):
+            if pos - n < 0:
+                break
+            group.index.setdefault(tuple(doc[pos - n : pos]), []).append((req.doc, pos))
+
+    # -- Drafter -------------------------------------------------------------------------------------------
+
+    def observe(self, state: DraftState) -> None:
+        self._sync(state)
+
+    def reset(self, request_id: Hashable) -> None:
+        # The request's document stays in its group: siblings still decoding keep drafting from it.
+        self._requests.pop(request_id, None)
+
+    def reset_group(self, group_id: Hashable) -> None:
+        self._groups.pop(group_id, None)
+        for rid in [r for r, req in self._requests.items() if req.group_id == group_id]:
+            del self._requests[rid]
+
+    def propose(self, states: Sequence[DraftState], depth: int, topk: int, verify: int) -> list[Draft]:
+        for name, value in (("depth", depth), ("topk", topk), ("verify", verify)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        return [self._propose_one(state, depth, topk, verify) for state in states]
+
+    def _propose_one(self, state: DraftState, depth: int, topk: int, verify: int) -> Draft:
+        req = self._sync(state)
+        group = self._groups[state.group_id]
+        doc = group.docs[req.doc]
+        for n in range(min(self.max_n, len(doc)), self.min_n - 1, -1):
+            matches = group.index.get(tuple(doc[len(doc) - n :]))
+            if matches:
+                conts = [group.docs[d][p : p + depth] for d, p in matches[-self.max_matches :]]
+                return _trie_draft(conts, topk, verify)
+        return Draft.empty()
+
+
+def _trie_draft(continuations: list[list[int]], topk: int, verify: int) -> Draft:
+    """Merge continuations (oldest first) into a trie; keep the best `verify` nodes, `topk` per parent."""
+    node_of: dict[tuple[int, int], int] = {}  # (parent, token) -> trie node
+    token: list[int] = []
+    parent: list[int] = []
+    depth: list[int] = []
+    count: list[int] = []
+    recency: list[int] = []
+    for rank, cont in enumerate(continuations):
+        at = -1
+        for d, tok in enumerate(cont):
+            key = (at, tok)
+            if key not in node_of:
+                node_of[key] = len(token)
+                token.append(tok)
+                parent.append(at)
+                depth.append(d)
+                count.append(0)
+                recency.append(rank)
+            at = node_of[key]
+            count[at] += 1
+            recency[at] = rank
+    # A node never outcounts its parent and is shallower-first on ties, so parents come first.
+    order = sorted(range(len(token)), key=lambda i: (-count[i], depth[i], -recency[i]))
+    new_index: dict[int, int] = {}
+    n_children: dict[int, int] = {}
+    chosen: list[int] = []
+    for i in order:
+        if len(chosen) == verify:
+            break
+        p = parent[i]
+        if (p >= 0 and p not in new_index) or n_children.get(p, 0) >= topk:
+            continue
+        n_children[p] = n_children.get(p, 0) + 1
+        new_index[i] = len(chosen)
+        chosen.append(i)
+    tokens = torch.tensor([token[i] for i in chosen], dtype=torch.int64)
+    parents = torch.tensor(
+        [new_index[parent[i]] if parent[i] >= 0 else -1 for i in chosen], dtype=torch.int64
+    )
+    return Draft(tokens, parents)

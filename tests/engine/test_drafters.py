@@ -1,0 +1,264 @@
+"""Drafters and draft trees: tree masks and EAGLE-2 construction, the n-gram and oracle drafters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream.engine.drafters import Draft, DraftState, NGramDrafter, OracleDrafter, stack_chains
+from slipstream.engine.sampling import SamplingParams, processed_probs, sample
+from slipstream.engine.speculative import verify_chain, verify_tree
+from slipstream.engine.tree import (
+    build_tree,
+    chain_parents,
+    path_to,
+    tree_attention_mask,
+    tree_depths,
+    tree_positions,
+)
+
+PARAMS = SamplingParams()
+
+
+def state(rid, gid, tokens, prompt_len, params=PARAMS) -> DraftState:
+    return DraftState(request_id=rid, group_id=gid, tokens=tokens, prompt_len=prompt_len, params=params)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Trees
+
+
+def test_tree_attention_mask_depths_positions():
+    # root → 0 → {1, 2}; root → 3; 2 → 4
+    parents = torch.tensor([-1, 0, 0, -1, 2])
+    mask = tree_attention_mask(parents)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],
+            [1, 0, 1, 0, 0],
+            [0, 0, 0, 1, 0],
+            [1, 0, 1, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(mask, expected)
+    assert tree_depths(parents).tolist() == [0, 1, 1, 0, 2]
+    assert tree_positions(parents, 10).tolist() == [10, 11, 11, 10, 12]
+    assert path_to(parents, 4) == [0, 2, 4] and path_to(parents, 3) == [3]
+
+
+def test_chain_is_a_tree_with_causal_mask():
+    parents = chain_parents(5)
+    assert parents.tolist() == [-1, 0, 1, 2, 3]
+    assert torch.equal(tree_attention_mask(parents), torch.ones(5, 5, dtype=torch.bool).tril())
+    assert (
+        Draft.chain([4, 5, 6]).is_chain and not Draft(torch.tensor([1, 2]), torch.tensor([-1, -1])).is_chain
+    )
+
+
+class MarkovExpand:
+    """Draft log-probs of the next token given the previous one (the root's previous token is 0)."""
+
+    def __init__(self, vocab: int = 12, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.log_softmax(torch.randn(vocab, vocab, generator=g) * 2, -1)
+        self.frontiers: list[list[int]] = []
+
+    def __call__(self, tokens, parents, frontier):
+        self.frontiers.append(frontier.tolist())
+        prev = torch.tensor([0 if f < 0 else int(tokens[f]) for f in frontier.tolist()])
+        return self.table[prev]
+
+
+def path_score(table, tokens, parents, node):
+    prev, total = 0, 0.0
+    for i in path_to(parents, node):
+        total += float(table[prev, tokens[i]])
+        prev = int(tokens[i])
+    return total
+
+
+def test_build_tree_eagle2():
+    expand = MarkovExpand()
+    tree = build_tree(expand, depth=4, topk=3, verify=10)
+    n = len(tree)
+    assert n == 10
+    assert all(int(p) < i for i, p in enumerate(tree.parents.tolist()))  # topological
+    # Expansions: the root, then the 3 best nodes of each level.
+    assert [len(f) for f in expand.frontiers] == [1, 3, 3, 3]
+    for i in range(n):
+        assert tree.scores[i].item() == pytest.approx(
+            path_score(expand.table, tree.tokens, tree.parents, i), abs=1e-5
+        )
+    # Siblings are distinct tokens; no node has more than topk children.
+    for p in set(tree.parents.tolist()):
+        kids = tree.tokens[tree.parents == p].tolist()
+        assert len(kids) == len(set(kids)) <= 3
+    # The kept nodes are the 10 best candidates: nothing left out scores above the worst kept node.
+    big = build_tree(MarkovExpand(), depth=4, topk=3, verify=10_000)
+    kth = tree.scores.min().item()
+    assert int((big.scores > kth + 1e-6).sum()) <= n
+    assert torch.equal(tree.depths, tree_depths(tree.parents))
+
+
+def test_build_tree_topk1_is_the_greedy_chain():
+    expand = MarkovExpand()
+    tree = build_tree(expand, depth=5, topk=1, verify=8)
+    assert torch.equal(tree.parents, chain_parents(5))
+    prev = 0
+    for tok in tree.tokens.tolist():
+        assert tok == int(expand.table[prev].argmax())
+        prev = tok
+
+
+def test_built_tree_verifies_losslessly_in_match_mode():
+    """A tree built by one Markov model, verified against another: the emitted path is plain decoding's."""
+    draft, target = MarkovExpand(seed=1), MarkovExpand(seed=2)
+    tree = build_tree(draft, depth=3, topk=2, verify=6)
+    prev = torch.cat([torch.tensor([0]), tree.tokens])
+    q = torch.softmax(target.table[prev], -1)  # [n+1, V]
+    res = verify_tree(tree.tokens, tree.parents, q, seed=9, base_position=5)
+    ctx = 0
+    for j, tok in enumerate(res.tokens.tolist()):
+        plain, _ = sample(target.table[ctx][None], torch.ones(1), torch.ones(1), torch.zeros(1, dtype=torch.int64),
+                          torch.tensor([9]), torch.tensor([5 + j]))  # fmt: skip
+        assert tok == int(plain[0])
+        ctx = tok
+
+
+def test_build_tree_validation():
+    with pytest.raises(ValueError, match="verify"):
+        build_tree(MarkovExpand(), depth=2, topk=2, verify=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Draft / stack_chains
+
+
+def test_draft_validation_and_stack_chains():
+    with pytest.raises(ValueError, match="parents"):
+        Draft(torch.tensor([1, 2]), torch.tensor([-1]))
+    with pytest.raises(ValueError, match="draft_probs"):
+        Draft.chain([1, 2], torch.ones(3, 5))
+    p = torch.full((2, 5), 0.2)
+    tokens, lengths, probs = stack_chains([Draft.chain([1, 2], p), Draft.chain([4]), Draft.empty()])
+    assert tokens.tolist() == [[1, 2], [4, 0], [0, 0]] and lengths.tolist() == [2, 1, 0]
+    assert probs.shape == (3, 2, 5) and torch.equal(probs[1, 0], torch.eye(5)[4])
+    assert stack_chains([Draft.chain([3])])[2] is None
+    with pytest.raises(ValueError, match="chain"):
+        stack_chains([Draft(torch.tensor([1, 2]), torch.tensor([-1, -1]))])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# n-gram drafter
+
+PROMPT = [50, 51, 52, 53]
+
+
+def test_ngram_proposes_a_siblings_continuation():
+    drafter = NGramDrafter(min_n=2, max_n=3)
+    # Sibling A has decoded "1 2 3 4 5 6 7"; sibling B has just produced "1 2".
+    drafter.observe(state("a", 0, [*PROMPT, 1, 2, 3, 4, 5, 6, 7], 4))
+    (draft,) = drafter.propose([state("b", 0, [*PROMPT, 9, 1, 2], 4)], depth=4, topk=1, verify=8)
+    assert draft.tokens.tolist() == [3, 4, 5, 6] and draft.is_chain and draft.draft_probs is None
+    # The prompt is a source too: a response that repeats the prompt's start continues it.
+    (draft,) = drafter.propose([state("c", 0, [*PROMPT, 50, 51], 4)], depth=3, topk=1, verify=8)
+    assert draft.tokens.tolist() == [52, 53, 1]
+    # Another group does not see group 0.
+    (draft,) = drafter.propose([state("d", 1, [7, 7, 1, 2], 2)], depth=3, topk=1, verify=8)
+    assert len(draft) == 0
+
+
+def test_ngram_no_match_is_no_proposal():
+    drafter = NGramDrafter()
+    (draft,) = drafter.propose([state("a", 0, [*PROMPT, 1, 2, 3], 4)], depth=4, topk=2, verify=8)
+    assert len(draft) == 0
+
+
+def test_ngram_longest_match_wins_and_topk_builds_a_tree():
+    drafter = NGramDrafter(min_n=1, max_n=3)
+    drafter.observe(state("a", 0, [*PROMPT, 8, 1, 2, 3, 4], 4))
+    drafter.observe(state("b", 0, [*PROMPT, 9, 1, 2, 5, 6], 4))
+    drafter.observe(state("c", 0, [*PROMPT, 9, 1, 2, 5, 7], 4))
+    # "9 1 2" matches b and c only (3-gram): continuations 5 6 / 5 7.
+    (chain,) = drafter.propose([state("d", 0, [*PROMPT, 9, 1, 2], 4)], depth=2, topk=1, verify=8)
+    assert chain.tokens.tolist() == [5, 7]  # count tie at depth 1: the most recent
+    # "1 2" with a fresh prefix matches all three (2-gram): 5 twice, 3 once.
+    (tree,) = drafter.propose([state("e", 0, [*PROMPT, 0, 1, 2], 4)], depth=2, topk=2, verify=5)
+    assert tree.tokens.tolist()[:2] == [5, 3]
+    assert tree.parents.tolist()[:2] == [-1, -1]
+    assert len(tree) == 5 and sorted(tree.tokens.tolist()[2:]) == [4, 6, 7]
+    assert all(int(p) < i for i, p in enumerate(tree.parents.tolist()))
+    (small,) = drafter.propose([state("e", 0, [*PROMPT, 0, 1, 2], 4)], depth=2, topk=2, verify=2)
+    assert small.tokens.tolist() == [5, 3]
+
+
+def test_ngram_updates_incrementally():
+    drafter = NGramDrafter(min_n=2, max_n=4)
+    history = [*PROMPT, 1, 2, 3]
+    drafter.observe(state("a", 0, list(history), 4))
+    group = drafter._groups[0]
+    entries = sum(len(v) for v in group.index.values())
+    history += [4, 5]
+    drafter.observe(state("a", 0, list(history), 4))
+    # Two new tokens add one entry per n each (3 sizes), nothing is re-indexed.
+    assert sum(len(v) for v in group.index.values()) == entries + 2 * 3
+    # A sibling indexes only its response: its prompt is already there.
+    drafter.observe(state("b", 0, [*PROMPT, 9], 4))
+    assert sum(len(v) for v in group.index.values()) == entries + 2 * 3 + 3
+    # Tensor histories work too; the tokens just accepted are immediately usable.
+    (draft,) = drafter.propose(
+        [state("b", 0, torch.tensor([*PROMPT, 9, 3, 4]), 4)], depth=2, topk=1, verify=4
+    )
+    assert draft.tokens.tolist() == [5]
+
+
+def test_ngram_reset_keeps_siblings_tables_and_reset_group_drops_them():
+    drafter = NGramDrafter()
+    drafter.observe(state("a", 0, [*PROMPT, 1, 2, 3], 4))
+    drafter.reset("a")
+    (draft,) = drafter.propose([state("b", 0, [*PROMPT, 1, 2], 4)], depth=2, topk=1, verify=4)
+    assert draft.tokens.tolist() == [3]
+    drafter.reset_group(0)
+    assert 0 not in drafter._groups and "b" not in drafter._requests
+    with pytest.raises(ValueError, match="max_n"):
+        NGramDrafter(min_n=3, max_n=2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Oracle drafter
+
+
+def test_oracle_replays_the_recording():
+    oracle = OracleDrafter({"r": [1, 2, 3, 4, 5, 6]})
+    (d,) = oracle.propose([state("r", 0, [1, 2], 1)], depth=3, topk=4, verify=10)
+    assert d.tokens.tolist() == [3, 4, 5] and d.is_chain
+    (d,) = oracle.propose([state("r", 0, [1, 2, 3, 4, 5], 1)], depth=3, topk=1, verify=10)
+    assert d.tokens.tolist() == [6]
+    for history in ([1, 9], [1, 2, 3, 4, 5, 6]):  # diverged; finished
+        assert len(oracle.propose([state("r", 0, history, 1)], 3, 1, 10)[0]) == 0
+    assert len(oracle.propose([state("unknown", 0, [1], 1)], 3, 1, 10)[0]) == 0
+
+
+def test_oracle_drafts_are_all_accepted_in_match_mode():
+    """Record plain decoding of a Markov model, replay it: every draft is accepted, output identical."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(30, 30, generator=g) * 2
+    t, tp, tk, seed = torch.ones(1), torch.tensor([0.9]), torch.zeros(1, dtype=torch.int64), torch.tensor([4])
+    prompt = [0]
+    seq = list(prompt)
+    for pos in range(len(prompt), 25):
+        tok, _ = sample(logits[seq[-1]][None], t, tp, tk, seed, torch.tensor([pos]))
+        seq.append(int(tok))
+    oracle = OracleDrafter({"r": torch.tensor(seq)})
+    out = list(prompt)
+    while len(out) < len(seq):
+        (d,) = oracle.propose([state("r", 0, out, 1)], depth=4, topk=1, verify=4)
+        k = len(d)
+        chain = torch.tensor([out[-1], *d.tokens.tolist()])
+        q = processed_probs(logits[chain], t.expand(k + 1), tp.expand(k + 1), tk.expand(k + 1))[None]
+        res = verify_chain(d.tokens[None], None, q, seed, torch.tensor([len(out)]), "match")
+        assert res.accept_length.item() == k
+        out += res.tokens[0, : k + 1].tolist()
+    assert out[: len(seq)] == seq
