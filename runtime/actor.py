@@ -97,6 +97,7 @@ class Actor:
         run_dir: str = "",
         peers: dict[str, str] | None = None,
         log: Any = None,
+        local_codec: Codec | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
@@ -107,6 +108,8 @@ class Actor:
         self.log = log if log is not None else structlog.get_logger().bind(role=self.role, rank=rank)
         self._outbox = outbox
         self._codec = Codec()  # the compute thread's own: codecs hold per-call state
+        # Same-host peers (ipc://) get large tensors through the shared-memory lane when the host gave one.
+        self._local_codec = local_codec or self._codec
         self._stopping = False
         self.handled = 0
 
@@ -129,7 +132,8 @@ class Actor:
 
         Large tensors leave without a copy: do not modify them until the returned tracker is done.
         """
-        return self._outbox.send(dest, self._codec.encode(msg))
+        local = self.peers.get(dest, "").startswith("ipc://")
+        return self._outbox.send(dest, (self._local_codec if local else self._codec).encode(msg))
 
     def control_pending(self) -> bool:
         """True while a control message (preempt, shutdown, lease) waits: long steps poll this."""

@@ -10,6 +10,12 @@ Decoding is a trust boundary: anything malformed — unknown kind, truncated or 
 the wrong shape, a tensor header whose size disagrees with its frame or exceeds the limit — raises
 `ProtocolError` naming the problem, which the receiver logs and drops.
 
+Same host, a tensor of at least `shm_min_bytes` can instead travel through the shared-memory bulk lane
+(`slipstream.runtime.shm`): the body then carries a `ShmRef` descriptor, the sender pays one memcpy
+and the receiver's tensor aliases the shared slot (it is released when the tensor is freed). ZeroMQ
+alone moves large frames at a few percent of memcpy on small hosts (every receive buffer is freshly
+mapped and page-faulted), which is why same-host bulk data takes the lane.
+
 A `Codec` keeps per-call scratch state, so it belongs to one thread (as its sockets do).
 """
 
@@ -24,6 +30,7 @@ import msgspec
 import torch
 
 from slipstream.protocols import Message, control, drafter, learner, reward, rollout
+from slipstream.runtime.shm import ShmArena, ShmReader, ShmRef
 
 CHANNELS: tuple[ModuleType, ...] = (control, rollout, reward, learner, drafter)
 
@@ -87,8 +94,12 @@ class Codec:
         max_frame_bytes: int = 2 << 30,
         max_message_bytes: int = 4 << 30,
         channels: Iterable[ModuleType] = CHANNELS,
+        shm: ShmArena | None = None,
+        shm_reader: ShmReader | None = None,
+        shm_min_bytes: int = 1 << 20,
     ) -> None:
         self.inline_bytes = inline_bytes
+        self.shm, self.shm_reader, self.shm_min_bytes = shm, shm_reader, shm_min_bytes
         self.max_frame_bytes = max_frame_bytes
         self.max_message_bytes = max_message_bytes
         self.types = registry(channels)
@@ -124,6 +135,10 @@ class Codec:
             shape = list(obj.shape)
             if raw.numel() <= self.inline_bytes:
                 return [name, shape, raw.numpy().tobytes()]
+            if self.shm is not None and raw.numel() >= self.shm_min_bytes:
+                ref = self.shm.put(raw)  # blocks while the lane is full: backpressure on the sender
+                if ref is not None:
+                    return [name, shape, ref]
             self._out.append(raw.numpy())  # buffer protocol: zmq sends it without a copy
             return [name, shape, len(self._out) - 1]
         raise NotImplementedError(f"cannot encode {type(obj).__name__}")
@@ -195,8 +210,19 @@ class Codec:
                 raise ProtocolError(f"tensor frame {ref} referenced twice")
             self._used.add(ref)
             data = self._in[ref]
+        elif isinstance(ref, list | tuple):
+            if self.shm_reader is None:
+                raise ProtocolError(
+                    "shared-memory tensor reference on a codec without a shared-memory reader"
+                )
+            try:
+                return self.shm_reader.get(msgspec.convert(ref, ShmRef), dtype, shape)
+            except (ValueError, msgspec.ValidationError) as e:
+                raise ProtocolError(f"bad shared-memory tensor reference: {e}") from None
         else:
-            raise ProtocolError(f"tensor data must be bytes or a frame index, got {type(ref).__name__}")
+            raise ProtocolError(
+                f"tensor data must be bytes, a frame index or a shared-memory reference, got {type(ref).__name__}"
+            )
         if len(data) != nbytes:
             raise ProtocolError(f"tensor {shape} {name} needs {nbytes} bytes, got {len(data)}")
         if nbytes == 0:

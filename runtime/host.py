@@ -37,7 +37,12 @@ from slipstream.runtime.codec import Codec, ProtocolError
 from slipstream.runtime.config import ConfigError, convert
 from slipstream.runtime.inbox import Inbox
 from slipstream.runtime.io_thread import ActorIO
-from slipstream.runtime.transport import CurveKeys, ipc_endpoint, make_socket, start_authenticator
+from slipstream.runtime.shm import ShmArena
+from slipstream.runtime.transport import CurveKeys, ipc_endpoint, make_socket, run_tag, start_authenticator
+
+# The shared-memory lane for same-host bulk tensors grows on demand up to this much per actor.
+SHM_SLOT_MAX = 1 << 30
+SHM_CAPACITY = 2 << 30
 
 
 def import_actor(path: str) -> type[Actor]:
@@ -109,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     data_endpoint = data.getsockopt(zmq.LAST_ENDPOINT).decode()
     codec = Codec()
     io: ActorIO | None = None
+    arena: ShmArena | None = None
     exit_code = 0
 
     def report_dead(reason: str, code: int) -> None:
@@ -146,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             peers=init.peers, curve=keys,
         )  # fmt: skip
         outbox = io.outbox()
+        arena = ShmArena(run_tag(args.run_dir), slot_bytes_max=SHM_SLOT_MAX, capacity_bytes=SHM_CAPACITY)
         actor = cls(
             config,
             rank=args.rank,
@@ -154,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             run_dir=args.run_dir,
             peers=init.peers,
             log=log,
+            local_codec=Codec(shm=arena),
         )
         io.progress = actor
         io.start()
@@ -179,13 +187,19 @@ def main(argv: list[str] | None = None) -> int:
                 log.exception("on_stop_failed")
         log.info("stopped", handled=actor.handled, dropped=io.dropped)
         return exit_code
+    except Exception as e:  # anything before serving: the coordinator must hear why
+        log.exception("start_failed")
+        report_dead(f"start-up failed: {type(e).__name__}: {e}", 1)
+        return 1
     finally:
-        if io is not None:
+        if io is not None and io.is_alive():
             outbox.close()
-            io.stop()
+            io.stop()  # closes the sockets it owns
         else:
             control.close(linger=500)
             data.close(linger=0)
+        if arena is not None:
+            arena.close()
         if auth is not None:
             auth.stop()
         logs.close()

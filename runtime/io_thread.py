@@ -29,6 +29,7 @@ from slipstream.protocols.control import Heartbeat, Ping, Pong, Shutdown
 from slipstream.runtime.actor import COORDINATOR
 from slipstream.runtime.codec import Codec, ProtocolError
 from slipstream.runtime.inbox import Inbox
+from slipstream.runtime.shm import ShmReader
 from slipstream.runtime.transport import CurveKeys, SocketOptions, make_socket
 
 _DEST_CONTROL = COORDINATOR.encode()
@@ -76,7 +77,7 @@ class ActorIO(threading.Thread):
         self._pull = make_socket(ctx, zmq.PULL, bind=self.outbox_endpoint, options=SocketOptions(rcvhwm=64))
         self._peer_socks: dict[str, zmq.Socket] = {}
         self._pending: dict[zmq.Socket, deque[list[Any]]] = {}
-        self._codec = Codec()
+        self._codec = Codec(shm_reader=ShmReader())
         self._halt = threading.Event()
         self._seq = 0
         self.dropped = 0  # malformed messages logged and dropped

@@ -37,7 +37,8 @@ from slipstream.protocols.control import Dead, Heartbeat, Hello, Init, Ready, Sh
 from slipstream.runtime.codec import Codec, ProtocolError
 from slipstream.runtime.config import ConfigError, convert
 from slipstream.runtime.host import import_actor
-from slipstream.runtime.transport import CurveKeys, ipc_endpoint, make_socket
+from slipstream.runtime.shm import cleanup as cleanup_shm
+from slipstream.runtime.transport import CurveKeys, ipc_endpoint, make_socket, run_tag
 
 
 class SupervisorError(RuntimeError):
@@ -317,6 +318,7 @@ class Supervisor:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._router.close(linger=0)
         self._proxy.stop()
+        cleanup_shm(run_tag(self.run_dir))  # segments of actors that died holding them
         self.ctx.term()
 
     async def __aenter__(self) -> Supervisor:

@@ -143,6 +143,11 @@ def socket_dir(run_dir: Path | str) -> Path:
     return candidate
 
 
+def run_tag(run_dir: Path | str) -> str:
+    """A short tag unique to a run directory (names its shared-memory segments)."""
+    return hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+
+
 def ipc_endpoint(run_dir: Path | str, name: str) -> str:
     """ipc:// endpoint for `name` (e.g. "control", "data-rollout-0") inside the run's socket dir."""
     safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in name)

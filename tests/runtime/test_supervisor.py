@@ -48,6 +48,7 @@ def test_three_actors_exchange_then_sigkill_is_reported_and_rest_shut_down(tmp_p
             await sup.send("source:0", Status(topic="go", fields={}))
             done = await next_status(sup, "smoke_done")
             assert done.fields["acked"] == 16 and done.fields["bad"] == 0
+            assert done.fields["shm_mapped_bytes"] > 0  # same-host bulk tensors took the shared-memory lane
 
             killed_at = time.monotonic()
             os.kill(sup.pid("sink:1"), signal.SIGKILL)
