@@ -141,7 +141,7 @@ class Codec:
                     return [name, shape, ref]
             self._out.append(raw.numpy())  # buffer protocol: zmq sends it without a copy
             return [name, shape, len(self._out) - 1]
-        raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+        raise TypeError(f"cannot encode {type(obj).__name__} on the wire")
 
     # -- decode ---------------------------------------------------------------------------------------
 
