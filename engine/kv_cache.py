@@ -1,0 +1,178 @@
+"""Slot-based KV cache: fixed, preallocated K/V per layer, one slot per live sequence.
+
+Layout per layer: K and V are `[num_slots, num_kv_heads, max_len, head_dim]` in the model's dtype,
+allocated once (zero-filled, so padded attention rows over unused slots never see NaN garbage). A slot's
+visible content is positions `[0, length)`; everything past `length` is stale and masked out by the
+attention plan, which is what makes `rollback` free: it only moves the length back.
+
+The head-major layout lets one decode step read `cache[lo:hi, :, :max_live_len]` as a strided view —
+no gather, no copy — straight into scaled_dot_product_attention when the batch's slots are contiguous
+(the allocator hands out the lowest free slot to keep them so).
+
+Memory: 2 (K and V) × num_layers × num_kv_heads × head_dim × dtype bytes per token, times
+num_slots × max_len tokens, all paid up front. SmolLM2-135M in fp32: 2 × 30 × 3 × 64 × 4 = 46,080 bytes
+(45 KiB) per token; 32 slots × 2048 tokens = 2.8 GiB.
+
+Tree verification writes a pass's draft nodes at positions base..base+n-1 in node order;
+`commit_path` then moves the accepted nodes' K/V to base..base+a-1 so the cache equals one that only
+ever saw the accepted tokens (their RoPE positions are base+depth, which is exactly where they land).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from slipstream.engine.config import ModelConfig
+
+
+class KVCache:
+    """Preallocated per-layer K/V with per-slot lengths, allocation, rollback and tree commit."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_slots: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_slots", num_slots),
+            ("max_len", max_len),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if value <= 0:
+                raise ValueError(f"KVCache {name} must be positive, got {value}")
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        self.keys: list[Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values: list[Tensor] = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+        # Python ints: the scheduler reads lengths every step, and a tensor here would cost a device sync.
+        self.lengths: list[int] = [0] * num_slots
+        self._free: list[int] = list(range(num_slots))  # a heap: allocate() takes the lowest
+        self._in_use: list[bool] = [False] * num_slots
+
+    @classmethod
+    def for_model(
+        cls,
+        config: ModelConfig,
+        *,
+        num_slots: int,
+        max_len: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+    ) -> KVCache:
+        """A cache shaped for `config` (dtype defaults to the config's)."""
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_slots=num_slots,
+            max_len=max_len,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            dtype=dtype or config.dtype,
+            device=device,
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token occupies across all layers (K and V)."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+    @property
+    def nbytes(self) -> int:
+        """Total preallocated bytes."""
+        return self.bytes_per_token * self.num_slots * self.max_len
+
+    def allocate(self) -> int:
+        """Claim the lowest free slot (empty). Lowest-first keeps live slots contiguous for view reads."""
+        if not self._free:
+            raise RuntimeError(f"KVCache has no free slot (all {self.num_slots} in use)")
+        slot = heapq.heappop(self._free)
+        self._in_use[slot] = True
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Return a slot to the pool; its content becomes garbage."""
+        self._check(slot)
+        self._in_use[slot] = False
+        self.lengths[slot] = 0
+        heapq.heappush(self._free, slot)
+
+    def length(self, slot: int) -> int:
+        """Tokens whose K/V the slot holds."""
+        self._check(slot)
+        return self.lengths[slot]
+
+    def set_length(self, slot: int, length: int) -> None:
+        """Record that positions [0, length) are valid (the model's forward calls this after writing)."""
+        self._check(slot)
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"slot {slot}: length {length} outside [0, {self.max_len}]")
+        self.lengths[slot] = length
+
+    def rollback(self, slot: int, new_length: int) -> None:
+        """Drop the slot's tokens from `new_length` on (rejected drafts); the kept prefix is untouched."""
+        self._check(slot)
+        if not 0 <= new_length <= self.lengths[slot]:
+            raise ValueError(f"slot {slot}: cannot roll back to {new_length}, length is {self.lengths[slot]}")
+        self.lengths[slot] = new_length
+
+    def commit_path(self, slot: int, base_length: int, accepted_node_indices: Sequence[int] | Tensor) -> None:
+        """Keep only the accepted path of a tree-verify pass.
+
+        The pass wrote node i at position base_length + i. `accepted_node_indices` lists the path's nodes
+        root first (increasing, since a parent precedes its children); afterwards positions
+        base_length..base_length+a-1 hold those nodes' K/V and the length is base_length + a.
+        """
+        self._check(slot)
+        index = torch.as_tensor(accepted_node_indices, dtype=torch.int64).flatten()
+        count = index.numel()
+        written = self.lengths[slot] - base_length
+        if base_length < 0 or written < count:
+            raise ValueError(
+                f"slot {slot}: {count} accepted nodes but only {written} written after base {base_length}"
+            )
+        if count:
+            nodes = index.tolist()
+            if min(nodes) < 0 or max(nodes) >= written or any(b <= a for a, b in itertools.pairwise(nodes)):
+                raise ValueError(f"slot {slot}: accepted nodes {nodes} must increase within [0, {written})")
+            # A chain prefix is already in place; only a real branch needs moving.
+            if nodes != list(range(count)):
+                source = (index + base_length).to(self.device)
+                for cache in (*self.keys, *self.values):
+                    # index_select copies before the write, so overlapping source and target are safe.
+                    cache[slot, :, base_length : base_length + count] = cache[slot].index_select(1, source)
+        self.lengths[slot] = base_length + count
+
+    def _check(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} outside [0, {self.num_slots})")
+        if not self._in_use[slot]:
+            raise ValueError(f"slot {slot} is not allocated")

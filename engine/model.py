@@ -1,0 +1,365 @@
+"""Native Llama/Qwen2 decoder: one module for rollout (flat ragged tokens + KV cache) and learner.
+
+`Transformer.forward` runs FLAT tokens (`input_ids [num_tokens]`, no padding) described by a
+`BatchLayout`: every projection is one matrix multiply over all sequences' new tokens, and attention
+follows the layout's plan straight out of the KV cache. It returns the LM head only for the selected rows
+(the last token of a prefill chunk, every node of a verify pass) plus the last layer's hidden states
+before the final norm, which an EAGLE drafter feeds back through `head` (final norm + LM head).
+`forward_train` is the plain [B, T] causal forward the learner differentiates; both share the layers, so
+rollout and learner log-probs come from the same weights and the same arithmetic.
+
+Non-obvious choices:
+- q/k/v and gate/up are fused into single projections (one large GEMM instead of three or two small
+  ones); the loader splits HF tensors into them.
+- GQA without repeating K/V: the query heads sharing a KV head are folded into the query-length axis
+  ([rows, kv_heads, groups*q_len, head_dim]), which for a decode step is a pure view.
+- On CPU, inference projections use oneDNN with prepacked weights: for the small row counts of decoding
+  it is 2–3× faster than the default BLAS path here, at the price of a second copy of the projection
+  weights in memory. A packed copy is rebuilt whenever its weight changes (tracked by the tensor's
+  version counter), so weight updates need no extra call; training (grad enabled) always uses F.linear.
+- Decode attention (one query per sequence) is matmul → softmax → matmul with an additive mask: at 1–3
+  query rows per KV head the flash kernel's tiling overhead costs more than the arithmetic.
+- RoPE tables (cos, and sin with the rotate-half sign folded in) are built once, lazily, in float32 exactly
+  as transformers computes them, then cast to the model dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from slipstream.engine.batch import AttentionGroup, BatchLayout
+from slipstream.engine.config import ModelConfig
+from slipstream.engine.kv_cache import KVCache
+
+_onednn_state: bool | None = None  # None: not probed yet
+
+
+def set_onednn_linear(enabled: bool) -> None:
+    """Turn the oneDNN packed-weight path on (if this torch build supports it) or off, process-wide."""
+    global _onednn_state
+    _onednn_state = _probe_onednn() if enabled else False
+
+
+def _probe_onednn() -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        with torch.inference_mode():
+            packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2), None)
+            out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2), packed, None, "none", [], "")
+        return bool(torch.equal(out, torch.full((1, 2), 2.0)))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class _PackedWeight:
+    """A oneDNN-blocked copy of a CPU weight, rebuilt when the weight's storage or version changes."""
+
+    __slots__ = ("key", "packed")
+
+    def __init__(self) -> None:
+        self.key: tuple[int, int] | None = None
+        self.packed: Tensor | None = None
+
+    def get(self, weight: Tensor) -> Tensor:
+        key = (weight.data_ptr(), weight._version)
+        if key != self.key:
+            with torch.inference_mode():
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            self.key = key
+        assert self.packed is not None
+        return self.packed
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, pack: _PackedWeight) -> Tensor:
+    global _onednn_state
+    if _onednn_state is None:
+        _onednn_state = _probe_onednn()
+    if (
+        _onednn_state
+        and x.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+    ):
+        return torch.ops.mkldnn._linear_pointwise(x, pack.get(weight), bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose inference path uses prepacked oneDNN weights on CPU."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self._pack = _PackedWeight()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _linear(x, self.weight, self.bias, self._pack)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class Rotary:
+    """RoPE tables: cos [P, head_dim] and signed sin [P, head_dim] so that rope(x) = x·cos + swap(x)·sin."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.head_dim = config.head_dim
+        self.inv_freq = _inv_freq(config)  # [head_dim/2] float32
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
+
+    def tables(self, length: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Tables covering positions [0, length) or more, on `device` in `dtype`."""
+        key = (device, dtype)
+        cached = self._tables.get(key)
+        if cached is None or cached[0].shape[0] < length:
+            size = max(length, 2 * cached[0].shape[0] if cached is not None else 0)
+            # Same arithmetic as transformers: float32 positions × float32 inverse frequencies.
+            freqs = torch.arange(size, dtype=torch.float32, device="cpu")[:, None] * self.inv_freq[None, :]
+            cos = torch.cat((freqs.cos(), freqs.cos()), -1).to(device=device, dtype=dtype)
+            sin = torch.cat((-freqs.sin(), freqs.sin()), -1).to(device=device, dtype=dtype)
+            cached = self._tables[key] = (cos, sin)
+        return cached
+
+
+def _inv_freq(config: ModelConfig) -> Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    )
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths are divided by `factor`, short ones kept, the band between interpolated.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE on x [..., heads, head_dim] with cos/sin [..., 1, head_dim] (sin sign-folded)."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, sin)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.groups = config.queries_per_kv
+        width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv = Linear(config.hidden_size, width, bias=config.qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_bias)
+
+    def _qkv(self, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q [..., heads, hd], k and v [..., kv_heads, hd] for normed input h [..., hidden]."""
+        qkv = self.qkv(h)
+        lead = qkv.shape[:-1]
+        qk_heads = self.num_heads + self.num_kv_heads
+        # One RoPE call rotates q and k together: they are adjacent in the fused projection.
+        qk = _rope(qkv[..., : qk_heads * self.head_dim].unflatten(-1, (qk_heads, self.head_dim)), cos, sin)
+        v = qkv[..., qk_heads * self.head_dim :].view(*lead, self.num_kv_heads, self.head_dim)
+        return qk[..., : self.num_heads, :], qk[..., self.num_heads :, :], v
+
+    def forward_cached(
+        self,
+        h: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        layout: BatchLayout,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        masks: list[Tensor],
+    ) -> Tensor:
+        """Attention for flat tokens h [N, hidden]; writes their K/V into this layer's cache first."""
+        q, k, v = self._qkv(h, cos, sin)  # [N, heads, hd], [N, kv_heads, hd] ×2
+        k_cache[layout.write_slots, :, layout.write_positions] = k
+        v_cache[layout.write_slots, :, layout.write_positions] = v
+        groups = layout.groups
+        if len(groups) == 1 and groups[0].token_slice == slice(0, h.shape[0]):
+            out = self._attend(q, k_cache, v_cache, groups[0], masks[0])
+        else:
+            out = h.new_empty(h.shape[0], self.num_heads * self.head_dim)
+            for group, mask in zip(groups, masks, strict=True):
+                o = self._attend(q, k_cache, v_cache, group, mask)
+                if group.token_slice is not None:
+                    out[group.token_slice] = o
+                else:
+                    out.index_copy_(0, group.token_rows, o.index_select(0, group.output_index))
+        return self.o_proj(out)
+
+    def _attend(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, group: AttentionGroup, mask: Tensor
+    ) -> Tensor:
+        """Padded queries of one group against its keys; returns [rows * q_len, heads * hd]."""
+        rows, q_len, kvh, g, hd = group.rows, group.q_len, self.num_kv_heads, self.groups, self.head_dim
+        qg = q[group.token_slice] if group.token_slice is not None else q.index_select(0, group.query_index)
+        if q_len == 1:
+            qg = qg.view(rows, kvh, g, hd)
+        else:
+            qg = qg.view(rows, q_len, kvh, g, hd).permute(0, 2, 3, 1, 4).reshape(rows, kvh, g * q_len, hd)
+        if group.slot_index is None:
+            keys = k_cache[group.slot_start : group.slot_start + rows, :, : group.kv_len]
+            values = v_cache[group.slot_start : group.slot_start + rows, :, : group.kv_len]
+        else:
+            keys = k_cache[group.slot_index, :, : group.kv_len]
+            values = v_cache[group.slot_index, :, : group.kv_len]
+        if mask.dtype != torch.bool:
+            # Decode (one query per sequence): plain matmul-softmax-matmul with an additive mask beats the
+            # flash kernel here, whose tiling overhead dominates at 1–3 query rows per head.
+            scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(hd**-0.5).add_(mask)  # [rows, kvh, g, kv]
+            o = torch.matmul(scores.softmax(-1), values)  # [rows, kvh, g, hd]
+            return o.reshape(rows, kvh * g * hd)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)  # [rows, kvh, g*q_len, hd]
+        if q_len == 1:
+            return o.reshape(rows, kvh * g * hd)
+        return o.view(rows, kvh, g, q_len, hd).permute(0, 3, 1, 2, 4).reshape(rows * q_len, kvh * g * hd)
+
+    def forward_train(self, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Causal self-attention over h [B, T, hidden] without a cache."""
+        batch, seq = h.shape[:2]
+        q, k, v = self._qkv(h, cos, sin)  # [B, T, heads, hd], [B, T, kv_heads, hd] ×2
+        q = q.transpose(1, 2)
+        k = k.transpose(1, 2).repeat_interleave(self.groups, dim=1)
+        v = v.transpose(1, 2).repeat_interleave(self.groups, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, heads, T, hd]
+        return self.o_proj(o.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate_up = self.gate_up(x)
+        gate, up = gate_up[..., : self.intermediate], gate_up[..., self.intermediate :]
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config)
+        self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+
+class Transformer(nn.Module):
+    """Llama/Qwen2 decoder with a fused-projection layout; see the module docstring."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False)
+        )
+        self.rotary = Rotary(config)
+        self._tied_head_pack = _PackedWeight()
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        """[vocab, hidden] output projection (the embedding matrix when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def head(self, hidden: Tensor) -> Tensor:
+        """Logits [..., vocab] from last-layer hidden states [..., hidden] (final norm, then LM head)."""
+        normed = self.final_norm(hidden)
+        if self.lm_head is None:
+            return _linear(normed, self.embed_tokens.weight, None, self._tied_head_pack)
+        return self.lm_head(normed)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, layout: BatchLayout, cache: KVCache
+    ) -> tuple[Tensor, Tensor]:
+        """Append flat tokens to the cache and score them.
+
+        input_ids, positions: [num_tokens] int64, ordered as `layout.cu_seqlens`. Returns
+        (logits [layout.num_logits, vocab] for `layout.logit_rows`, hidden [num_tokens, hidden] = the last
+        decoder layer's output before the final norm). Runs under inference_mode: this path only serves
+        rollout and writes the cache in place.
+        """
+        if input_ids.shape != (layout.num_tokens,) or positions.shape != (layout.num_tokens,):
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be "
+                f"[{layout.num_tokens}] as the layout says"
+            )
+        if cache.dtype != self.embed_tokens.weight.dtype:
+            raise ValueError(
+                f"KV cache dtype {cache.dtype} differs from the model's {self.embed_tokens.weight.dtype}"
+            )
+        cos_table, sin_table = self.rotary.tables(cache.max_len, input_ids.device, cache.dtype)
+        cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]  # [N, 1, hd]
+        masks = [_fold_mask(group.mask, self.config.queries_per_kv, cache.dtype) for group in layout.groups]
+        x = self.embed_tokens(input_ids)  # [N, hidden]
+        for layer, k_cache, v_cache in zip(self.layers, cache.keys, cache.values, strict=True):
+            x += layer.attn.forward_cached(layer.input_norm(x), cos, sin, layout, k_cache, v_cache, masks)
+            x += layer.mlp(layer.post_norm(x))
+        for slot, start, n in zip(layout.slots, layout.starts, layout.num_new, strict=True):
+            cache.set_length(slot, start + n)
+        if layout.num_logits == 0:  # e.g. a pass of mid-prompt prefill chunks only
+            return x.new_empty(0, self.config.vocab_size), x
+        selected = x if layout.logit_rows is None else x.index_select(0, layout.logit_rows)
+        return self.head(selected), x
+
+    def forward_train(self, input_ids: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Causal forward over input_ids [B, T] without a cache; returns logits [B, T, vocab].
+
+        positions: [T] or [B, T] (default 0..T-1). Differentiable; used by the learner for log-probs.
+        """
+        seq = input_ids.shape[1]
+        if positions is None:
+            positions, length = torch.arange(seq, device=input_ids.device), seq
+        else:
+            length = int(positions.max()) + 1
+        cos_table, sin_table = self.rotary.tables(length, input_ids.device, self.embed_tokens.weight.dtype)
+        cos, sin = cos_table[positions].unsqueeze(-2), sin_table[positions].unsqueeze(-2)  # [.., T, 1, hd]
+        x = self.embed_tokens(input_ids)  # [B, T, hidden]
+        for layer in self.layers:
+            x = x + layer.attn.forward_train(layer.input_norm(x), cos, sin)
+            x = x + layer.mlp(layer.post_norm(x))
+        return self.head(x)
+
+
+def _fold_mask(mask: Tensor, groups: int, dtype: torch.dtype) -> Tensor:
+    """[rows, 1, q_len, kv] → [rows, 1, groups*q_len, kv] matching the GQA-folded queries.
+
+    Single-query groups in fp32/fp64 get an additive float mask instead (0 or -inf), which selects the
+    matmul attention path; lower precisions keep SDPA, whose softmax accumulates in fp32.
+    """
+    rows, _, q_len, kv_len = mask.shape
+    if q_len == 1:
+        if dtype in (torch.float32, torch.float64):
+            return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return mask  # broadcasts over the folded axis
+    return mask.unsqueeze(2).expand(rows, 1, groups, q_len, kv_len).reshape(rows, 1, groups * q_len, kv_len)

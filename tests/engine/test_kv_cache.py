@@ -1,0 +1,137 @@
+"""KV cache: slot bookkeeping, rollback of rejected tokens, and tree commit equal to a never-branched cache.
+
+Models run in float64 here, so "equal" can be checked to 1e-10 even where two caches reached the same
+state through differently shaped passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from slipstream.engine.batch import BatchLayout
+from slipstream.engine.kv_cache import KVCache
+from slipstream.engine.model import Transformer
+from slipstream.engine.tree import tree_attention_mask, tree_depths
+from slipstream.engine.weights import load_model
+
+
+@pytest.fixture
+def model(make_checkpoint: Callable[..., Path]) -> Transformer:
+    return load_model(make_checkpoint("llama"), dtype=torch.float64)
+
+
+def feed(
+    model: Transformer, cache: KVCache, slot: int, tokens: list[int], parents: list[int] | None = None
+) -> torch.Tensor:
+    """Append tokens to one slot in one pass (a tree when parents are given); logits for every token."""
+    masks = None if parents is None else [tree_attention_mask(torch.tensor(parents))]
+    layout = BatchLayout.build(cache, [slot], [len(tokens)], tree_masks=masks, logit_rows=range(len(tokens)))
+    logits, _ = model(torch.tensor(tokens), layout.positions, layout, cache)
+    return logits
+
+
+def slot_state(cache: KVCache, slot: int) -> list[torch.Tensor]:
+    length = cache.length(slot)
+    return [layer[slot, :, :length] for layer in (*cache.keys, *cache.values)]
+
+
+def assert_same_state(a: KVCache, slot_a: int, b: KVCache, slot_b: int, exact: bool = False) -> None:
+    assert a.length(slot_a) == b.length(slot_b)
+    for x, y in zip(slot_state(a, slot_a), slot_state(b, slot_b), strict=True):
+        if exact:
+            assert torch.equal(x, y)
+        else:
+            torch.testing.assert_close(x, y, atol=1e-10, rtol=0)
+
+
+def new_cache(model: Transformer, num_slots: int = 2, max_len: int = 64) -> KVCache:
+    return KVCache.for_model(model.config, num_slots=num_slots, max_len=max_len, dtype=torch.float64)
+
+
+def test_slots_allocate_lowest_first_and_run_out() -> None:
+    cache = KVCache(num_layers=1, num_slots=3, max_len=8, num_kv_heads=2, head_dim=4)
+    assert [cache.allocate() for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(RuntimeError, match="no free slot"):
+        cache.allocate()
+    cache.free(1)
+    cache.free(0)
+    assert cache.allocate() == 0
+    with pytest.raises(ValueError, match="not allocated"):
+        cache.free(1)
+    with pytest.raises(IndexError):
+        cache.length(7)
+
+
+def test_memory_per_token() -> None:
+    cache = KVCache(num_layers=30, num_slots=2, max_len=16, num_kv_heads=3, head_dim=64, dtype=torch.float32)
+    assert cache.bytes_per_token == 2 * 30 * 3 * 64 * 4 == 46_080
+    assert cache.nbytes == 46_080 * 2 * 16
+    assert sum(t.numel() * t.element_size() for t in (*cache.keys, *cache.values)) == cache.nbytes
+
+
+def test_rollback_equals_never_seen(model: Transformer) -> None:
+    prompt, rejected, accepted = [5, 9, 13, 2, 77, 31], [40, 41, 42, 43, 44], [8, 120]
+    seen = new_cache(model)
+    slot = seen.allocate()
+    feed(model, seen, slot, prompt)
+    feed(model, seen, slot, rejected)
+    seen.rollback(slot, len(prompt))
+    after_rollback = feed(model, seen, slot, accepted)
+
+    clean = new_cache(model)
+    clean_slot = clean.allocate()
+    feed(model, clean, clean_slot, prompt)
+    expected = feed(model, clean, clean_slot, accepted)
+    # Same pass shapes on the kept prefix, and stale entries are never read: bitwise equal.
+    assert_same_state(seen, slot, clean, clean_slot, exact=True)
+    assert torch.equal(after_rollback, expected)
+    with pytest.raises(ValueError, match="cannot roll back"):
+        seen.rollback(slot, seen.length(slot) + 1)
+
+
+def test_commit_path_equals_cache_that_saw_only_the_path(model: Transformer) -> None:
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    # Tree: 0 → {1, 2}; 2 → {3, 4}; 4 → {5}; 1 → {6}. Accepted path: 0, 2, 4, 5.
+    tokens = [11, 60, 12, 61, 13, 14, 62]
+    parents = [-1, 0, 0, 2, 2, 4, 1]
+    path = [0, 2, 4, 5]
+    assert tree_depths(torch.tensor(parents)).tolist() == [0, 1, 1, 2, 2, 3, 2]
+
+    tree_cache = new_cache(model)
+    slot = tree_cache.allocate()
+    feed(model, tree_cache, slot, prompt)
+    tree_logits = feed(model, tree_cache, slot, tokens, parents)
+    assert tree_cache.length(slot) == len(prompt) + len(tokens)
+    tree_cache.commit_path(slot, len(prompt), path)
+
+    chain_cache = new_cache(model)
+    chain_slot = chain_cache.allocate()
+    feed(model, chain_cache, chain_slot, prompt)
+    chain_logits = feed(model, chain_cache, chain_slot, [tokens[i] for i in path])
+    assert_same_state(tree_cache, slot, chain_cache, chain_slot)
+    # A node's logits only depend on its ancestors, so the path's rows agree with the chain's.
+    torch.testing.assert_close(tree_logits[path], chain_logits, atol=1e-10, rtol=0)
+    # And decoding continues identically.
+    torch.testing.assert_close(
+        feed(model, tree_cache, slot, [99]), feed(model, chain_cache, chain_slot, [99]), atol=1e-10, rtol=0
+    )
+
+
+def test_commit_path_chain_prefix_and_validation(model: Transformer) -> None:
+    cache = new_cache(model)
+    slot = cache.allocate()
+    feed(model, cache, slot, [1, 2, 3])
+    before = [t.clone() for t in slot_state(cache, slot)]
+    feed(model, cache, slot, [4, 5, 6], [-1, 0, 1])
+    cache.commit_path(slot, 3, [0, 1])  # a chain prefix: nothing moves
+    assert cache.length(slot) == 5
+    for old, new in zip(before, slot_state(cache, slot), strict=True):
+        assert torch.equal(old, new[:, :3])
+    with pytest.raises(ValueError, match="only 2 written"):
+        cache.commit_path(slot, 3, [0, 1, 2])
+    with pytest.raises(ValueError, match="must increase"):
+        cache.commit_path(slot, 3, [1, 0])
