@@ -1,12 +1,14 @@
 """Real processes through the supervisor: handshake, data exchange, death detection, clean shutdown."""
 
 import asyncio
+import json
 import os
 import signal
 import time
 from pathlib import Path
 
 import pytest
+import torch
 import uvloop
 import zmq
 
@@ -102,8 +104,8 @@ def test_actor_drops_malformed_messages_and_serves_the_next(tmp_path: Path) -> N
             dealer.setsockopt(zmq.IDENTITY, b"tester:0")
             dealer.connect(endpoint)
             codec = Codec()
-            good = HiddenStates(group_id=5, sample_index=0, token_ids=__import__("torch").arange(4),
-                                hidden=__import__("torch").ones(4, 8), response_start=1, policy_version=0)  # fmt: skip
+            good = HiddenStates(group_id=5, sample_index=0, token_ids=torch.arange(4),
+                                hidden=torch.ones(4, 8), response_start=1, policy_version=0)  # fmt: skip
             frames = codec.encode(good)
             for bad in ([b"drafter.hidden"], [b"nope", b"\x90"], [b"drafter.hidden", b"\xc1\xc1\xc1"],
                         [frames[0], frames[1][:-2]], [os.urandom(7), os.urandom(40)]):  # fmt: skip
@@ -154,5 +156,40 @@ def test_unknown_actor_path_fails_at_start(tmp_path: Path) -> None:
         sup = Supervisor(tmp_path)
         with pytest.raises(SupervisorError, match="cannot load actor"):
             await sup.start([ActorSpec(actor="slipstream.runtime.smoke:Nope")])
+
+    uvloop.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_live_event_stream_carries_actor_logs(tmp_path: Path) -> None:
+    """What `slipstream logs RUN --follow` reads: actors' records, live, filtered by role prefix."""
+
+    async def main() -> None:
+        sup = Supervisor(tmp_path, heartbeat_s=HEARTBEAT_S)
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        try:
+            await sup.start([ActorSpec(actor="slipstream.runtime.smoke:Sink")])
+            endpoints = json.loads((tmp_path / "endpoints.json").read_text())
+            sub.connect(endpoints["events"])
+            sub.setsockopt(zmq.SUBSCRIBE, b"sink")
+            await asyncio.sleep(0.5)  # PUB/SUB: a subscription takes a moment to reach the publisher
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.connect(sup.endpoints()["sink:0"])
+            dealer.send_multipart([b"garbage", b"\x00"])  # the sink logs dropped_malformed
+            deadline = time.monotonic() + 10
+            events = []
+            while time.monotonic() < deadline and "dropped_malformed" not in events:
+                if sub.poll(100):
+                    topic, line = sub.recv_multipart()
+                    assert topic == b"sink:0"
+                    events.append(json.loads(line)["event"])
+                await asyncio.sleep(0)
+            assert "dropped_malformed" in events
+            dealer.close(0)
+        finally:
+            sub.close(0)
+            ctx.term()
+            await sup.shutdown(grace_s=2.0)
 
     uvloop.run(main())
