@@ -218,9 +218,9 @@ class ActorIO(threading.Thread):
             if sock is None:
                 self.log.error("unknown_destination", dest=dest.decode(errors="replace"))
                 continue
+            # Every drained message is sent or parked (never dropped); while anything is parked the loop
+            # stops reading the pipe, which is what pushes back on the compute thread.
             self._send(sock, frames[1:])
-            if self._pending:
-                return  # stop taking new work until the slow peer drains
 
     def _send(self, sock: zmq.Socket, frames: list[Any]) -> None:
         if sock in self._pending:

@@ -252,7 +252,12 @@ class Supervisor:
             elif isinstance(msg, Dead):
                 self._mark_dead(entry, msg.reason, msg.exit_code)
             else:
-                await self.inbox.put((sender, msg))
+                try:
+                    self.inbox.put_nowait((sender, msg))
+                except asyncio.QueueFull:
+                    # Never block this loop: it is also what hears heartbeats. Bulk data does not come
+                    # here, so a full inbox means the coordinator is stuck; say so loudly.
+                    self._emit("inbox_full_dropped", sender=sender, kind=msg.kind, level="error")
 
     # -- liveness -----------------------------------------------------------------------------------
 
