@@ -11,10 +11,12 @@ Sampling goes through `sampling.sample` with noise keyed by (request seed, index
 prompt + response), so a request's output does not depend on what else shares its batch.
 
 A sequence in decode state holds exactly one *pending* token: sampled, returned to the caller, but not yet
-fed through the model (its K/V are not cached). Speculative decoding builds on that: `score_trees` runs
-one verify pass for several sequences, each feeding its pending token as the root of a draft tree (tokens
-+ parent indices) under a tree attention mask, and returns logits for every node; the caller verifies and
-keeps the accepted path with `KVCache.commit_path`.
+fed through the model (its K/V are not cached). Speculative decoding (`SpecConfig`, `speculator.py`)
+builds on that: the pending token becomes the root of a draft tree, every decoding sequence's tree is
+scored in the same flat forward pass as the prefill chunks (tree attention masks), verified losslessly,
+and only the accepted path is kept in the KV cache (`KVCache.commit_path`). A run of accepted tokens is
+cut at the first stop id or length limit, exactly where plain decoding would stop. With speculation off
+the step is the plain one, unchanged. (`score_trees`, the verify pass alone, lives in `speculator.py`.)
 
 Finish reasons: "stop" (a stop or EOS id was emitted; it is kept in token_ids, since the policy must
 learn to emit it), "length" (max_tokens reached, or prompt + response filled the cache slot's max_len).
@@ -22,18 +24,41 @@ learn to emit it), "length" (max_tokens reached, or prompt + response filled the
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
 from slipstream.engine.batch import BatchLayout
+from slipstream.engine.drafters.base import Drafter, DraftState
 from slipstream.engine.kv_cache import KVCache
 from slipstream.engine.model import Transformer
 from slipstream.engine.sampling import SamplingParams, params_tensors, sample
+from slipstream.engine.speculator import (
+    EMPTY,
+    SpecConfig,
+    Speculator,
+    TreeScores,
+    VerifyEntry,
+    VerifyTree,
+    score_tree,
+    score_trees,
+    verify_drafts,
+)
 from slipstream.engine.tree import tree_attention_mask
+
+__all__ = [
+    "Completion",
+    "Generator",
+    "Request",
+    "SpecConfig",
+    "StepOutput",
+    "TreeScores",
+    "VerifyTree",
+    "score_tree",
+    "score_trees",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +86,13 @@ class Completion:
     group_id: str | None = None
     hidden: Tensor | None = None
     """[len(token_ids), hidden] last-layer pre-norm state at the position that sampled each token."""
+    target_passes: int = 0
+    """Target forward passes (decode or verify) that produced its tokens; len(token_ids) / target_passes
+    is the request's mean accept length (1 without speculation)."""
+    drafted: int = 0
+    """Draft tokens sent to verification for this request."""
+    accepted: int = 0
+    """Draft tokens accepted and emitted."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,9 +115,15 @@ class _Sequence:
     """Prompt + response so far; the last one is pending (not yet cached) once decoding started."""
     num_prompt: int
     stop_ids: frozenset[int]
+    group: Hashable
+    draft_state: DraftState
+    """Built once: it shares the live `tokens` list, so drafters read the current history at every call."""
     num_cached: int = 0
     logprobs: list[float] = field(default_factory=list)
     hidden: list[Tensor] = field(default_factory=list)
+    target_passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
     @property
     def num_generated(self) -> int:
@@ -104,11 +142,14 @@ class Generator:
         token_budget: int = 512,
         eos_token_ids: Sequence[int] | None = None,
         return_hidden: bool = False,
+        spec: SpecConfig | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         """num_slots: concurrent sequences; max_len: prompt + response tokens per sequence;
-        token_budget: tokens per forward pass (decodes first, prefill chunks fill the rest; must exceed
-        num_slots so prefill always progresses); eos_token_ids: stop ids for every request (default: the
-        model config's); return_hidden: keep per-token hidden states in completions."""
+        token_budget: tokens per forward pass (decodes and their drafts first, prefill chunks fill the
+        rest; must exceed num_slots so prefill always progresses); eos_token_ids: stop ids for every
+        request (default: the model config's); return_hidden: keep per-token hidden states in completions;
+        spec, drafter: speculative decoding (None: plain decoding), see `set_spec`."""
         if token_budget <= num_slots:
             raise ValueError(f"token_budget ({token_budget}) must exceed num_slots ({num_slots})")
         self.model = model
@@ -119,8 +160,35 @@ class Generator:
         self.token_budget = token_budget
         self.eos_token_ids = frozenset(model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.return_hidden = return_hidden
-        self._waiting: deque[Request] = deque()
+        self._waiting: dict[str, Request] = {}  # insertion order = arrival order; by id for add/abort
         self._running: dict[str, _Sequence] = {}  # insertion order = admission order (prefill FIFO)
+        self._group_live: dict[Hashable, int] = {}  # waiting + running requests per prompt group
+        self._stats = dict.fromkeys(("iterations", "target_passes", "drafted", "accepted", "committed"), 0)
+        self.speculator = Speculator(model.config.vocab_size)
+        self.speculator.set(spec, drafter)
+
+    def set_spec(self, spec: SpecConfig | None, drafter: Drafter | None = None) -> None:
+        """Change the speculation strategy between iterations (None or method "off": plain decoding).
+
+        drafter: the drafter for spec.method; without one, the one held for that method is reused, or a
+        default made ("ngram": `NGramDrafter()`, "self": an `OracleDrafter` recording this Generator's
+        completions); "eagle" has no default. Held drafters keep observing commits while unused.
+        """
+        self.speculator.set(spec, drafter)
+
+    def set_drafter(self, drafter: Drafter) -> None:
+        """Swap the current method's drafter between iterations (drafts only change speed, never output)."""
+        self.speculator.set_drafter(drafter)
+
+    @property
+    def spec(self) -> SpecConfig:
+        return self.speculator.config
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Running totals: iterations (steps that ran the model), target_passes, drafted, accepted, committed
+        (tokens emitted)."""
+        return dict(self._stats)
 
     def add(self, request: Request) -> None:
         """Queue a request; it joins the batch at the next iteration with a free slot."""
@@ -135,22 +203,23 @@ class Generator:
             )
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise ValueError(f"request {request.request_id!r}: prompt ids must lie in [0, {vocab})")
-        if request.request_id in self._running or any(
-            r.request_id == request.request_id for r in self._waiting
-        ):
+        if request.request_id in self._running or request.request_id in self._waiting:
             raise ValueError(f"request id {request.request_id!r} is already queued or running")
-        self._waiting.append(request)
+        self._waiting[request.request_id] = request
+        group = _group_key(request)
+        self._group_live[group] = self._group_live.get(group, 0) + 1
 
     def abort(self, request_id: str) -> bool:
         """Drop a waiting or running request (no completion is produced); False if unknown."""
-        for request in self._waiting:
-            if request.request_id == request_id:
-                self._waiting.remove(request)
-                return True
+        request = self._waiting.pop(request_id, None)
+        if request is not None:
+            self._release(request_id, _group_key(request), None)
+            return True
         seq = self._running.pop(request_id, None)
         if seq is None:
             return False
         self.cache.free(seq.slot)
+        self._release(request_id, seq.group, None)
         return True
 
     def has_unfinished(self) -> bool:
@@ -162,11 +231,15 @@ class Generator:
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        """One iteration: admit, decode every pending token, prefill within the budget, sample."""
+        """One iteration: admit, decode (or draft and verify) every pending token, prefill within the
+        budget, sample."""
         self._admit()
         if not self._running:
             return []
-        plan = self._schedule()
+        decodes, prefills = self._split()
+        if self.speculator.enabled and decodes:
+            return self._speculative_step(decodes, prefills)
+        plan = [(seq, 1) for seq in decodes] + self._prefill_plan(prefills, self.token_budget - len(decodes))
         input_ids: list[int] = []
         logit_rows: list[int] = []
         sampled: list[_Sequence] = []
@@ -178,8 +251,7 @@ class Generator:
         layout = BatchLayout.build(
             self.cache, [seq.slot for seq, _ in plan], [n for _, n in plan], logit_rows=logit_rows
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.cache.device)
-        logits, hidden = self.model(ids, layout.positions, layout, self.cache)
+        logits, hidden = self._forward(input_ids, layout)
         for seq, n in plan:
             seq.num_cached += n
         if not sampled:
@@ -187,20 +259,89 @@ class Generator:
         temperature, top_p, top_k, seeds = params_tensors([seq.request.params for seq in sampled])
         positions = torch.tensor([len(seq.tokens) for seq in sampled], dtype=torch.int64)
         tokens, logprobs = sample(logits.cpu(), temperature, top_p, top_k, seeds, positions)
-        rows_hidden = None
-        if self.return_hidden:
-            rows_hidden = (
-                hidden if layout.logit_rows is None else hidden.index_select(0, layout.logit_rows)
-            ).cpu()
+        rows_hidden = self._logit_hidden(hidden, layout)
+        return [
+            # A row's clone, not a view: a view would pin the whole pass's states.
+            self._extend(
+                seq, [token], [logprob], None if rows_hidden is None else rows_hidden[i : i + 1].clone()
+            )
+            for i, (seq, token, logprob) in enumerate(
+                zip(sampled, tokens.tolist(), logprobs.tolist(), strict=True)
+            )
+        ]
+
+    def _speculative_step(self, decodes: list[_Sequence], prefills: list[_Sequence]) -> list[StepOutput]:
+        """Draft for every decode, verify all drafts in one pass with the prefill chunks, commit."""
+        spare = self.token_budget - len(decodes)
+        draft_budget = spare
+        if prefills:
+            # Prefill keeps half the spare budget (or what it needs): drafts never starve newcomers.
+            pending = sum(len(seq.tokens) - seq.num_cached for seq in prefills)
+            draft_budget -= min(pending, max(1, spare // 2))
+        # Every node needs a cache position; a level beyond what the request may still emit is wasted.
+        node_caps = [self.cache.max_len - len(seq.tokens) for seq in decodes]
+        depth_caps = [
+            min(seq.request.params.max_tokens - seq.num_generated, room) - 1
+            for seq, room in zip(decodes, node_caps, strict=True)
+        ]
+        states = [seq.draft_state for seq in decodes]
+        if self.speculator.needs_hidden:  # every commit was observed with its states: none are new
+            none_new = torch.empty(0, self.model.config.hidden_size, dtype=self.cache.dtype)
+            states = [replace(state, hidden=none_new) for state in states]
+        proposals = self.speculator.draft(states, depth_caps, node_caps, draft_budget)
+        plan = self._prefill_plan(prefills, spare - sum(p.size for p in proposals))
+
+        input_ids: list[int] = []
+        sizes: list[int] = []
+        masks: list[Tensor | None] = []
+        logit_rows: list[int] = []
+        entries: list[VerifyEntry] = []  # decodes first, then prompts completed in this pass
+        emitting: list[_Sequence] = []
+        for seq, proposal in zip(decodes, proposals, strict=True):
+            # Pass node 0 is the pending token, nodes 1.. the draft; a chain keeps the causal mask.
+            entries.append(VerifyEntry(len(logit_rows), proposal, seq.request.params, len(seq.tokens)))
+            emitting.append(seq)
+            logit_rows.extend(range(len(input_ids), len(input_ids) + proposal.size + 1))
+            input_ids.append(seq.tokens[-1])
+            input_ids.extend(proposal.tokens)
+            sizes.append(proposal.size + 1)
+            parents = None if proposal.parents is None else torch.tensor(proposal.pass_parents())
+            masks.append(None if parents is None else tree_attention_mask(parents))
+        for seq, n in plan:
+            input_ids.extend(seq.tokens[seq.num_cached : seq.num_cached + n])
+            sizes.append(n)
+            masks.append(None)
+            if seq.num_cached + n == len(seq.tokens):  # prompt done: its first token, an empty draft
+                entries.append(VerifyEntry(len(logit_rows), EMPTY, seq.request.params, len(seq.tokens)))
+                emitting.append(seq)
+                logit_rows.append(len(input_ids) - 1)
+        layout = BatchLayout.build(
+            self.cache,
+            [seq.slot for seq in decodes] + [seq.slot for seq, _ in plan],
+            sizes,
+            tree_masks=masks if any(m is not None for m in masks) else None,
+            logit_rows=logit_rows,
+        )
+        logits, hidden = self._forward(input_ids, layout)
+        for seq, n in plan:
+            seq.num_cached += n
+        results = verify_drafts(logits.cpu(), entries, self.speculator.config.mode)
+        rows_hidden = self._logit_hidden(hidden, layout)
         outputs = []
-        for i, (seq, token, logprob) in enumerate(
-            zip(sampled, tokens.tolist(), logprobs.tolist(), strict=True)
-        ):
-            seq.tokens.append(token)
-            seq.logprobs.append(logprob)
-            if rows_hidden is not None:
-                seq.hidden.append(rows_hidden[i].clone())  # a view would pin the whole pass's states
-            outputs.append(self._emit(seq, [token], [logprob]))
+        for i, (seq, entry, result) in enumerate(zip(emitting, entries, results, strict=True)):
+            rows = [entry.row + node for node in result.nodes]
+            output = self._extend(
+                seq,
+                result.tokens,
+                result.logprobs,
+                None if rows_hidden is None else rows_hidden[rows],
+                drafted=entry.proposal.size,
+            )
+            if i < len(decodes) and output.completion is None:
+                # Keep the root and the accepted nodes; the last emitted token is the new pending one.
+                self.cache.commit_path(seq.slot, layout.starts[i], result.nodes)
+                seq.num_cached = len(seq.tokens) - 1
+            outputs.append(output)
         return outputs
 
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
@@ -216,27 +357,51 @@ class Generator:
                     done[output.request_id] = output.completion
         return [done[request.request_id] for request in requests]
 
+    def _forward(self, input_ids: list[int], layout: BatchLayout) -> tuple[Tensor, Tensor]:
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.cache.device)
+        self._stats["iterations"] += 1
+        self._stats["target_passes"] += 1
+        return self.model(ids, layout.positions, layout, self.cache)
+
+    def _logit_hidden(self, hidden: Tensor, layout: BatchLayout) -> Tensor | None:
+        """[num_logits, hidden] states of the logit rows, on the CPU, if completions or drafters use them."""
+        if not (self.return_hidden or self.speculator.needs_hidden):
+            return None
+        return (hidden if layout.logit_rows is None else hidden.index_select(0, layout.logit_rows)).cpu()
+
     def _admit(self) -> None:
         while self._waiting and self.cache.num_free_slots:
-            request = self._waiting.popleft()
+            request = self._waiting.pop(next(iter(self._waiting)))
             prompt = list(request.prompt_ids)
+            group = _group_key(request)
             self._running[request.request_id] = _Sequence(
                 request=request,
                 slot=self.cache.allocate(),
                 tokens=prompt,
                 num_prompt=len(prompt),
                 stop_ids=self.eos_token_ids | frozenset(request.params.stop_token_ids),
+                group=group,
+                draft_state=DraftState(
+                    request_id=request.request_id,
+                    group_id=group,
+                    tokens=prompt,
+                    prompt_len=len(prompt),
+                    params=request.params,
+                ),
             )
 
-    def _schedule(self) -> list[tuple[_Sequence, int]]:
-        """(sequence, tokens to feed) for this pass: every pending decode, then prefill chunks in order."""
+    def _split(self) -> tuple[list[_Sequence], list[_Sequence]]:
+        """Sequences with a pending token (in slot order) and sequences still prefilling (FIFO)."""
         decodes, prefills = [], []
         for seq in self._running.values():
             (decodes if seq.num_cached == len(seq.tokens) - 1 else prefills).append(seq)
         # Slot order lets a compact decode batch read K/V as one strided view of the cache.
         decodes.sort(key=lambda s: s.slot)
-        plan = [(seq, 1) for seq in decodes]
-        budget = self.token_budget - len(decodes)
+        return decodes, prefills
+
+    def _prefill_plan(self, prefills: list[_Sequence], budget: int) -> list[tuple[_Sequence, int]]:
+        """(sequence, prompt tokens to feed) for this pass: chunks in admission order within `budget`."""
+        plan = []
         for seq in prefills:
             if budget <= 0:
                 break
@@ -245,100 +410,82 @@ class Generator:
             budget -= n
         return plan
 
-    def _emit(self, seq: _Sequence, token_ids: list[int], logprobs: list[float]) -> StepOutput:
+    def _extend(
+        self,
+        seq: _Sequence,
+        tokens: list[int],
+        logprobs: list[float],
+        hidden: Tensor | None = None,
+        drafted: int = 0,
+    ) -> StepOutput:
+        """Append one pass's emitted tokens (accepted drafts, then the target's own token) up to the first
+        stop id or length limit — what follows would never have existed in plain decoding — and finish the
+        request if a limit was met. hidden: [len(tokens), hidden] states that sampled them, or None."""
         reason = None
-        if seq.tokens[-1] in seq.stop_ids:
-            reason = "stop"
-        elif seq.num_generated >= seq.request.params.max_tokens or len(seq.tokens) >= self.cache.max_len:
-            reason = "length"
+        taken = 0
+        for token in tokens:
+            seq.tokens.append(token)
+            taken += 1
+            if token in seq.stop_ids:
+                reason = "stop"
+            elif seq.num_generated >= seq.request.params.max_tokens or len(seq.tokens) >= self.cache.max_len:
+                reason = "length"
+            if reason is not None:
+                break
+        accepted = min(taken, len(tokens) - 1) if drafted else 0  # the last token is the target's own
+        if taken < len(tokens):
+            tokens, logprobs = tokens[:taken], logprobs[:taken]
+        seq.logprobs.extend(logprobs)
+        if hidden is not None:
+            hidden = hidden[:taken]
+            if self.return_hidden:
+                seq.hidden.extend(hidden.unbind(0))
+        seq.target_passes += 1
+        seq.drafted += drafted
+        seq.accepted += accepted
+        self._stats["drafted"] += drafted
+        self._stats["accepted"] += accepted
+        self._stats["committed"] += taken
+        if self.speculator.drafters:
+            state = seq.draft_state
+            self.speculator.observe(replace(state, hidden=hidden) if self.speculator.needs_hidden else state)
+        request_id = seq.request.request_id
         if reason is None:
-            return StepOutput(request_id=seq.request.request_id, token_ids=token_ids, logprobs=logprobs)
-        del self._running[seq.request.request_id]
+            return StepOutput(request_id=request_id, token_ids=tokens, logprobs=logprobs)
+        del self._running[request_id]
         self.cache.free(seq.slot)
+        self._release(request_id, seq.group, seq.tokens)
         completion = Completion(
-            request_id=seq.request.request_id,
+            request_id=request_id,
             prompt_ids=seq.tokens[: seq.num_prompt],
             token_ids=seq.tokens[seq.num_prompt :],
             logprobs=seq.logprobs,
             finish_reason=reason,
             group_id=seq.request.group_id,
             hidden=torch.stack(seq.hidden) if seq.hidden else None,
+            target_passes=seq.target_passes,
+            drafted=seq.drafted,
+            accepted=seq.accepted,
         )
         return StepOutput(
-            request_id=seq.request.request_id,
-            token_ids=token_ids,
+            request_id=request_id,
+            token_ids=tokens,
             logprobs=logprobs,
             finish_reason=reason,
             completion=completion,
         )
 
-
-@dataclass(frozen=True, kw_only=True)
-class VerifyTree:
-    """A draft tree to verify for one sequence."""
-
-    slot: int
-    tokens: Sequence[int]
-    """[n] node tokens in topological order; node 0 is the root: the sequence's pending token."""
-    parents: Sequence[int]
-    """[n] parent node of each node; -1 for the root."""
-
-
-@dataclass(frozen=True)
-class TreeScores:
-    """Per tree: logits [n, vocab] (row i scores the token after node i) and hidden [n, hidden]."""
-
-    base_lengths: list[int]
-    logits: list[Tensor]
-    hidden: list[Tensor]
+    def _release(self, request_id: str, group: Hashable, tokens: list[int] | None) -> None:
+        """A request left (finished with `tokens`, or aborted): drafters forget it, and its group once
+        no request of the group is waiting or running."""
+        live = self._group_live[group] - 1
+        if live:
+            self._group_live[group] = live
+        else:
+            del self._group_live[group]
+        self.speculator.finish(request_id, tokens, None if live else group)
 
 
-@torch.inference_mode()
-def score_trees(model: Transformer, cache: KVCache, trees: Sequence[VerifyTree]) -> TreeScores:
-    """One verify pass over several sequences' draft trees, with tree attention masks.
-
-    Node i of a tree is written to cache position base + i (base = the slot's length before the pass) at
-    RoPE position base + depth(i). Afterwards each slot's length is base + n: the caller keeps the
-    accepted path with `cache.commit_path(slot, base, accepted_nodes)` (or `rollback`).
-    """
-    base_lengths = [cache.length(tree.slot) for tree in trees]
-    sizes = [len(tree.tokens) for tree in trees]
-    for tree, n in zip(trees, sizes, strict=True):
-        parents = [int(p) for p in tree.parents]
-        if (
-            len(parents) != n
-            or n == 0
-            or parents[0] != -1
-            or any(not 0 <= p < i for i, p in enumerate(parents[1:], 1))
-        ):
-            raise ValueError(
-                f"slot {tree.slot}: need one parent per token, node 0 as the root (parent -1) and every "
-                f"other node's parent an earlier node; got parents {parents}"
-            )
-    masks = [tree_attention_mask(torch.as_tensor(tree.parents, dtype=torch.int64)) for tree in trees]
-    layout = BatchLayout.build(
-        cache, [tree.slot for tree in trees], sizes, tree_masks=masks, logit_rows=range(sum(sizes))
-    )
-    ids = torch.tensor([t for tree in trees for t in tree.tokens], dtype=torch.int64, device=cache.device)
-    logits, hidden = model(ids, layout.positions, layout, cache)
-    offsets = layout.cu_seqlens
-    return TreeScores(
-        base_lengths=base_lengths,
-        logits=[logits[offsets[i] : offsets[i + 1]] for i in range(len(trees))],
-        hidden=[hidden[offsets[i] : offsets[i + 1]] for i in range(len(trees))],
-    )
-
-
-def score_tree(
-    model: Transformer,
-    cache: KVCache,
-    slot: int,
-    base_len: int,
-    tokens: Sequence[int],
-    parents: Sequence[int],
-) -> tuple[Tensor, Tensor]:
-    """Single-sequence `score_trees`: (logits [n, vocab], hidden [n, hidden]); checks the base length."""
-    if cache.length(slot) != base_len:
-        raise ValueError(f"slot {slot} holds {cache.length(slot)} tokens, not base_len {base_len}")
-    scores = score_trees(model, cache, [VerifyTree(slot=slot, tokens=tokens, parents=parents)])
-    return scores.logits[0], scores.hidden[0]
+def _group_key(request: Request) -> Hashable:
+    """Drafters share state per prompt group; a request without a group is its own."""
+    return request.group_id if request.group_id is not None else ("request", request.request_id)

@@ -92,6 +92,9 @@ class Drafter(ABC):
     """Proposes draft trees for a batch of requests; informed of commits; forgets finished requests."""
 
     name: str = "drafter"
+    uses_hidden: bool = True
+    """Whether `DraftState.hidden` should carry the target's states; gathering them costs the generator a
+    copy per commit, so model-free drafters say False."""
 
     @abstractmethod
     def propose(self, states: Sequence[DraftState], depth: int, topk: int, verify: int) -> list[Draft]:

@@ -45,6 +45,7 @@ class NGramDrafter(Drafter):
     """Prompt-lookup drafter over all sequences of a prompt group."""
 
     name = "ngram"
+    uses_hidden = False
 
     def __init__(self, min_n: int = 2, max_n: int = 4, max_matches: int = 32) -> None:
         if min_n < 1:

@@ -27,6 +27,7 @@ class OracleDrafter(Drafter):
     """Proposes the recorded continuation of each request as a chain."""
 
     name = "oracle"
+    uses_hidden = False
 
     def __init__(self, recorded: Mapping[Hashable, Sequence[int] | Tensor] | None = None) -> None:
         self._recorded: dict[Hashable, list[int]] = {}
