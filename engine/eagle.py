@@ -1,0 +1,499 @@
+"""EAGLE-style draft head (`EagleHead`) and the drafter that runs it in the generator (`EagleDrafter`).
+
+The head drafts the target's next token from the target's own last-layer state. At sequence position i
+it reads the *pair* (f_i, x_{i+1}) — the target's feature at i and the embedding of the token that
+followed — and predicts f_{i+1}; the target's LM head turns that prediction into a distribution over
+x_{i+2}. Feeding its own prediction back in as the next feature drafts several tokens per target pass:
+
+    x   = fc(cat(embed(x_{i+1}), f_i))            2d → d, no bias
+    h   = x + o_proj(attn(x))                     one decoder layer of the target's architecture,
+    out = h + mlp(post_norm(h))                   its own weights, no input norm
+    logits = lm_head(out)                         the target's LM head, shared and frozen
+
+Non-obvious choices:
+- Features are the target's last-layer states *after* its final norm, f_i = final_norm(h_i); the head's
+  output lives in that space and goes straight into the LM head. This is EAGLE-1's convention (its
+  features are Hugging Face's `last_hidden_state`, which is post-norm), and vLLM and SGLang run exported
+  heads that way: they feed post-norm target states and apply the LM head to the head's output with no
+  norm in between. A head predicting the *pre*-norm state and applying final norm + LM head itself would
+  load there but compute a different function. The target's final norm is still the shared, frozen one:
+  it is applied where features enter (to the target states the engine exposes, which are pre-norm), not
+  after the head. A side benefit: post-norm features have a fixed scale, which suits the smooth-L1 loss.
+- The decoder layer is the target's `DecoderLayer` class with the target's widths, heads and RoPE, but as
+  a plain Llama layer (no projection biases even for a Qwen2 target) and with its input norm removed, as
+  in EAGLE-1 and in vLLM's/SGLang's layer 0 — the layout `eagle_export` writes.
+- The drafter's window starts at the last prompt token: the pair at the last prompt position is the first
+  it caches, whatever hidden states it is given for earlier positions. Completions carry no prompt states,
+  so this is also exactly what the buffer trains on (RoPE is relative, so window positions from 0 are
+  equivalent to absolute ones).
+- `DraftState.hidden[j]` is taken to be the target state that *sampled* the j-th of the tokens committed
+  since the last call (`Completion.hidden`'s convention): for t rows and n tokens they are the states at
+  positions n-1-t … n-2. The last token is pending (not yet fed to the target), which is exactly the
+  token the head pairs with the newest state to draft the next one.
+- Hot swap (`load_state`): every request keeps its features, so after new weights arrive its cache is
+  recomputed lazily at the next `propose` — a swapped drafter drafts exactly like a fresh one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Hashable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from slipstream.engine.config import ModelConfig
+from slipstream.engine.drafters.base import Draft, Drafter, DraftState
+from slipstream.engine.kv_cache import KVCache
+from slipstream.engine.model import DecoderLayer, Linear, Rotary, Transformer, _linear
+from slipstream.engine.tree import build_tree, tree_depths
+
+__all__ = [
+    "EagleDrafter",
+    "EagleHead",
+    "attend",
+    "draft_logits",
+    "head_config",
+    "target_features",
+    "varlen_attention",
+]
+
+
+def head_config(target: ModelConfig) -> ModelConfig:
+    """The head's layer config: the target's widths, heads and RoPE as one plain Llama layer (no biases)."""
+    return dataclasses.replace(
+        target, model_type="llama", num_hidden_layers=1, qkv_bias=False, o_bias=False, mlp_bias=False
+    )
+
+
+def target_features(target: Transformer, hidden: Tensor) -> Tensor:
+    """EAGLE features [..., d] from the target's pre-norm last-layer states: its (frozen) final norm."""
+    return target.final_norm(hidden)
+
+
+def draft_logits(target: Transformer, out: Tensor) -> Tensor:
+    """Logits [..., V] of head outputs [..., d] through the target's LM head alone (inference path)."""
+    out = out.to(target.lm_head_weight.dtype)
+    if target.lm_head is not None:
+        return target.lm_head(out)
+    # Tied head: reuse the target's prepacked copy of the embedding matrix rather than packing another.
+    return _linear(out, target.embed_tokens.weight, None, target._tied_head_pack)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """Attention of queries q [..., n, heads, hd] over keys/values [..., kv_heads, m, hd] → [..., n, heads*hd].
+
+    mask: [n, m] bool (True = may attend), or None for causal attention with n == m. GQA folds the query
+    heads that share a KV head into the query axis, as the target's attention does (no K/V repeat).
+    """
+    *lead, n, heads, hd = q.shape
+    kv_heads, m = k.shape[-3], k.shape[-2]
+    groups = heads // kv_heads
+    if mask is None:
+        mask = torch.ones(n, m, dtype=torch.bool, device=q.device).tril()
+    folded = (
+        q.reshape(*lead, n, kv_heads, groups, hd).movedim(-4, -2).reshape(*lead, kv_heads, groups * n, hd)
+    )
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask.repeat(groups, 1))  # [.., kvh, g*n, hd]
+    return out.reshape(*lead, kv_heads, groups, n, hd).movedim(-2, -4).reshape(*lead, n, heads * hd)
+
+
+def varlen_attention(
+    q: Tensor,
+    keys: Sequence[Tensor],
+    values: Sequence[Tensor],
+    cu_seqlens: Sequence[int],
+    mask_fn: Callable[[int], Tensor],
+) -> Tensor:
+    """Attention within each packed sequence: q [N, heads, hd] → [N, heads * hd].
+
+    keys/values: one or more blocks, each [N, kv_heads, hd] in q's row layout; a sequence's query i sees
+    block b's row j where mask_fn(T)[i, b * T + j] (T the sequence's length). Sequences are bucketed by
+    length (within 2×) and padded to the bucket's longest, one attention call per bucket instead of one
+    per sequence. Padding is safe for masks where a row sees no key beyond itself (causal ones): a real
+    row then never sees a padded key, and padded rows (dropped) always see themselves, so none is empty.
+    """
+    bounds = [int(b) for b in cu_seqlens]
+    spans = sorted(itertools.pairwise(bounds), key=lambda span: span[1] - span[0])
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    while spans:
+        shortest = spans[0][1] - spans[0][0]
+        bucket = [span for span in spans if span[1] - span[0] <= 2 * shortest]
+        spans = spans[len(bucket) :]
+        length = bucket[-1][1] - bucket[-1][0]
+        starts = torch.tensor([a for a, _ in bucket], device=q.device)[:, None]
+        lasts = torch.tensor([b - 1 for _, b in bucket], device=q.device)[:, None]
+        index = torch.minimum(starts + torch.arange(length, device=q.device), lasts)  # [G, P], pad = last row
+        k = torch.cat([block[index] for block in keys], dim=1).transpose(1, 2)  # [G, kvh, blocks * P, hd]
+        v = torch.cat([block[index] for block in values], dim=1).transpose(1, 2)
+        o = attend(q[index], k, v, mask_fn(length).to(q.device))  # [G, P, heads * hd]
+        real = index == starts + torch.arange(length, device=q.device)
+        out[index[real]] = o[real]
+    return out
+
+
+def _causal(length: int) -> Tensor:
+    return torch.ones(length, length, dtype=torch.bool).tril()
+
+
+class EagleHead(nn.Module):
+    """fc (2d → d) + one decoder layer without input norm; holds only the drafter's trainable weights.
+
+    The target's embedding, final norm and LM head are used, never owned: they are not in this module's
+    parameters or state dict, so checkpoints and weight pushes carry the drafter alone.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.num_hidden_layers != 1:
+            raise ValueError(f"an EAGLE head has one layer; config says {config.num_hidden_layers}")
+        self.config = config
+        d = config.hidden_size
+        self.fc = Linear(2 * d, d, bias=False)
+        self.layer = DecoderLayer(config)
+        # EAGLE-1 layer 0 has no input norm (fc's output is the residual stream); vLLM and SGLang make it
+        # an identity too, so the exported layout has no place for a weight here.
+        self.layer.input_norm = nn.Identity()
+        self.rotary = Rotary(config)
+
+    @classmethod
+    def for_target(cls, target: ModelConfig) -> EagleHead:
+        return cls(head_config(target))
+
+    def fuse(self, embeds: Tensor, features: Tensor) -> Tensor:
+        """Layer input [N, d] from token embeddings [N, d] and features [N, d]."""
+        return self.fc(torch.cat((embeds, features), dim=-1))
+
+    def qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """RoPE'd q [N, heads, hd], k and v [N, kv_heads, hd] of layer inputs x [N, d] at positions [N]."""
+        cos_table, sin_table = self.rotary.tables(int(positions.max()) + 1, x.device, x.dtype)
+        cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]
+        # The target's own projection + RoPE code, so head and target share the arithmetic exactly.
+        return self.layer.attn._qkv(x, cos, sin)
+
+    def finish(self, x: Tensor, attn: Tensor) -> Tensor:
+        """Head output [N, d] from layer inputs x [N, d] and attention outputs [N, heads * hd]."""
+        h = x + self.layer.attn.o_proj(attn)
+        return h + self.layer.mlp(self.layer.post_norm(h))
+
+    def forward(
+        self, embeds: Tensor, features: Tensor, positions: Tensor, cu_seqlens: Sequence[int]
+    ) -> Tensor:
+        """Packed causal forward: several sequences' pairs concatenated without padding → outputs [N, d].
+
+        cu_seqlens: [S + 1] offsets; attention is causal within each sequence and never crosses one.
+        The projections run once over all N rows; attention runs per bucket of similar lengths.
+        """
+        x = self.fuse(embeds, features)
+        q, k, v = self.qkv(x, positions)
+        attn = varlen_attention(q, [k], [v], cu_seqlens, _causal)
+        return self.finish(x, attn)
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    """The drafter's state for one request."""
+
+    slot: int | None
+    """Cache slot, None when every slot was taken at admission (the request is then never drafted)."""
+    start: int
+    """Sequence position of the window's first pair."""
+    features: Tensor
+    """[capacity, d] features of positions start, start+1, … (the first `num_features` rows are valid)."""
+    num_features: int = 0
+    cached: int = 0
+    """Pairs whose K/V are in the slot (window positions [0, cached))."""
+    last_out: Tensor | None = None
+    """[d] head output of the last cached pair: the predicted feature that drafts the first token."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Node:
+    """One draft pair to run: the token `token` after a node whose head output is `parent_out`."""
+
+    request: _Request
+    token: int
+    parent_out: Tensor
+    """[d]."""
+    position: int
+    """Window position of the pair (RoPE) = cached + depth."""
+    write: int
+    """Cache index its K/V are written to (beyond the slot's length; never committed)."""
+    visible: list[int]
+    """Cache indices of the draft pairs it attends to besides the committed prefix (ancestors and itself)."""
+
+
+class EagleDrafter(Drafter):
+    """Runs an `EagleHead` against a target `Transformer`: per-request KV cache, chain and tree drafts."""
+
+    name = "eagle"
+
+    def __init__(
+        self,
+        head: EagleHead,
+        target: Transformer,
+        *,
+        num_slots: int = 32,
+        max_len: int = 2048,
+        version: int = 0,
+    ) -> None:
+        """num_slots: requests drafted at once; max_len: window pairs + draft nodes per request."""
+        if head.config.hidden_size != target.config.hidden_size:
+            raise ValueError(
+                f"head hidden_size {head.config.hidden_size} != target hidden_size {target.config.hidden_size}"
+            )
+        self.head = head.eval()
+        self.target = target
+        self.version = version
+        weight = head.fc.weight
+        self.cache = KVCache.for_model(
+            head.config, num_slots=num_slots, max_len=max_len, dtype=weight.dtype, device=weight.device
+        )
+        self._requests: dict[Hashable, _Request] = {}
+
+    # ----------------------------------------------------------------------------------------------
+    # Weights
+
+    def load_state(self, weights: Mapping[str, Tensor], version: int) -> None:
+        """Swap in new trainable weights (same names and shapes as `head.state_dict()`) of a newer version.
+
+        Copies in place (cast to the head's dtype), so the module and its prepacked inference weights stay
+        valid; every request's cache is recomputed from its kept features at the next `propose`.
+        """
+        if version <= self.version:
+            raise ValueError(f"drafter version {version} is not newer than the loaded version {self.version}")
+        params = dict(self.head.named_parameters())
+        if set(weights) != set(params):
+            missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
+            raise ValueError(f"drafter weights mismatch: missing {missing}, unexpected {unexpected}")
+        for name, param in params.items():
+            if tuple(weights[name].shape) != tuple(param.shape):
+                raise ValueError(
+                    f"drafter weight {name!r}: shape {tuple(weights[name].shape)}, expected {tuple(param.shape)}"
+                )
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(weights[name])
+        self.version = version
+        for request in self._requests.values():
+            request.cached, request.last_out = 0, None
+            if request.slot is not None:
+                self.cache.rollback(request.slot, 0)
+
+    # ----------------------------------------------------------------------------------------------
+    # Drafter interface
+
+    def observe(self, state: DraftState) -> None:
+        # Only record the features: the head runs lazily in `propose`, so with speculation switched off the
+        # drafter costs one norm per commit.
+        if state.hidden is not None:
+            with torch.inference_mode():
+                self._ingest(state)
+
+    def reset(self, request_id: Hashable) -> None:
+        request = self._requests.pop(request_id, None)
+        if request is not None and request.slot is not None:
+            self.cache.free(request.slot)
+
+    @torch.inference_mode()
+    def propose(self, states: Sequence[DraftState], depth: int, topk: int, verify: int) -> list[Draft]:
+        drafts = [Draft.empty() for _ in states]
+        ready: list[tuple[int, _Request, DraftState]] = []
+        for i, state in enumerate(states):
+            # No states, no draft: guessing features would only waste the verify pass.
+            request = self._ingest(state) if state.hidden is not None else None
+            if request is not None and request.slot is not None:
+                ready.append((i, request, state))
+        self._extend([(request, state) for _, request, state in ready])
+        room = min(depth, verify) if topk == 1 else depth * topk
+        ready = [
+            (i, request, state)
+            for i, request, state in ready
+            # Draft only from a cache that covers every committed token (the pending one included).
+            if request.last_out is not None
+            and request.start + request.cached == len(state.tokens) - 1
+            and request.cached + room <= self.cache.max_len
+        ]
+        if not ready or depth < 1 or verify < 1:
+            return drafts
+        if topk == 1:
+            chains = self._draft_chains([request for _, request, _ in ready], min(depth, verify))
+            for (i, _, _), chain in zip(ready, chains, strict=True):
+                drafts[i] = Draft.chain(chain)
+        else:
+            for i, request, state in ready:
+                drafts[i] = self._draft_tree(request, state, depth, topk, verify)
+        return drafts
+
+    # ----------------------------------------------------------------------------------------------
+    # Committed pairs
+
+    def _ingest(self, state: DraftState) -> _Request | None:
+        """Append the features of `state.hidden` to the request's window; returns the request's state."""
+        hidden = state.hidden
+        assert hidden is not None
+        n, t = len(state.tokens), hidden.shape[0]
+        first = n - 1 - t  # position of hidden[0]
+        if first < 0 or hidden.dim() != 2 or hidden.shape[1] != self.head.config.hidden_size:
+            raise ValueError(
+                f"request {state.request_id!r}: hidden must be [t < {n}, {self.head.config.hidden_size}]"
+                f" for {n} tokens, got {tuple(hidden.shape)}"
+            )
+        request = self._requests.get(state.request_id)
+        if t == 0:
+            return request  # no new states, so no position to check either
+        if request is not None and first > request.start + request.num_features:
+            # A gap: states for some committed tokens never arrived. Start a fresh window after it.
+            self.reset(state.request_id)
+            request = None
+        if request is None:
+            start = max(state.prompt_len - 1, first, 0)
+            if first + t <= start:
+                return None  # nothing at or after the window start yet
+            slot = self.cache.allocate() if self.cache.num_free_slots else None
+            capacity = max(64, 2 * t)
+            request = _Request(slot=slot, start=start, features=self._new_features(capacity))
+            self._requests[state.request_id] = request
+        skip = request.start + request.num_features - first  # rows already held (or before the window)
+        if skip < t and request.slot is not None:
+            weight = self.target.lm_head_weight  # the generator hands states over on the CPU
+            new = target_features(self.target, hidden[skip:].to(device=weight.device, dtype=weight.dtype))
+            self._append_features(request, new.to(request.features.dtype))
+        return request
+
+    def _new_features(self, capacity: int) -> Tensor:
+        weight = self.head.fc.weight
+        return torch.empty(capacity, self.head.config.hidden_size, dtype=weight.dtype, device=weight.device)
+
+    def _append_features(self, request: _Request, new: Tensor) -> None:
+        end = request.num_features + new.shape[0]
+        if end > request.features.shape[0]:
+            # Doubling keeps appends amortised O(1) per token over a long response.
+            grown = self._new_features(max(end, 2 * request.features.shape[0]))
+            grown[: request.num_features] = request.features[: request.num_features]
+            request.features = grown
+        request.features[request.num_features : end] = new
+        request.num_features = end
+
+    def _extend(self, work: Sequence[tuple[_Request, DraftState]]) -> None:
+        """Run the head over every request's uncached pairs in one pass; write their K/V into the cache."""
+        jobs = []
+        for request, state in work:
+            # A pair at window position p needs the token after it; the newest state pairs with the pending one.
+            end = min(request.num_features, len(state.tokens) - 1 - request.start, self.cache.max_len)
+            if end > request.cached:
+                jobs.append((request, state, request.cached, end))
+        if not jobs:
+            return
+        device = self.head.fc.weight.device
+        tokens, features, positions = [], [], []
+        for request, state, lo, hi in jobs:
+            ids = state.tokens[request.start + lo + 1 : request.start + hi + 1]
+            tokens.append(torch.as_tensor(ids, dtype=torch.int64).reshape(-1))
+            features.append(request.features[lo:hi])
+            positions.append(torch.arange(lo, hi))
+        embeds = self.target.embed_tokens(torch.cat(tokens).to(device))
+        x = self.head.fuse(embeds.to(features[0].dtype), torch.cat(features))  # [N, d]
+        q, k, v = self.head.qkv(x, torch.cat(positions).to(device))
+        keys, values = self.cache.keys[0], self.cache.values[0]
+        attn, row = [], 0
+        for request, _, lo, hi in jobs:
+            rows = slice(row, row + hi - lo)
+            row += hi - lo
+            slot = request.slot
+            keys[slot, :, lo:hi] = k[rows].transpose(0, 1)
+            values[slot, :, lo:hi] = v[rows].transpose(0, 1)
+            mask = torch.arange(hi, device=device)[None, :] <= torch.arange(lo, hi, device=device)[:, None]
+            attn.append(attend(q[rows], keys[slot, :, :hi], values[slot, :, :hi], mask))
+            self.cache.set_length(slot, hi)
+        out = self.head.finish(x, torch.cat(attn))  # [N, d]
+        row = 0
+        for request, _, lo, hi in jobs:
+            row += hi - lo
+            request.cached, request.last_out = hi, out[row - 1].clone()
+
+    # ----------------------------------------------------------------------------------------------
+    # Draft pairs
+
+    def _run_nodes(self, nodes: Sequence[_Node]) -> Tensor:
+        """Head outputs [len(nodes), d] of draft pairs; each sees its request's committed prefix + `visible`."""
+        device = self.head.fc.weight.device
+        ids = torch.tensor([node.token for node in nodes], dtype=torch.int64, device=device)
+        parent_out = torch.stack([node.parent_out for node in nodes])
+        x = self.head.fuse(self.target.embed_tokens(ids).to(parent_out.dtype), parent_out)
+        q, k, v = self.head.qkv(x, torch.tensor([node.position for node in nodes], device=device))
+        keys, values = self.cache.keys[0], self.cache.values[0]
+        for i, node in enumerate(nodes):
+            keys[node.request.slot, :, node.write] = k[i]
+            values[node.request.slot, :, node.write] = v[i]
+        attn = []
+        for i, node in enumerate(nodes):
+            slot, cached = node.request.slot, node.request.cached
+            end = max(node.visible) + 1
+            mask = torch.zeros(1, end, dtype=torch.bool, device=device)
+            mask[0, :cached] = True
+            mask[0, node.visible] = True
+            attn.append(attend(q[i : i + 1], keys[slot, :, :end], values[slot, :, :end], mask))
+        return self.head.finish(x, torch.cat(attn))
+
+    def _draft_chains(self, requests: Sequence[_Request], k: int) -> list[Tensor]:
+        """Greedy chains of k tokens for several requests at once (k - 1 batched head passes)."""
+        outs = torch.stack([request.last_out for request in requests])  # [B, d]
+        tokens = [draft_logits(self.target, outs).argmax(-1)]  # [B] per step
+        for j in range(1, k):
+            nodes = [
+                _Node(
+                    request=request,
+                    token=int(tokens[-1][b]),
+                    parent_out=outs[b],
+                    position=request.cached + j - 1,
+                    write=request.cached + j - 1,
+                    visible=list(range(request.cached, request.cached + j)),
+                )
+                for b, request in enumerate(requests)
+            ]
+            outs = self._run_nodes(nodes)
+            tokens.append(draft_logits(self.target, outs).argmax(-1))
+        return list(torch.stack(tokens, dim=1).cpu())  # B × [k]
+
+    def _draft_tree(self, request: _Request, state: DraftState, depth: int, topk: int, verify: int) -> Draft:
+        """An EAGLE-2 tree (`tree.build_tree`) whose children are the head's top-k tokens (point masses)."""
+        temperature = state.params.temperature
+        scale = 1.0 / temperature if temperature > 0 else 1.0
+        root_out = request.last_out
+        assert root_out is not None
+        outs: dict[int, Tensor] = {}  # expanded candidate → its head output
+        writes: dict[int, int] = {}  # expanded candidate → cache index of its pair
+
+        def expand(tokens: Tensor, parents: Tensor, frontier: Tensor) -> Tensor:
+            if frontier.tolist() == [-1]:
+                return torch.log_softmax(draft_logits(self.target, root_out[None]).float() * scale, dim=-1)
+            depths = tree_depths(parents).tolist()
+            parent_of = parents.tolist()
+            nodes = []
+            for c in frontier.tolist():
+                writes[c] = request.cached + len(writes)
+                visible, a = [], c
+                while a >= 0:
+                    visible.append(writes[a])
+                    a = parent_of[a]
+                p = parent_of[c]
+                nodes.append(
+                    _Node(
+                        request=request,
+                        token=int(tokens[c]),
+                        parent_out=root_out if p < 0 else outs[p],
+                        position=request.cached + depths[c],
+                        write=writes[c],
+                        visible=visible,
+                    )
+                )
+            result = self._run_nodes(nodes)
+            for c, out in zip(frontier.tolist(), result, strict=True):
+                outs[c] = out
+            return torch.log_softmax(draft_logits(self.target, result).float() * scale, dim=-1)
+
+        tree = build_tree(expand, depth, topk, verify)
+        return Draft(tree.tokens, tree.parents)
