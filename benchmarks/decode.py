@@ -1,0 +1,383 @@
+"""Decode benchmark: plain vs speculative tokens/s at batch 1/4/16/32, measured side by side in one run.
+
+    slipstream bench decode --json                                    # smollm2-135m, the full run
+    slipstream bench decode --model DIR --batches 1 --max-tokens 16 --repeats 1 --json   # a quick one
+    python -m slipstream.benchmarks.decode --json                     # the same without the CLI
+
+Workload (DESIGN §11): B prompts of exactly `prompt_tokens` (64) tokens of real text — short
+reasoning-gym questions (basic_arithmetic, chain_sum, simple_equations, lcm) when the package imports,
+else built-in arithmetic word problems, each followed by a "think step by step" instruction, through the
+chat template and cut to length inside the user turn — then `max_tokens` (256) new tokens at temperature
+1, request i seeded i. A model directory without a tokenizer gets seeded random prompt ids instead (the
+JSON says which). EOS is ignored, so every config decodes exactly B × max_tokens tokens and tokens/s
+compare like with like.
+
+Rows per batch size (JSON "rows"): plain; n-gram chain k=3, chain k=7 and a tree (depth 4, topk 4, verify
+16), all sampled with rejection verification; self-draft chain k=3 and k=7 in reproducible mode. The
+self-draft (oracle) replays the target's own output recorded by an untimed plain run with the same seeds
+(which is also the warm-up); reproducible verification accepts a replayed token exactly when it is the
+target's keyed sample, so the oracle is accepted all the way (up to float ties) even at T = 1 and no
+greedy rows are needed — whereas rejection mode would accept a replayed x only with probability q(x).
+The oracle always proposes a chain (knowing the answer, branching only spends verify budget), so a
+self-draft tree row would be a chain row again and is left out.
+
+Interleaving: for each batch size every config gets its own generator, and the generators advance one
+iteration each in turn until all are done, so drift and the neighbours' load hit every config alike at
+iteration granularity. A config's time is the sum of its own iterations (prefill included); the whole
+round is repeated `repeats` times and each config reports its median tokens/s (tokens_per_s_rounds has
+every round's figure); ratio = that / plain's median. accept_length = tokens per target pass over all
+repeats (1.0 for plain, whose mode is null). One round is the default: at iteration granularity a burst
+of load hits every config alike, so the ratios hold without repeats, and a round of the full workload
+already takes about five minutes on 2 CPU threads (--repeats 3 for medians on a noisy machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slipstream.engine import hub
+from slipstream.engine.generator import Completion, Generator, Request
+from slipstream.engine.model import Transformer
+from slipstream.engine.sampling import SamplingParams
+from slipstream.engine.tokenizer import Tokenizer
+from slipstream.engine.weights import load_model
+from slipstream.runtime.generate import make_drafter, make_generator, spec_config
+
+__all__ = ["ARMS", "Arm", "bench_prompts", "main", "render", "run"]
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_BATCHES = (1, 4, 16, 32)
+INSTRUCTION = (
+    "Think it through step by step: restate what is asked, work out every intermediate result, check "
+    "the arithmetic twice, explain each step in plain words, and give the final answer on its own line."
+)
+SENTINEL = "\x00CONTENT\x00"
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One benchmark config: a drafter and a tree shape."""
+
+    spec: str
+    """"off" (plain), "ngram" or "self"."""
+    depth: int = 0
+    topk: int = 0
+    verify: int = 0
+
+    @property
+    def mode(self) -> str | None:
+        """Verification mode; None for plain decoding (nothing to verify)."""
+        if self.spec == "off":
+            return None
+        # The oracle is only meaningful when its replay can be accepted in full (see the module docstring).
+        return "reproducible" if self.spec == "self" else "rejection"
+
+    @property
+    def label(self) -> str:
+        return self.spec if self.spec == "off" else f"{self.spec} d{self.depth} k{self.topk} v{self.verify}"
+
+
+ARMS = (
+    Arm("off"),
+    Arm("ngram", 3, 1, 3),
+    Arm("ngram", 7, 1, 7),
+    Arm("ngram", 4, 4, 16),
+    Arm("self", 3, 1, 3),
+    Arm("self", 7, 1, 7),
+)
+
+
+# -- prompts -------------------------------------------------------------------------------------------
+
+
+def _questions(count: int, seed: int) -> tuple[list[tuple[str, str]], str]:
+    """About `count` (source, question) pairs per task, interleaved, and the family they come from."""
+    try:
+        import reasoning_gym
+    except ImportError:
+        rng = random.Random(seed)
+        templates = (
+            "A shop has {a} boxes of {b} pencils and sells {c} pencils. How many pencils are left?",
+            "Tom reads {a} pages a day for {b} days, then {c} pages more. How many pages did he read?",
+            "A train goes {a} km per hour for {b} hours and then {c} km more. How far does it go?",
+            "Calculate {a} * {b} - {c}.",
+        )
+        return [
+            (
+                "builtin",
+                rng.choice(templates).format(
+                    a=rng.randint(2, 99), b=rng.randint(2, 30), c=rng.randint(1, 99)
+                ),
+            )
+            for _ in range(count)
+        ], "builtin arithmetic word problems"
+    # Tasks whose questions mostly fit the ~30 tokens a 64-token chat prompt leaves for the user turn.
+    tasks = ("basic_arithmetic", "chain_sum", "simple_equations", "lcm")
+    per_task = [
+        [(t, str(item["question"])) for item in reasoning_gym.create_dataset(t, size=count, seed=seed)]
+        for t in tasks
+    ]
+    return [q for group in zip(*per_task, strict=True) for q in group], "reasoning-gym"
+
+
+def bench_prompts(
+    tokenizer: Tokenizer | None, count: int, length: int, *, vocab: int, seed: int = 0
+) -> tuple[list[list[int]], str]:
+    """`count` prompts of exactly `length` ids, and a description of where they came from."""
+    if tokenizer is None:
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, vocab, (count, length), generator=gen)
+        return ids.tolist(), "random ids (the model directory has no tokenizer)"
+    text = tokenizer.render_chat([{"role": "user", "content": SENTINEL}])
+    head, tail = text.split(SENTINEL)
+    head_ids = tokenizer.encode(head, add_special_tokens=False)
+    tail_ids = tokenizer.encode(tail, add_special_tokens=False)
+    room = length - len(head_ids) - len(tail_ids)
+    if room < 8:
+        raise ValueError(f"the chat template alone takes {length - room} of the {length} prompt tokens")
+    candidates = count
+    while True:
+        questions, family = _questions(candidates, seed)
+        prompts: list[list[int]] = []
+        used: set[str] = set()
+        for task, question in questions:
+            # Keep the question whole; the instruction after it is what gets cut to fit.
+            if len(tokenizer.encode(question, add_special_tokens=False)) > room - 4:
+                continue
+            body = tokenizer.encode(f"{question}\n{INSTRUCTION}", add_special_tokens=False)
+            if len(body) >= room:
+                prompts.append(head_ids + body[:room] + tail_ids)
+                used.add(task)
+            if len(prompts) == count:
+                return prompts, f"{family} ({', '.join(sorted(used))})"
+        if candidates > 64 * count:
+            raise ValueError(f"could not build {count} prompts of {length} tokens from {family}")
+        candidates *= 4
+
+
+# -- measurement ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Tally:
+    """One config's totals over one round."""
+
+    seconds: float = 0.0
+    tokens: int = 0
+    passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def add(self, completion: Completion) -> None:
+        self.tokens += len(completion.token_ids)
+        self.passes += completion.target_passes
+        self.drafted += completion.drafted
+        self.accepted += completion.accepted
+
+
+def _requests(prompts: Sequence[list[int]], max_tokens: int) -> list[Request]:
+    # Seed i for prompt i whatever the batch: the recording run and every config see the same requests.
+    return [
+        Request(
+            request_id=f"p{i}",
+            prompt_ids=ids,
+            params=SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens),
+        )
+        for i, ids in enumerate(prompts)
+    ]
+
+
+def _generator(
+    model: Transformer, requests: list[Request], arm: Arm, recorded: dict[str, list[int]]
+) -> Generator:
+    spec = spec_config(
+        arm.spec, depth=arm.depth, topk=arm.topk, verify=arm.verify, reproducible=arm.mode == "reproducible"
+    )
+    return make_generator(
+        model, requests, spec=spec, drafter=make_drafter(arm.spec, recorded), eos_token_ids=()
+    )
+
+
+def _round(
+    model: Transformer, requests: list[Request], arms: Sequence[Arm], recorded: dict[str, list[int]]
+) -> list[_Tally]:
+    """Every arm decodes `requests` once, one iteration each in turn; returns each arm's totals."""
+    gens = [_generator(model, requests, arm, recorded) for arm in arms]
+    tallies = [_Tally() for _ in arms]
+    for gen in gens:
+        for request in requests:
+            gen.add(request)
+    live = list(range(len(arms)))
+    gc.collect()
+    gc.disable()  # a collection inside one config's iteration would be charged to that config alone
+    try:
+        while live:
+            for a in list(live):
+                started = time.perf_counter()
+                outputs = gens[a].step()
+                tallies[a].seconds += time.perf_counter() - started
+                for output in outputs:
+                    if output.completion is not None:
+                        tallies[a].add(output.completion)
+                if not gens[a].has_unfinished():
+                    live.remove(a)
+    finally:
+        gc.enable()
+    return tallies
+
+
+def _record(model: Transformer, requests: list[Request]) -> dict[str, list[int]]:
+    """Plain outputs (prompt + response) by request id, for the self-draft oracle; also the warm-up."""
+    gen = make_generator(model, requests, eos_token_ids=())
+    return {c.request_id: [*c.prompt_ids, *c.token_ids] for c in gen.generate(requests)}
+
+
+def run(
+    model: str | None = None,
+    *,
+    batches: Sequence[int] = DEFAULT_BATCHES,
+    max_tokens: int = 256,
+    repeats: int = 1,
+    prompt_tokens: int = 64,
+    threads: int | None = None,
+    arms: Sequence[Arm] = ARMS,
+    log: bool = True,
+) -> dict[str, Any]:
+    """Run the benchmark; returns the JSON-ready result (see the module docstring)."""
+    if not batches or min(batches) < 1:
+        raise ValueError(f"batches must be positive, got {list(batches)}")
+    for name, value in (("max_tokens", max_tokens), ("repeats", repeats), ("prompt_tokens", prompt_tokens)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    started = time.perf_counter()
+    name = model or DEFAULT_MODEL
+    path = hub.resolve(name)
+    target = load_model(path)
+    tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
+    prompts, source = bench_prompts(tokenizer, max(batches), prompt_tokens, vocab=target.config.vocab_size)
+
+    def say(message: str) -> None:
+        if log:
+            print(f"bench decode: {message}", file=sys.stderr, flush=True)
+
+    say(f"{name}, {torch.get_num_threads()} threads, prompts from {source}")
+    rows: list[dict[str, Any]] = []
+    for batch in batches:
+        requests = _requests(prompts[:batch], max_tokens)
+        t0 = time.perf_counter()
+        recorded = _record(target, requests)
+        say(f"batch {batch}: recorded the plain run for self-draft in {time.perf_counter() - t0:.1f} s")
+        rounds: list[list[_Tally]] = []
+        for r in range(repeats):
+            t0 = time.perf_counter()
+            rounds.append(_round(target, requests, arms, recorded))
+            rates = ", ".join(
+                f"{arm.label} {t.tokens / t.seconds:.0f}" for arm, t in zip(arms, rounds[-1], strict=True)
+            )
+            say(f"batch {batch} round {r + 1}/{repeats} ({time.perf_counter() - t0:.0f} s): {rates} tok/s")
+        medians = [statistics.median(rd[a].tokens / rd[a].seconds for rd in rounds) for a in range(len(arms))]
+        plain = (
+            medians[[arm.spec for arm in arms].index("off")] if any(a.spec == "off" for a in arms) else None
+        )
+        for a, arm in enumerate(arms):
+            tokens = sum(rd[a].tokens for rd in rounds)
+            passes = sum(rd[a].passes for rd in rounds)
+            rows.append(
+                {
+                    "batch": batch,
+                    "spec": arm.spec,
+                    "depth": arm.depth,
+                    "topk": arm.topk,
+                    "verify": arm.verify,
+                    "mode": arm.mode,
+                    "tokens_per_s": round(medians[a], 2),
+                    "tokens_per_s_rounds": [round(rd[a].tokens / rd[a].seconds, 2) for rd in rounds],
+                    "ratio": round(medians[a] / plain, 3) if plain else None,
+                    "accept_length": round(tokens / passes, 3) if passes else None,
+                    "drafted": sum(rd[a].drafted for rd in rounds),
+                    "accepted": sum(rd[a].accepted for rd in rounds),
+                }
+            )
+    return {
+        "model": name,
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+        "batches": list(batches),
+        "prompt_tokens": prompt_tokens,
+        "max_tokens": max_tokens,
+        "temperature": 1.0,
+        "repeats": repeats,
+        "prompt_source": source,
+        "ignore_eos": True,
+        "torch": torch.__version__,
+        "self_mode": "reproducible: the oracle replays an untimed plain run with the same seeds",
+        "timing": "configs interleaved per iteration; median tokens/s over repeats; prefill included",
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    """A readable table of `run`'s result."""
+    lines = [f"{result['model']}  threads={result['threads']}  prompts: {result['prompt_source']}"]
+    lines.append(f"{'batch':>5}  {'config':<18} {'mode':<12} {'tok/s':>8} {'ratio':>6} {'accept':>6}")
+    for row in result["rows"]:
+        arm = Arm(row["spec"], row["depth"], row["topk"], row["verify"])
+        ratio = "" if row["ratio"] is None else f"{row['ratio']:.2f}"
+        accept = "" if row["accept_length"] is None else f"{row['accept_length']:.2f}"
+        lines.append(
+            f"{row['batch']:>5}  {arm.label:<18} {row['mode'] or '-':<12} {row['tokens_per_s']:>8.1f} "
+            f"{ratio:>6} {accept:>6}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m slipstream.benchmarks.decode", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--model", default=None, help=f"model directory or name (default {DEFAULT_MODEL})")
+    p.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)), help="comma-separated")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    result = run(
+        args.model,
+        batches=parse_batches(args.batches),
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        threads=args.threads,
+    )
+    print(json.dumps(result) if args.json else render(result))
+    return 0
+
+
+def parse_batches(text: str) -> list[int]:
+    """ "1,4,16" → [1, 4, 16]; a clear error otherwise."""
+    try:
+        batches = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--batches must be comma-separated integers, got {text!r}") from None
+    if not batches or min(batches) < 1:
+        raise ValueError(f"--batches must list positive integers, got {text!r}")
+    return batches
+
+
+if __name__ == "__main__":
+    sys.exit(main())

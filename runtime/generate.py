@@ -1,0 +1,341 @@
+"""`slipstream generate`: complete a file of prompts with the engine, speculation on or off.
+
+    slipstream generate --model smollm2-135m --prompts prompts.jsonl --json
+    slipstream generate --model DIR --prompts p.jsonl --spec ngram --depth 5 --temperature 0 --json
+    slipstream generate --model smollm2-135m --prompts p.jsonl --spec self --reproducible
+
+Prompts are a JSONL as `engine/prompts.py` reads it: `id` and one of `prompt` (text, through the chat
+template when the tokenizer has one), `messages` or `prompt_ids` (a model directory without a tokenizer
+takes `prompt_ids` lines only).
+
+Output (stdout, in file order, each request printed as soon as it and every earlier one are done): with
+--json one JSON object per line — id, token_ids, text (when there is a tokenizer), finish_reason, and the
+speculation stats target_passes (verify passes), drafted, accepted and accept_length (= tokens per target
+pass; 1.0 for plain decoding). Without --json a readable block per request. A summary (tokens/s, mean
+accept length) and the progress bar (rich, only when stderr is a terminal) go to stderr, never stdout.
+
+Choices worth knowing:
+- Seeds: request i (0-based, file order) samples with seed `seed * 2**32 + i` (`request_seed`). Noise is
+  keyed by (request seed, position), so a request's output depends on its seed and index only — not on
+  the batch it shared or on speculation in --reproducible mode — and differs between requests of a run.
+- --spec self replays the target's own output (the mechanical ceiling, DESIGN §11): a plain run with the
+  same seeds is recorded first, then the speculative run drafts from the recording. At T > 0 pair it with
+  --reproducible: in rejection mode a replayed token x is accepted with probability q(x) only.
+- --spec auto picks ngram for now; the tuner (a bandit over drafters and tree shapes) replaces it later.
+- --spec eagle needs --drafter DIR, a trained EAGLE head; that drafter has not landed yet, so it is
+  refused with an error rather than faked.
+- Stop ids: the model's EOS ids plus the tokenizer's stop ids; the stop token is kept in token_ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from slipstream.engine import hub
+from slipstream.engine.drafters import Drafter, NGramDrafter, OracleDrafter
+from slipstream.engine.generator import Completion, Generator, Request
+from slipstream.engine.model import Transformer
+from slipstream.engine.prompts import PromptSpec, read_prompts
+from slipstream.engine.sampling import SamplingParams
+from slipstream.engine.speculator import SpecConfig
+from slipstream.engine.tokenizer import Tokenizer
+from slipstream.engine.weights import load_model
+
+__all__ = [
+    "SPEC_METHODS",
+    "completion_record",
+    "make_drafter",
+    "make_generator",
+    "make_requests",
+    "request_seed",
+    "run",
+    "run_requests",
+    "spec_config",
+]
+
+SPEC_METHODS = ("off", "ngram", "self", "eagle", "auto")
+"""What --spec accepts (the CLI lists the same choices)."""
+MAX_SEED = 2**31  # seed * 2**32 + index must stay inside int64, the sampler's key type
+EAGLE_NOT_YET = (
+    "--spec eagle: the EAGLE drafter is not available yet (it lands with the adaptive-drafter issue); "
+    "use --spec ngram, or --spec self for the ceiling"
+)
+
+
+def request_seed(seed: int, index: int) -> int:
+    """The sampling seed of request `index` (0-based) in a run started with `seed`."""
+    if not 0 <= seed < MAX_SEED:
+        raise ValueError(f"--seed must be in [0, 2**31), got {seed}")
+    if not 0 <= index < 2**32:
+        raise ValueError(f"request index must be in [0, 2**32), got {index}")
+    return seed * 2**32 + index
+
+
+def spec_config(
+    method: str,
+    *,
+    depth: int | None = None,
+    topk: int | None = None,
+    verify: int | None = None,
+    reproducible: bool = False,
+) -> SpecConfig | None:
+    """The engine's speculation settings for a CLI method; None for plain decoding."""
+    if method == "off":
+        return None
+    if method == "eagle":
+        raise ValueError(EAGLE_NOT_YET)
+    shape = {k: v for k, v in (("depth", depth), ("topk", topk), ("verify", verify)) if v is not None}
+    return SpecConfig(
+        method="ngram" if method == "auto" else method,
+        mode="reproducible" if reproducible else "rejection",
+        **shape,
+    )
+
+
+def make_drafter(method: str, recorded: dict[str, list[int]] | None = None) -> Drafter | None:
+    """A fresh drafter for a method (drafters hold per-run tables, so never share one between runs)."""
+    if method in ("ngram", "auto"):
+        return NGramDrafter()
+    if method == "self":
+        return OracleDrafter(recorded or {})
+    return None
+
+
+def make_generator(
+    model: Transformer,
+    requests: Sequence[Request],
+    *,
+    max_batch: int = 32,
+    spec: SpecConfig | None = None,
+    drafter: Drafter | None = None,
+    eos_token_ids: Sequence[int] | None = None,
+) -> Generator:
+    """A generator sized for `requests`: the KV cache is paid up front, so slots and length fit the job.
+
+    eos_token_ids: stop ids for every request (None: the model config's; () decodes to max_tokens).
+    """
+    config = model.config
+    num_slots = max(1, min(max_batch, len(requests)))
+    longest = max(len(r.prompt_ids) + r.params.max_tokens for r in requests)
+    # Room for one verify pass's nodes past the last committed token before they are rolled back.
+    slack = 0 if spec is None else spec.verify_budget + 2
+    max_len = min(longest + slack, config.max_position_embeddings)
+    return Generator(
+        model,
+        num_slots=num_slots,
+        max_len=max_len,
+        # Every sequence's full verify tree fits in one pass, with room left for prefill chunks.
+        token_budget=max(512, num_slots * (1 + (0 if spec is None else spec.verify_budget)) + 64),
+        eos_token_ids=eos_token_ids,
+        spec=spec,
+        drafter=drafter,
+    )
+
+
+def make_requests(specs: Sequence[PromptSpec], params: SamplingParams, seed: int) -> list[Request]:
+    """One request per prompt, in file order, each with its own derived seed (`request_seed`)."""
+    return [
+        Request(
+            request_id=spec.id,
+            prompt_ids=spec.prompt_ids,
+            params=replace(params, seed=request_seed(seed, i)),
+            group_id=spec.group_id,
+        )
+        for i, spec in enumerate(specs)
+    ]
+
+
+def run_requests(
+    generator: Generator,
+    requests: Sequence[Request],
+    *,
+    on_done: Callable[[int, Completion], None] | None = None,
+    on_tokens: Callable[[int], None] | None = None,
+) -> list[Completion]:
+    """Drive `generator` over `requests`; completions in request order.
+
+    `on_done(i, completion)` is called in request order, as soon as request i and all before it are done;
+    `on_tokens(n)` after each iteration with the tokens it produced (for progress).
+    """
+    for request in requests:  # all added first: a bad prompt fails before anything is printed
+        generator.add(request)
+    index = {r.request_id: i for i, r in enumerate(requests)}
+    done: dict[int, Completion] = {}
+    next_out = 0
+    while generator.has_unfinished():
+        outputs = generator.step()
+        if on_tokens is not None:
+            on_tokens(sum(len(o.token_ids) for o in outputs))
+        for output in outputs:
+            if output.completion is not None:
+                done[index[output.request_id]] = output.completion
+        while next_out in done:
+            if on_done is not None:
+                on_done(next_out, done[next_out])
+            next_out += 1
+    return [done[i] for i in range(len(requests))]
+
+
+def completion_record(completion: Completion, tokenizer: Tokenizer | None) -> dict[str, Any]:
+    """The JSON object printed for one request."""
+    record: dict[str, Any] = {"id": completion.request_id, "token_ids": completion.token_ids}
+    if tokenizer is not None:
+        record["text"] = tokenizer.decode(completion.token_ids)
+    passes = completion.target_passes
+    record.update(
+        finish_reason=completion.finish_reason,
+        num_tokens=len(completion.token_ids),
+        target_passes=passes,
+        drafted=completion.drafted,
+        accepted=completion.accepted,
+        accept_length=round(len(completion.token_ids) / passes, 3) if passes else 0.0,
+    )
+    return record
+
+
+@contextlib.contextmanager
+def _progress(
+    total: int, label: str
+) -> Iterator[tuple[Callable[[int, Completion], None], Callable[[int], None]]]:
+    """(on_done, on_tokens) callbacks driving a rich bar on stderr.
+
+    Shown only when stderr is a terminal and stdout is not (results printed under a live bar on the same
+    screen would tear it; then the results themselves show the progress).
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[tokens]} tokens"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        # Results are written to the real stdout, never through rich's proxy (which goes to stderr).
+        redirect_stdout=False,
+        redirect_stderr=False,
+        disable=not console.is_terminal or sys.stdout.isatty(),
+    )
+    task = progress.add_task(label, total=total, tokens=0)
+    tokens = 0
+
+    def on_done(_: int, __: Completion) -> None:
+        progress.advance(task)
+
+    def on_tokens(n: int) -> None:
+        nonlocal tokens
+        tokens += n
+        progress.update(task, tokens=tokens)
+
+    with progress:
+        yield on_done, on_tokens
+
+
+def _print_completion(record: dict[str, Any], *, as_json: bool, out: TextIO) -> None:
+    if as_json:
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    else:
+        head = (
+            f"### {record['id']}  ({record['finish_reason']}, {record['num_tokens']} tokens, "
+            f"accept length {record['accept_length']})"
+        )
+        body = record["text"] if "text" in record else " ".join(map(str, record["token_ids"]))
+        out.write(f"{head}\n{body}\n\n")
+    out.flush()
+
+
+def _load(model_name: str, prompts: Path) -> tuple[Transformer, Tokenizer | None, list[PromptSpec]]:
+    # Cheap checks first: resolving a registry name may convert a model (~20 s) and loading reads weights.
+    if not prompts.exists():
+        raise ValueError(f"prompts file {prompts} not found")
+    if not prompts.is_file():
+        raise ValueError(f"prompts file {prompts} is not a file")
+    model_path = hub.resolve(model_name)
+    tokenizer = Tokenizer.from_dir(model_path) if (model_path / "tokenizer.json").is_file() else None
+    specs = read_prompts(prompts, tokenizer)
+    return load_model(model_path), tokenizer, specs
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    if args.spec == "eagle":
+        if args.drafter is None:
+            raise ValueError("--spec eagle needs --drafter DIR (a trained EAGLE head)")
+        if not args.drafter.is_dir():
+            raise ValueError(f"--drafter {args.drafter}: not a directory")
+        raise ValueError(EAGLE_NOT_YET)
+    if args.drafter is not None:
+        raise ValueError(f"--drafter is for --spec eagle only (got --spec {args.spec})")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    request_seed(args.seed, 0)
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """The `generate` command; raises ValueError / OSError with a one-line message on bad input."""
+    out = out or sys.stdout
+    _check_options(args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens
+    )
+    spec = spec_config(
+        args.spec, depth=args.depth, topk=args.topk, verify=args.verify, reproducible=args.reproducible
+    )
+    if args.spec == "auto":
+        print("slipstream generate: --spec auto picks ngram (the tuner arrives later)", file=sys.stderr)
+    if args.spec == "self" and args.temperature > 0 and not args.reproducible:
+        print(
+            "slipstream generate: note: --spec self without --reproducible accepts a replayed token x "
+            "with probability q(x) only; add --reproducible for the ceiling",
+            file=sys.stderr,
+        )
+    model, tokenizer, specs = _load(args.model, args.prompts)
+    stops = tuple(sorted(tokenizer.stop_ids)) if tokenizer is not None else ()
+    requests = make_requests(specs, replace(params, stop_token_ids=stops), args.seed)
+
+    recorded: dict[str, list[int]] = {}
+    if args.spec == "self":
+        # The oracle replays what plain decoding produced with the very same seeds.
+        plain = make_generator(model, requests, max_batch=args.max_batch)
+        with _progress(len(requests), "recording plain run") as (on_done, on_tokens):
+            for c in run_requests(plain, requests, on_done=on_done, on_tokens=on_tokens):
+                recorded[c.request_id] = [*c.prompt_ids, *c.token_ids]
+        del plain  # its KV cache
+
+    generator = make_generator(
+        model, requests, max_batch=args.max_batch, spec=spec, drafter=make_drafter(args.spec, recorded)
+    )
+    started = time.perf_counter()
+    with _progress(len(requests), f"generate ({args.spec})") as (on_done, on_tokens):
+
+        def emit(i: int, completion: Completion) -> None:
+            on_done(i, completion)
+            _print_completion(completion_record(completion, tokenizer), as_json=args.json, out=out)
+
+        completions = run_requests(generator, requests, on_done=emit, on_tokens=on_tokens)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(c.token_ids) for c in completions)
+    passes = sum(c.target_passes for c in completions)
+    print(
+        f"slipstream generate: {len(completions)} requests, {tokens} tokens in {seconds:.1f} s "
+        f"({tokens / max(seconds, 1e-9):.1f} tok/s), spec {args.spec}, mean accept length "
+        f"{tokens / max(passes, 1):.2f}",
+        file=sys.stderr,
+    )
+    return 0
