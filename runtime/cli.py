@@ -24,7 +24,6 @@ NOT_YET = {
     "train": "the GRPO loop (coordinator, learner and verifier actors)",
     "trace": "span export to Chrome-trace JSON (observability)",
     "report": "PNG run reports (observability)",
-    "drafter": "the adaptive drafter (issue: Adaptive drafter)",
     "launch": "multi-node launch from a topology file (deploy)",
 }
 BENCH_NOT_YET = {
@@ -172,6 +171,21 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
 
 
+def _cmd_drafter(args: argparse.Namespace) -> int:
+    from slipstream.runtime import drafter_cli
+
+    if args.action == "export":
+        result = drafter_cli.export_run(args.run, model=args.model, out=args.out, server=args.server)
+    else:
+        result = drafter_cli.warmup(
+            model=args.model, task=args.task, steps=args.steps, out=args.out, samples=args.samples,
+            eval_samples=args.eval_samples, max_tokens=args.max_tokens, temperature=args.temperature,
+            seed=args.seed, lr=args.lr, server=args.server,
+        )  # fmt: skip
+    print(json.dumps(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="slipstream",
@@ -219,8 +233,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("run", nargs="?")
     s = sub.add_parser("report", help="draw a run's PNG report (not yet)")
     s.add_argument("run", nargs="?")
-    s = sub.add_parser("drafter", help="drafter warmup and export (not yet)")
-    s.add_argument("rest", nargs=argparse.REMAINDER)
+    s = sub.add_parser("drafter", help="train a drafter offline (warmup) or export a run's drafter")
+    dsub = s.add_subparsers(dest="action", required=True)
+    w = dsub.add_parser("warmup", help="train an EAGLE head on the model's own sampled outputs, export it")
+    w.add_argument("--model", required=True, help="model directory or registry name")
+    w.add_argument("--task", required=True, help="reasoning-gym task, e.g. basic_arithmetic")
+    w.add_argument("--steps", type=int, required=True, help="optimizer steps")
+    w.add_argument("--out", type=Path, required=True)
+    w.add_argument("--samples", type=int, default=64, help="prompts sampled for training")
+    w.add_argument("--eval-samples", type=int, default=16, help="held-out prompts for accept length")
+    w.add_argument("--max-tokens", type=int, default=128)
+    w.add_argument("--temperature", type=float, default=1.0)
+    w.add_argument("--lr", type=float, default=1e-3)
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--server", choices=["vllm", "sglang"], default="vllm", help="export layout flavour")
+    e = dsub.add_parser("export", help="export a run's newest drafter checkpoint in the EAGLE layout")
+    e.add_argument("run", type=Path, help="run directory or checkpoint file")
+    e.add_argument("--model", required=True)
+    e.add_argument("--out", type=Path, required=True)
+    e.add_argument("--server", choices=["vllm", "sglang"], default="vllm")
     s = sub.add_parser("launch", help="start a run across nodes from a topology file (not yet)")
     s.add_argument("rest", nargs=argparse.REMAINDER)
 
@@ -240,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         "models": _cmd_models,
         "logs": _cmd_logs,
         "generate": _cmd_generate,
+        "drafter": _cmd_drafter,
     }
     if args.command in handlers:
         try:

@@ -1,0 +1,144 @@
+"""The drafter actor as a real process: preemption latency, and restart from checkpoint after SIGKILL."""
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import uvloop
+import zmq
+
+from slipstream.actors.drafter import weights_checksum
+from slipstream.protocols.control import Lease, Preempt, Released, Status
+from slipstream.protocols.drafter import DrafterUpdate, HiddenStates
+from slipstream.runtime.codec import Codec
+from slipstream.runtime.supervisor import ActorSpec, Supervisor
+from tests.engine.conftest import build_checkpoint
+
+HEARTBEAT_S = 0.25
+
+
+def drafter_spec(model: Path, **config: object) -> ActorSpec:
+    cfg = {"model": str(model), "publish_to": ["coordinator"], "batch_tokens": 256, "min_buffer_tokens": 32,
+           "publish_every_steps": 5, "checkpoint_every_steps": 5, **config}  # fmt: skip
+    return ActorSpec(actor="slipstream.actors.drafter:DrafterActor", config=cfg, threads=1)
+
+
+def feed(endpoint: str, n: int, hidden_size: int, vocab: int) -> None:
+    """Streams `n` random sequences' hidden states to the drafter's data socket."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"rollout:0")
+    sock.connect(endpoint)
+    codec = Codec()
+    gen = torch.Generator().manual_seed(0)
+    for i in range(n):
+        length = 40 + i % 30
+        msg = HiddenStates(
+            group_id=i,
+            sample_index=0,
+            token_ids=torch.randint(0, vocab, (length,), generator=gen),
+            hidden=torch.randn(length, hidden_size, generator=gen),
+            response_start=8,
+            policy_version=0,
+        )
+        sock.send_multipart(codec.encode(msg))
+    sock.close(linger=2000)
+    ctx.term()
+
+
+async def wait_for(sup: Supervisor, kind: type, pred=lambda m: True, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        _, msg = await asyncio.wait_for(sup.inbox.get(), timeout=max(0.01, deadline - time.monotonic()))
+        if isinstance(msg, kind) and pred(msg):
+            return msg
+
+
+@pytest.mark.timeout(120)
+def test_preempt_releases_within_100ms_p99(tmp_path: Path) -> None:
+    model = build_checkpoint(tmp_path / "model")
+
+    async def main() -> list[float]:
+        sup = Supervisor(tmp_path / "run", heartbeat_s=HEARTBEAT_S)
+        try:
+            await sup.start([drafter_spec(model, checkpoint_every_steps=0, publish_every_steps=1)])
+            feed(sup.endpoints()["drafter:0"], 40, 64, 160)
+            latencies = []
+            for lease_id in range(1, 21):
+                await sup.send("drafter:0", Lease(lease_id=lease_id, device="cpu:0", threads=1))
+                await wait_for(sup, DrafterUpdate)  # it is training
+                await sup.send("drafter:0", Preempt(lease_id=lease_id, reason="test", sent_ns=time.time_ns()))
+                released = await wait_for(sup, Released, lambda m, lid=lease_id: m.lease_id == lid)
+                latencies.append(released.latency_ns / 1e6)
+            return latencies
+        finally:
+            await sup.shutdown(grace_s=5.0)
+
+    latencies = sorted(uvloop.run(main()))
+    p99 = latencies[int(0.99 * (len(latencies) - 1))]
+    print(
+        f"preempt→released ms: p50 {latencies[len(latencies) // 2]:.2f} p99 {p99:.2f} max {latencies[-1]:.2f}"
+    )
+    assert p99 <= 100.0, f"preempt→released p99 {p99:.1f} ms (all: {latencies})"
+
+
+@pytest.mark.timeout(150)
+def test_sigkilled_drafter_restarts_from_its_last_checkpoint(tmp_path: Path) -> None:
+    model = build_checkpoint(tmp_path / "model")
+    run_dir = tmp_path / "run"
+
+    async def first_life() -> dict[int, DrafterUpdate]:
+        sup = Supervisor(run_dir, heartbeat_s=HEARTBEAT_S)
+        published: dict[int, DrafterUpdate] = {}
+        try:
+            await sup.start([drafter_spec(model)])
+            feed(sup.endpoints()["drafter:0"], 30, 64, 160)
+            await sup.send("drafter:0", Lease(lease_id=1, device="cpu:0", threads=1))
+            checkpointed = 0
+            while checkpointed < 10:
+                _, msg = await asyncio.wait_for(sup.inbox.get(), timeout=30)
+                if isinstance(msg, DrafterUpdate):
+                    published[msg.version] = DrafterUpdate(
+                        version=msg.version, policy_version=msg.policy_version, names=list(msg.names),
+                        tensors=[t.clone() for t in msg.tensors], checksum=msg.checksum,
+                    )  # fmt: skip
+                elif isinstance(msg, Status) and msg.topic == "drafter_checkpoint":
+                    checkpointed = int(msg.fields["version"])
+            os.kill(sup.pid("drafter:0"), signal.SIGKILL)
+            died = await asyncio.wait_for(sup.deaths.get(), timeout=5)
+            assert "SIGKILL" in died.reason
+        finally:
+            await sup.shutdown(grace_s=1.0)
+        return published
+
+    async def second_life() -> DrafterUpdate:
+        sup = Supervisor(run_dir, heartbeat_s=HEARTBEAT_S)
+        try:
+            await sup.start([drafter_spec(model)])
+            return await wait_for(sup, DrafterUpdate)  # published at once from the restored checkpoint
+        finally:
+            await sup.shutdown(grace_s=5.0)
+
+    published = uvloop.run(first_life())
+    restored = uvloop.run(second_life())
+    assert restored.version >= 10 and restored.version % 5 == 0
+    before = published[restored.version]
+    assert restored.names == before.names
+    assert all(torch.equal(a, b) for a, b in zip(restored.tensors, before.tensors, strict=True))
+    assert restored.checksum == before.checksum == weights_checksum(restored.names, restored.tensors)
+
+    # The run's drafter is a deployment asset: export it and reload it into the engine, unchanged.
+    from slipstream.engine import eagle_export
+    from slipstream.engine.weights import load_model
+    from slipstream.runtime.drafter_cli import export_run
+
+    info = export_run(run_dir, model=str(model), out=tmp_path / "exported")
+    assert info["version"] == restored.version
+    drafter = eagle_export.load(tmp_path / "exported", load_model(model))
+    reloaded = drafter.head.state_dict()
+    for name, tensor in zip(restored.names, restored.tensors, strict=True):
+        assert torch.equal(reloaded[name], tensor), name
