@@ -80,14 +80,10 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.method not in ("off", "ngram", "self", "eagle"):
             raise ValueError(f"SpecConfig.method must be off, ngram, self or eagle, got {self.method!r}")
-        for name in ("depth", "topk"):
+        for name, least in (("depth", 1), ("topk", 1), ("verify", 0)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"SpecConfig.{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.verify, int) or isinstance(self.verify, bool) or self.verify < 0:
-            raise ValueError(
-                f"SpecConfig.verify must be an integer >= 0 (0 = depth * topk), got {self.verify!r}"
-            )
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"SpecConfig.{name} must be an integer >= {least}, got {value!r}")
         if self.mode not in ("rejection", "reproducible"):
             raise ValueError(f"SpecConfig.mode must be rejection or reproducible, got {self.mode!r}")
 
@@ -417,6 +413,7 @@ def _verify_rejection(logits: Tensor, entries: Sequence[VerifyEntry]) -> list[Ve
     for i, entry in enumerate(entries):
         if entry.proposal.parents is None:
             continue
+        # verify_tree treats children as point masses (SpecInfer): lossless however they were chosen.
         draft = entry.proposal.as_draft()
         n = entry.proposal.size
         out = verify_tree(
@@ -427,10 +424,6 @@ def _verify_rejection(logits: Tensor, entries: Sequence[VerifyEntry]) -> list[Ve
             out.tokens.tolist(), out.logprobs.tolist(), [0, *(a + 1 for a in out.accepted.tolist())]
         )
     return [results[i] for i in range(len(entries))]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The verify pass alone (no prefill alongside): a primitive for drafters and tests.
 
 
 @dataclass(frozen=True, kw_only=True)
