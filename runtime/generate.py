@@ -22,8 +22,8 @@ Choices worth knowing:
   same seeds is recorded first, then the speculative run drafts from the recording. At T > 0 pair it with
   --reproducible: in rejection mode a replayed token x is accepted with probability q(x) only.
 - --spec auto picks ngram for now; the tuner (a bandit over drafters and tree shapes) replaces it later.
-- --spec eagle needs --drafter DIR, a trained EAGLE head; that drafter has not landed yet, so it is
-  refused with an error rather than faked.
+- --spec eagle needs --drafter DIR: a trained EAGLE head in the exported layout (`slipstream drafter
+  warmup` or `drafter export` writes one).
 - Stop ids: the model's EOS ids plus the tokenizer's stop ids; the stop token is kept in token_ids.
 """
 
@@ -41,7 +41,7 @@ from typing import Any, TextIO
 
 import torch
 
-from slipstream.engine import hub
+from slipstream.engine import eagle_export, hub
 from slipstream.engine.drafters import Drafter, NGramDrafter, OracleDrafter
 from slipstream.engine.generator import Completion, Generator, Request
 from slipstream.engine.model import Transformer
@@ -66,10 +66,6 @@ __all__ = [
 SPEC_METHODS = ("off", "ngram", "self", "eagle", "auto")
 """What --spec accepts (the CLI lists the same choices)."""
 MAX_SEED = 2**31  # seed * 2**32 + index must stay inside int64, the sampler's key type
-EAGLE_NOT_YET = (
-    "--spec eagle: the EAGLE drafter is not available yet (it lands with the adaptive-drafter issue); "
-    "use --spec ngram, or --spec self for the ceiling"
-)
 
 
 def request_seed(seed: int, index: int) -> int:
@@ -92,8 +88,6 @@ def spec_config(
     """The engine's speculation settings for a CLI method; None for plain decoding."""
     if method == "off":
         return None
-    if method == "eagle":
-        raise ValueError(EAGLE_NOT_YET)
     shape = {k: v for k, v in (("depth", depth), ("topk", topk), ("verify", verify)) if v is not None}
     return SpecConfig(
         method="ngram" if method == "auto" else method,
@@ -102,8 +96,18 @@ def spec_config(
     )
 
 
-def make_drafter(method: str, recorded: dict[str, list[int]] | None = None) -> Drafter | None:
+def make_drafter(
+    method: str,
+    recorded: dict[str, list[int]] | None = None,
+    *,
+    drafter_dir: Path | None = None,
+    target: Transformer | None = None,
+) -> Drafter | None:
     """A fresh drafter for a method (drafters hold per-run tables, so never share one between runs)."""
+    if method == "eagle":
+        if drafter_dir is None or target is None:
+            raise ValueError("--spec eagle needs --drafter DIR (a trained EAGLE head)")
+        return eagle_export.load(drafter_dir, target)
     if method in ("ngram", "auto"):
         return NGramDrafter()
     if method == "self":
@@ -273,10 +277,9 @@ def _check_options(args: argparse.Namespace) -> None:
     if args.spec == "eagle":
         if args.drafter is None:
             raise ValueError("--spec eagle needs --drafter DIR (a trained EAGLE head)")
-        if not args.drafter.is_dir():
-            raise ValueError(f"--drafter {args.drafter}: not a directory")
-        raise ValueError(EAGLE_NOT_YET)
-    if args.drafter is not None:
+        if not (args.drafter / "config.json").is_file():
+            raise ValueError(f"--drafter {args.drafter}: not an exported EAGLE drafter (no config.json)")
+    elif args.drafter is not None:
         raise ValueError(f"--drafter is for --spec eagle only (got --spec {args.spec})")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -319,7 +322,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         del plain  # its KV cache
 
     generator = make_generator(
-        model, requests, max_batch=args.max_batch, spec=spec, drafter=make_drafter(args.spec, recorded)
+        model,
+        requests,
+        max_batch=args.max_batch,
+        spec=spec,
+        drafter=make_drafter(args.spec, recorded, drafter_dir=args.drafter, target=model),
     )
     started = time.perf_counter()
     with _progress(len(requests), f"generate ({args.spec})") as (on_done, on_tokens):

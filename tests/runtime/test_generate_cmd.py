@@ -118,19 +118,45 @@ def test_sampled_output_uses_the_documented_seeds(
     assert len({tuple(r["token_ids"]) for r in records}) == len(records)
 
 
-@pytest.mark.parametrize("spec", ["ngram", "auto", "self"])
+@pytest.fixture(scope="module")
+def eagle_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An (untrained) EAGLE head for the tiny model, exported as `drafter warmup` would."""
+    from slipstream.engine import eagle_export
+    from slipstream.engine.eagle import EagleHead
+
+    target = load_model(model_dir)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("eagle")
+    eagle_export.export(EagleHead.for_target(target.config), target.config, out)
+    return out
+
+
+@pytest.mark.parametrize("spec", ["ngram", "auto", "self", "eagle"])
 def test_speculation_is_invisible_in_the_output(
-    capsys: pytest.CaptureFixture[str], model_dir: Path, prompts_file: Path, spec: str
+    capsys: pytest.CaptureFixture[str], model_dir: Path, prompts_file: Path, spec: str, eagle_dir: Path
 ) -> None:
     _, greedy_off, _ = generate(capsys, model_dir, prompts_file, "--temperature", "0")
-    _, greedy_spec, err = generate(capsys, model_dir, prompts_file, "--temperature", "0", "--spec", spec)
+    drafter = ["--drafter", str(eagle_dir)] if spec == "eagle" else []
+    _, greedy_spec, err = generate(
+        capsys, model_dir, prompts_file, "--temperature", "0", "--spec", spec, *drafter
+    )
     assert [r["token_ids"] for r in greedy_spec] == [r["token_ids"] for r in greedy_off]
     if spec == "auto":
         assert "picks ngram" in err
     # Sampling in reproducible mode is token-identical to plain decoding with the same seeds too.
     _, sampled_off, _ = generate(capsys, model_dir, prompts_file, "--seed", "9")
     _, sampled_spec, _ = generate(
-        capsys, model_dir, prompts_file, "--seed", "9", "--spec", spec, "--reproducible", "--depth", "3"
+        capsys,
+        model_dir,
+        prompts_file,
+        "--seed",
+        "9",
+        "--spec",
+        spec,
+        "--reproducible",
+        "--depth",
+        "3",
+        *drafter,
     )
     assert [r["token_ids"] for r in sampled_spec] == [r["token_ids"] for r in sampled_off]
     for r in sampled_spec:
@@ -174,7 +200,7 @@ def write(tmp_path: Path, text: str) -> Path:
         ("out_of_vocab", r"outside the vocabulary|must lie in \[0, 160\)"),
         ("unknown_model", "unknown model 'no-such-model'"),
         ("eagle", "--spec eagle needs --drafter"),
-        ("eagle_with_dir", "EAGLE drafter is not available yet"),
+        ("eagle_with_dir", "not an exported EAGLE drafter"),
         ("drafter_without_eagle", "--drafter is for --spec eagle only"),
         ("bad_seed", r"--seed must be in \[0, 2\*\*31\)"),
     ],
