@@ -1,10 +1,13 @@
 """The base of every wire message and the protocol version peers compare in the handshake."""
 
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import msgspec
 
 PROTOCOL_VERSION = 1
+
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+NonNegF = Annotated[float, msgspec.Meta(ge=0.0)]
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, array_like=True, forbid_unknown_fields=True):

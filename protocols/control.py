@@ -6,14 +6,10 @@ between steps, not after a backlog of data).
 """
 
 from enum import StrEnum
-from typing import Annotated
 
 import msgspec
 
-from slipstream.protocols.base import Message
-
-NonNeg = Annotated[int, msgspec.Meta(ge=0)]
-NonNegF = Annotated[float, msgspec.Meta(ge=0.0)]
+from slipstream.protocols.base import Message, NonNeg, NonNegF
 
 
 class ControlKind(StrEnum):

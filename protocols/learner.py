@@ -10,9 +10,7 @@ from typing import Annotated
 import msgspec
 import torch
 
-from slipstream.protocols.base import Message
-
-NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+from slipstream.protocols.base import Message, NonNeg
 
 
 class LearnerKind(StrEnum):

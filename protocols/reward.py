@@ -9,9 +9,7 @@ from typing import Annotated
 
 import msgspec
 
-from slipstream.protocols.base import Message
-
-NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+from slipstream.protocols.base import Message, NonNeg
 
 
 class RewardKind(StrEnum):

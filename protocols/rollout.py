@@ -10,9 +10,8 @@ from typing import Annotated, Literal
 import msgspec
 import torch
 
-from slipstream.protocols.base import Message
+from slipstream.protocols.base import Message, NonNeg
 
-NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 

@@ -33,6 +33,7 @@ from slipstream.engine.sampling import SamplingParams
 from slipstream.engine.speculator import SpecConfig
 from slipstream.engine.tokenizer import Tokenizer
 from slipstream.engine.weights import load_model
+from slipstream.runtime.generate import progress, run_requests
 
 EVAL_STRATEGIES = [(3, 1, 0), (5, 1, 0), (7, 1, 0), (4, 4, 16)]  # (depth, topk, verify): chains and one tree
 
@@ -55,19 +56,12 @@ def task_prompts(task: str, n: int, seed: int, tokenizer: Tokenizer) -> list[lis
 def _generate(
     gen: Generator, prompts: list[list[int]], params: list[SamplingParams], label: str
 ) -> list[Completion]:
-    requests = [Request(request_id=f"{label}-{i}", prompt_ids=p, params=s) for i, (p, s) in enumerate(zip(prompts, params, strict=True))]  # fmt: skip
-    with Progress(transient=True) as bar:
-        task = bar.add_task(label, total=len(requests))
-        for r in requests:
-            gen.add(r)
-        done: list[Completion] = []
-        while gen.has_unfinished():
-            for out in gen.step():
-                if out.completion is not None:
-                    done.append(out.completion)
-                    bar.advance(task)
-    order = {r.request_id: i for i, r in enumerate(requests)}
-    return sorted(done, key=lambda c: order[c.request_id])
+    requests = [
+        Request(request_id=f"{label}-{i}", prompt_ids=p, params=s)
+        for i, (p, s) in enumerate(zip(prompts, params, strict=True))
+    ]
+    with progress(len(requests), label) as (on_done, on_tokens):
+        return run_requests(gen, requests, on_done=on_done, on_tokens=on_tokens)
 
 
 def accept_length(completions: list[Completion]) -> float:

@@ -208,7 +208,7 @@ def completion_record(completion: Completion, tokenizer: Tokenizer | None) -> di
 
 
 @contextlib.contextmanager
-def _progress(
+def progress(
     total: int, label: str
 ) -> Iterator[tuple[Callable[[int, Completion], None], Callable[[int], None]]]:
     """(on_done, on_tokens) callbacks driving a rich bar on stderr.
@@ -316,7 +316,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if args.spec == "self":
         # The oracle replays what plain decoding produced with the very same seeds.
         plain = make_generator(model, requests, max_batch=args.max_batch)
-        with _progress(len(requests), "recording plain run") as (on_done, on_tokens):
+        with progress(len(requests), "recording plain run") as (on_done, on_tokens):
             for c in run_requests(plain, requests, on_done=on_done, on_tokens=on_tokens):
                 recorded[c.request_id] = [*c.prompt_ids, *c.token_ids]
         del plain  # its KV cache
@@ -329,7 +329,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         drafter=make_drafter(args.spec, recorded, drafter_dir=args.drafter, target=model),
     )
     started = time.perf_counter()
-    with _progress(len(requests), f"generate ({args.spec})") as (on_done, on_tokens):
+    with progress(len(requests), f"generate ({args.spec})") as (on_done, on_tokens):
 
         def emit(i: int, completion: Completion) -> None:
             on_done(i, completion)
