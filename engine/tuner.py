@@ -1,0 +1,438 @@
+"""The speculation tuner: a bandit per batch-size bucket that picks how (and whether) to speculate.
+
+Each decode iteration the caller (the rollout actor) asks `Tuner.choose(batch_size)` for an arm — a
+drafter kind, depth, top-k and verify budget — runs the iteration with `tuner.arm(name).spec(mode)` through
+`Generator.set_spec`, and feeds back `Tuner.record(batch_size, arm, committed_tokens, seconds)`. The reward
+is committed tokens per second of that iteration. What pays off depends mostly on the live batch size (a
+deep draft wins at batch 1, where a verify pass costs little more than a plain one, and loses at batch 32,
+where every verified node costs compute), so each bucket of batch sizes is its own bandit with several arms.
+"off" is an arm in every bucket, so speculation switches itself off where it loses. Pure Python: the caller
+logs every `Decision` (`Decision.as_dict()`) and persists `state_dict()` across RL steps.
+
+Arm grammar (`TunerConfig.arms`): ``off`` or ``METHOD[:dD][kK][vV]``, the letters in that order. METHOD is
+ngram, eagle or self (the benchmark ceiling); D the draft depth (default 4), K the top-k (default 1 = a
+chain, > 1 a tree), V the verify budget (default 0 = depth * topk), all as in `SpecConfig`. Names are kept
+canonical (``eagle:d4k1v0`` → ``eagle:d4``, ``ngram`` → ``ngram:d4``), so two spellings never split one
+arm's statistics. Examples: ``ngram:d3``, ``eagle:d6``, ``eagle:d4k4v16``.
+
+Policy, per bucket, and the non-obvious choices (each measured on the synthetic cost model of
+tests/engine/test_tuner.py, 200 seeds):
+- A chosen arm is kept for `hold` iterations of its bucket, and those iterations pool into ONE reward
+  sample (their committed tokens over their seconds). The estimate of (bucket, arm) is the median of its
+  last `window` samples — a median of means. The median, so that a stray slow iteration (a prefill burst,
+  a GC pause) cannot sink an arm; the pooling, because at batch 1 an iteration commits one accept length,
+  a discrete and bimodal count (a deep chain either lands whole or stops early), whose window median jumps
+  between the modes. After 300 iterations at batch 1 the tuner exploited a wrong arm in 61% of the seeds
+  with hold=1, 8.5% with hold=2 and 3.5% with hold=4 (throughput 0.83, 0.93, 0.95 of the best arm's). The
+  sliding window tracks a best arm that changes as the policy and the drafter change: an exploited arm that
+  degrades is dropped within about window / 2 * hold iterations.
+- Untried first: an available arm with fewer than `min_trials` samples in its window is played before the
+  tuner exploits (fewest samples first). Among equally tried arms, the one that did best relative to the
+  best arm of the nearest bucket where it has samples goes first (an arm seen nowhere ranks as a best arm):
+  neighbouring buckets mostly agree, so the likely winner is measured first if the batch drifts on before
+  the cold start ends. That ordering is the only sharing across buckets; estimates stay per bucket.
+- ε-greedy with two refinements. (1) The explored arm is not drawn at random: it is the non-best arm with
+  the fewest samples in its window, then the one whose last exploration attempt is oldest. In the long run
+  that is the same share per arm, but no arm starves by bad luck, and the least-measured estimate — often
+  the true best, underestimated by its first unlucky sample — is re-measured first. (2) An exploration is
+  paid in wall time, and at batch 32 a deep-draft iteration can take several times as long as a plain one:
+  an arm whose samples take k times as long as the best arm's (window medians of seconds) is explored with
+  probability 1/k when its turn comes, so exploring costs about epsilon of the time, not of the iterations.
+- An arm that improves while it is not exploited is noticed only as exploration refreshes its window
+  (about window / 2 explorations of it). A drafter that changes is the common case, so `forget(method)`
+  empties the windows of that method's arms (call it when a new drafter version arrives): they are untried
+  again and get `min_trials` fresh samples in each bucket — a bounded cost that does not wait for
+  exploration, as down-weighting old samples would.
+- Every random draw comes from one seeded `random.Random`, whose state is part of `state_dict()`, so a
+  restored tuner makes the same decisions as the original would have.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import statistics
+from collections import deque
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import msgspec
+
+from slipstream.engine.speculator import SpecConfig, SpecMode
+
+__all__ = ["Arm", "Decision", "Tuner", "TunerConfig", "parse_arm"]
+
+Why = Literal["untried", "exploit", "explore", "forced", "hold"]
+Available = Callable[[str], bool] | Collection[str] | None
+
+_ARM = re.compile(r"(?P<method>ngram|eagle|self)(?::(?:d(?P<d>\d+))?(?:k(?P<k>\d+))?(?:v(?P<v>\d+))?)?")
+_STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One way to decode: a drafter kind and its shape (the name grammar is in the module docstring)."""
+
+    name: str
+    """Canonical spec string, e.g. "eagle:d4k4v16": the arm's key in decisions, logs and state."""
+    method: str
+    """"off", "ngram", "eagle" or "self"."""
+    depth: int = 4
+    topk: int = 1
+    verify: int = 0
+
+    def spec(self, mode: SpecMode = "rejection") -> SpecConfig:
+        """The `SpecConfig` to pass to `Generator.set_spec` (mode: how sampling rows are verified)."""
+        if self.method == "off":
+            return SpecConfig(method="off", mode=mode)
+        return SpecConfig(
+            method=self.method,  # type: ignore[arg-type]  # parse_arm admits only SpecConfig's methods
+            depth=self.depth,
+            topk=self.topk,
+            verify=self.verify,
+            mode=mode,
+        )
+
+
+OFF = Arm("off", "off")
+
+
+def parse_arm(text: str) -> Arm:
+    """The `Arm` a spec string names ("off", "ngram:d3", "eagle:d4k4v16"); ValueError if malformed."""
+    if text == "off":
+        return OFF
+    m = _ARM.fullmatch(text) if isinstance(text, str) else None
+    if m is None:
+        raise ValueError(
+            f"{text!r} is not an arm: expected off or (ngram|eagle|self)[:dD][kK][vV], e.g. eagle:d4k4v16"
+        )
+    method = m.group("method")
+    depth, topk, verify = (int(m.group(g) or default) for g, default in (("d", 4), ("k", 1), ("v", 0)))
+    try:
+        SpecConfig(method=method, depth=depth, topk=topk, verify=verify)
+    except ValueError as e:
+        raise ValueError(f"{text!r}: {e}") from None
+    name = f"{method}:d{depth}" + (f"k{topk}" if topk != 1 else "") + (f"v{verify}" if verify else "")
+    return Arm(name, method, depth, topk, verify)
+
+
+class TunerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """The tuner's buckets, arms and exploration; meant to sit in the rollout actor's YAML config."""
+
+    buckets: list[int] = msgspec.field(default_factory=lambda: [1, 2, 3, 5, 9, 17])
+    """Lower edges of the batch-size buckets, strictly increasing from 1; the last bucket is open-ended."""
+    arms: list[str] = msgspec.field(
+        default_factory=lambda: ["off", "ngram:d3", "ngram:d6", "eagle:d3", "eagle:d6", "eagle:d4k4v16"]
+    )
+    """Arm specs (grammar in the module docstring); "off" is added to every bucket if missing."""
+    epsilon: float = 0.1
+    """Share of decisions (once every arm is tried) that may explore an arm other than the current best."""
+    window: int = 16
+    """Reward samples kept per (bucket, arm); the estimate is their median."""
+    min_trials: int = 1
+    """Samples an available arm needs in a bucket's window before the tuner exploits there (<= window)."""
+    hold: int = 4
+    """Iterations a bucket keeps a chosen arm; they pool into one reward sample (1 = decide every iteration)."""
+    seed: int = 0
+    """Seed of the exploration draws."""
+
+    def __post_init__(self) -> None:
+        for field, least in (("window", 1), ("min_trials", 1), ("hold", 1)):
+            value = getattr(self, field)
+            if not _is_int(value) or value < least:
+                raise ValueError(f"TunerConfig.{field}: must be an integer >= {least}, got {value!r}")
+        if not _is_int(self.seed):
+            raise ValueError(f"TunerConfig.seed: must be an integer, got {self.seed!r}")
+        if self.min_trials > self.window:
+            raise ValueError(f"TunerConfig.min_trials: {self.min_trials} exceeds window ({self.window})")
+        if (
+            isinstance(self.epsilon, bool)
+            or not isinstance(self.epsilon, int | float)
+            or not 0 <= self.epsilon <= 1
+        ):
+            raise ValueError(f"TunerConfig.epsilon: must lie in [0, 1], got {self.epsilon!r}")
+        if not self.buckets or self.buckets[0] != 1:
+            raise ValueError(
+                f"TunerConfig.buckets: must start at 1 (the first bucket's lower edge), got {self.buckets}"
+            )
+        for i in range(1, len(self.buckets)):
+            lo, hi = self.buckets[i - 1], self.buckets[i]
+            if not _is_int(hi) or hi <= lo:
+                raise ValueError(
+                    f"TunerConfig.buckets[{i}]: {hi!r} must be an integer above buckets[{i - 1}] = {lo}"
+                )
+        seen: dict[str, int] = {}
+        for i, text in enumerate(self.arms):
+            try:
+                name = parse_arm(text).name
+            except ValueError as e:
+                raise ValueError(f"TunerConfig.arms[{i}]: {e}") from None
+            if name in seen:
+                raise ValueError(
+                    f"TunerConfig.arms[{i}]: {text!r} repeats arms[{seen[name]}] (both are {name})"
+                )
+            seen[name] = i
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One choice of the tuner, for the caller to apply and to log."""
+
+    batch_size: int
+    bucket: int
+    """Index of the batch-size bucket."""
+    label: str
+    """The bucket's batch sizes: "1", "3-4", "17+"."""
+    arm: str
+    """Canonical arm name; `Tuner.arm(name).spec(mode)` is what to run."""
+    why: Why
+    """untried (cold start), exploit (best median), explore (epsilon), forced (only "off" is available),
+    hold (kept from this bucket's previous decision, `TunerConfig.hold`)."""
+    estimate: float | None
+    """The arm's median reward in this bucket (tokens/s) before this decision; None without rewards."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Tuner:
+    """ε-greedy bandit per batch-size bucket over speculation arms; see the module docstring."""
+
+    def __init__(self, config: TunerConfig | None = None) -> None:
+        self.config = config if config is not None else TunerConfig()
+        arms = [parse_arm(text) for text in self.config.arms]
+        self.arms: tuple[Arm, ...] = tuple(arms if OFF in arms else [OFF, *arms])
+        self.edges: tuple[int, ...] = tuple(self.config.buckets)
+        self._index = {arm.name: i for i, arm in enumerate(self.arms)}
+        nb, na = len(self.edges), len(self.arms)
+        # [bucket][arm] → the latest reward samples: (committed tokens, seconds), each pooled over `hold` iterations
+        self._windows: list[list[deque[tuple[float, float]]]] = [
+            [deque(maxlen=self.config.window) for _ in range(na)] for _ in range(nb)
+        ]
+        self._trials = [[0] * na for _ in range(nb)]  # lifetime samples, for the summary
+        self._attempt = [[-1] * na for _ in range(nb)]  # decision count of the latest exploration attempt
+        self._hold: list[tuple[int, int] | None] = [None] * nb  # (arm, decisions still held)
+        # [bucket][arm] → [committed, seconds, iterations] pooled so far towards the next reward sample
+        self._pending = [[[0.0, 0.0, 0] for _ in range(na)] for _ in range(nb)]
+        self.decisions = 0
+        self._rng = random.Random(self.config.seed)
+
+    # -- buckets and arms -----------------------------------------------------------------------------
+
+    def bucket(self, batch_size: int) -> int:
+        """Index of the bucket holding `batch_size` (>= 1; above the last edge: the last bucket)."""
+        if not _is_int(batch_size) or batch_size < 1:
+            # An iteration without decodes speculates nothing: asking about it is a caller bug.
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        b = 0
+        while b + 1 < len(self.edges) and self.edges[b + 1] <= batch_size:
+            b += 1
+        return b
+
+    def label(self, bucket: int) -> str:
+        """The batch sizes of a bucket as text: "1", "3-4", "17+"."""
+        lo = self.edges[bucket]
+        if bucket + 1 == len(self.edges):
+            return f"{lo}+"
+        hi = self.edges[bucket + 1] - 1
+        return str(lo) if hi == lo else f"{lo}-{hi}"
+
+    def arm(self, name: str) -> Arm:
+        """The arm called `name` (any spelling of it)."""
+        return self.arms[self._arm_index(name)]
+
+    def _arm_index(self, name: str) -> int:
+        i = self._index.get(name)
+        if i is None:
+            try:
+                i = self._index.get(parse_arm(name).name)
+            except ValueError:
+                pass
+        if i is None:
+            raise ValueError(f"unknown arm {name!r}; the tuner's arms are {[a.name for a in self.arms]}")
+        return i
+
+    # -- the bandit -----------------------------------------------------------------------------------
+
+    def choose(self, batch_size: int, available: Available = None) -> Decision:
+        """The arm for the next iteration at this batch size.
+
+        available: the methods that can run now — a predicate or a collection of method names (e.g. no
+        "eagle" before a drafter exists); None: all. "off" is always available.
+        """
+        b = self.bucket(batch_size)
+        candidates = self._candidates(available)
+        windows = self._windows[b]
+        self.decisions += 1
+        held = self._hold[b]
+        if held is not None and held[1] > 0 and held[0] in candidates:
+            self._hold[b] = (held[0], held[1] - 1)
+            return self._decision(batch_size, b, held[0], "hold")
+        why: Why
+        if len(candidates) == 1:
+            i, why = candidates[0], "forced"
+        elif untried := [i for i in candidates if len(windows[i]) < self.config.min_trials]:
+            prior = self._prior(b)
+            i, why = min(untried, key=lambda i: (len(windows[i]), -prior[i], i)), "untried"
+        else:
+            best = max(candidates, key=lambda i: (_median_reward(windows[i]), -i))
+            i, why = best, "exploit"
+            if self._rng.random() < self.config.epsilon:
+                # Fewest samples first (the least-measured estimate is the likeliest to be wrong), then in turn.
+                turn = min(
+                    (j for j in candidates if j != best),
+                    key=lambda j: (len(windows[j]), self._attempt[b][j], j),
+                )
+                self._attempt[b][turn] = self.decisions
+                slower = _median_seconds(windows[turn]) / max(_median_seconds(windows[best]), 1e-12)
+                if self._rng.random() * slower < 1:  # probability min(1, 1 / slower)
+                    i, why = turn, "explore"
+        self._hold[b] = (i, self.config.hold - 1) if self.config.hold > 1 and why != "forced" else None
+        return self._decision(batch_size, b, i, why)
+
+    def _candidates(self, available: Available) -> list[int]:
+        if available is None:
+            return list(range(len(self.arms)))
+        ok = available if callable(available) else frozenset(available).__contains__
+        return [i for i, arm in enumerate(self.arms) if arm.method == "off" or ok(arm.method)]
+
+    def _decision(self, batch_size: int, b: int, i: int, why: Why) -> Decision:
+        window = self._windows[b][i]
+        estimate = _median_reward(window) if window else None
+        return Decision(batch_size, b, self.label(b), self.arms[i].name, why, estimate)
+
+    def _prior(self, b: int) -> list[float]:
+        """Per arm: its median reward over the best median in the nearest bucket where it has rewards (1.0
+        where it has none) — a ratio, because throughput itself grows with the batch."""
+        prior = [1.0] * len(self.arms)
+        nearest = sorted(range(len(self.edges)), key=lambda o: (abs(o - b), o))[1:]
+        for i in range(len(self.arms)):
+            for o in nearest:
+                if self._windows[o][i]:
+                    top = max(_median_reward(w) for w in self._windows[o] if w)
+                    prior[i] = _median_reward(self._windows[o][i]) / top if top > 0 else 1.0
+                    break
+        return prior
+
+    def record(self, batch_size: int, arm: str, committed_tokens: float, seconds: float) -> None:
+        """Feed back one iteration run with `arm` at `batch_size` (reward: committed_tokens / seconds).
+        An iteration with seconds <= 0 (a clock that did not move) tells nothing and is ignored."""
+        b, i = self.bucket(batch_size), self._arm_index(arm)
+        if not committed_tokens >= 0:
+            raise ValueError(f"committed_tokens must be >= 0, got {committed_tokens!r}")
+        if not seconds > 0:
+            return
+        pending = self._pending[b][i]
+        pending[0] += committed_tokens
+        pending[1] += seconds
+        pending[2] += 1
+        if pending[2] >= self.config.hold:
+            self._windows[b][i].append((float(pending[0]), float(pending[1])))
+            self._trials[b][i] += 1
+            self._pending[b][i] = [0.0, 0.0, 0]
+
+    def forget(self, method: str) -> int:
+        """Empty the windows of `method`'s arms in every bucket (a new drafter version made their rewards
+        stale): they are re-tried `min_trials` times before the tuner exploits again. Returns the number of
+        non-empty windows emptied."""
+        cleared = 0
+        for windows in self._windows:
+            for arm, window in zip(self.arms, windows, strict=True):
+                if arm.method == method and window:
+                    window.clear()
+                    cleared += 1
+        for pending in self._pending:
+            for arm, p in zip(self.arms, pending, strict=True):
+                if arm.method == method:
+                    p[:] = [0.0, 0.0, 0]
+        return cleared
+
+    def best(self, batch_size: int, available: Available = None) -> str | None:
+        """The arm the tuner would exploit at this batch size (no side effects); None without rewards."""
+        windows = self._windows[self.bucket(batch_size)]
+        scored = [(_median_reward(windows[i]), -i) for i in self._candidates(available) if windows[i]]
+        return self.arms[-max(scored)[1]].name if scored else None
+
+    def estimate(self, batch_size: int, arm: str) -> float | None:
+        """Median reward (tokens/s) of `arm` in the bucket of `batch_size`; None without rewards."""
+        window = self._windows[self.bucket(batch_size)][self._arm_index(arm)]
+        return _median_reward(window) if window else None
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Per bucket: the best arm and its median reward, and per arm its median reward (tokens/s), the
+        median seconds of one sample (`hold` iterations) and its lifetime number of samples (for logs and
+        bench JSON)."""
+        out = []
+        for b, windows in enumerate(self._windows):
+            best = self.best(self.edges[b])
+            arms = {
+                arm.name: {
+                    "median": _median_reward(w) if w else None,
+                    "seconds": _median_seconds(w) if w else None,
+                    "trials": self._trials[b][i],
+                }
+                for i, (arm, w) in enumerate(zip(self.arms, windows, strict=True))
+            }
+            median = arms[best]["median"] if best is not None else None
+            out.append({"bucket": self.label(b), "best": best, "median": median, "arms": arms})
+        return out
+
+    # -- persistence ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the tuner has learnt, as JSON-serialisable values."""
+        version, internal, gauss = self._rng.getstate()
+        return {
+            "version": _STATE_VERSION,
+            "config": msgspec.to_builtins(self.config),
+            "buckets": list(self.edges),
+            "arms": [arm.name for arm in self.arms],
+            "windows": [[[list(sample) for sample in w] for w in windows] for windows in self._windows],
+            "trials": [list(t) for t in self._trials],
+            "attempt": [list(t) for t in self._attempt],
+            "hold": [list(h) if h is not None else None for h in self._hold],
+            "pending": [[list(p) for p in pending] for pending in self._pending],
+            "decisions": self.decisions,
+            "rng": [version, list(internal), gauss],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` output (also after a JSON round trip). Buckets and arms must match this
+        tuner's; epsilon, min_trials and hold may differ (the new values apply from now on), and a shorter
+        window keeps the newest iterations."""
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"tuner state version {state.get('version')!r}, expected {_STATE_VERSION}")
+        if list(state["buckets"]) != list(self.edges):
+            raise ValueError(
+                f"tuner state buckets {state['buckets']} differ from TunerConfig.buckets {list(self.edges)}"
+            )
+        names = [arm.name for arm in self.arms]
+        if list(state["arms"]) != names:
+            raise ValueError(f"tuner state arms {state['arms']} differ from this tuner's arms {names}")
+        window = self.config.window
+        self._windows = [
+            [deque(((float(c), float(s)) for c, s in w), maxlen=window) for w in windows]
+            for windows in state["windows"]
+        ]
+        self._trials = [[int(n) for n in t] for t in state["trials"]]
+        self._attempt = [[int(n) for n in t] for t in state["attempt"]]
+        self._hold = [(int(h[0]), int(h[1])) if h is not None else None for h in state["hold"]]
+        self._pending = [
+            [[float(c), float(s), int(n)] for c, s, n in pending] for pending in state["pending"]
+        ]
+        self.decisions = int(state["decisions"])
+        version, internal, gauss = state["rng"]
+        self._rng.setstate((version, tuple(internal), gauss))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _median_reward(window: Iterable[tuple[float, float]]) -> float:
+    return statistics.median(c / s for c, s in window)
+
+
+def _median_seconds(window: Iterable[tuple[float, float]]) -> float:
+    return statistics.median(s for _, s in window)
