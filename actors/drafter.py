@@ -5,16 +5,48 @@ stream `HiddenStates` of finished responses into its `OnlineBuffer`, and the buf
 views: received tensors alias zmq frames or shared-memory slots. While leased, each `step()` is one
 short optimizer step. A `Preempt` is a control message, so the serve loop runs it before the next step:
 preemption waits at most one training step. The actor answers `Released` with the latency measured from
-the coordinator's send time.
+the coordinator's send time; anything else preemption triggers is sent after that.
 
-Every `publish_every_steps` it sends a versioned, checksummed `DrafterUpdate` to `publish_to`, which is
-rollout actors, or the coordinator. Every `checkpoint_every_steps` a background thread writes weights,
-optimizer state and version atomically to the run directory. It writes with torch.save, read back with
-weights_only=True: local disk, never the wire. A restarted actor (for example after SIGKILL) resumes
-from its newest checkpoint with the same weights and version, and publishes them at once.
+Several drafter actors (`world_size` ranks) train one drafter by periodic averaging with one owner, never
+as diverging copies. Rank 0 owns it: its head *is* the global drafter, and only it versions, checkpoints
+and publishes. Every other rank trains from the newest global weights it has adopted and, every
+`sync_every_steps` local steps and when preempted, sends the owner a `DrafterDelta`: local − base, where
+base is the adopted global plus the deltas already sent. The owner folds each in at once, global +=
+delta / n, and the version grows by the delta's steps (version = optimizer steps folded into the
+drafter). Its own steps enter the same average: for AdamW a step scaled by 1/n is exactly a step at lr/n,
+so the owner trains at lr/n. n counts the ranks training now: the owner if leased, the sender, and each
+rank whose last delta was not final and came within twice its previous interval (+ 1 s). So one rank
+alone trains like a single drafter, and n concurrent ranks move it by the mean of their progress, as data
+parallelism with n times the batch would. A delta's size already grows with its steps; weighting by its
+tokens as well would count them twice.
 
-Several drafter actors training one drafter together (data parallel or periodic averaging) is not built
-yet: one drafter actor per run for now.
+After folding in deltas, every `sync_every_steps` of its own steps, and when preempted, the owner sends
+the other ranks the global `DrafterUpdate`. A rank adopts it (checksum verified) carrying over what it has
+trained but not sent (local = global + local − base; base = global), or bitwise exactly when nothing is
+unsent, and keeps its AdamW moments (local SGD). So every step any rank trains is folded in once (the
+group test checks version = the sum of all ranks' steps). Stale deltas (based on an older version) are
+folded in at full weight, as asynchronous SGD does: every rank rebases on each update, so a delta is at
+most about one sync period of the others' progress stale. The owner logs and drops, and serves on, a
+delta based on a version newer than its own (sent to an owner since restarted from an older checkpoint)
+and a malformed one (wrong sender, names, shapes or dtypes; non-finite values).
+
+A non-owner trains only after adopting the owner's weights: at start it sends a zero-step delta, which
+the owner answers with them, so ranks need not share an initialisation. A SIGKILLed non-owner loses at
+most its unsent steps; a restarted owner resumes from its checkpoint and sends the restored weights to
+the group and to `publish_to`. Limits: the owner takes one full-size delta per rank per sync and sends
+one update per rank per merge, which suits a handful of ranks and heads of up to a few hundred MB; each
+rank trains on what is streamed to it (rollouts' `hidden_to`), so streaming every sample to every rank
+trains on duplicates; and messages to a dead rank queue in the transport up to its high-water mark.
+
+Every `publish_every_steps` (of the version) the owner sends a versioned, checksummed `DrafterUpdate` to
+`publish_to`, which is rollout actors, or the coordinator. Every `checkpoint_every_steps` a background
+thread writes weights, optimizer state and version atomically to the run directory. It writes with
+torch.save, read back with weights_only=True: local disk, never the wire. A restarted owner (for example
+after SIGKILL) resumes from its newest checkpoint with the same weights and version, and publishes them
+at once. Without a checkpoint the owner starts from `init_from` (an exported head, e.g. `drafter warmup`)
+at that head's version, so rollouts that loaded the same head take its updates as newer. At every
+release the actor reports `DrafterStats` (elapsed_s: seconds spent training) so the coordinator can
+account the idle device-seconds it reclaimed.
 """
 
 from __future__ import annotations
@@ -25,7 +57,7 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import torch
@@ -36,9 +68,11 @@ from slipstream.engine.drafter_train import DrafterTrainer
 from slipstream.engine.eagle import EagleHead
 from slipstream.engine.weights import load_model
 from slipstream.protocols.control import Lease, Preempt, Released, Status
-from slipstream.protocols.drafter import DrafterStats, DrafterUpdate, HiddenStates
+from slipstream.protocols.drafter import DrafterDelta, DrafterStats, DrafterUpdate, HiddenStates
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import tensor_bytes
+
+OWNER = "drafter:0"  # the rank that owns the one drafter of a run
 
 
 def weights_checksum(names: list[str], tensors: list[torch.Tensor]) -> str:
@@ -48,6 +82,11 @@ def weights_checksum(names: list[str], tensors: list[torch.Tensor]) -> str:
         h.update(name.encode())
         h.update(tensor_bytes(t).numpy().tobytes())
     return h.hexdigest()
+
+
+def _crossed(last: int, now: int, every: int) -> bool:
+    """True when a multiple of `every` lies in (last, now]: versions may advance by more than one."""
+    return every > 0 and now // every > last // every
 
 
 class DrafterActor(Actor):
@@ -60,33 +99,62 @@ class DrafterActor(Actor):
         min_buffer_tokens: int = 64  # do not train on less than this
         lr: float = 1e-3  # AdamW learning rate
         unroll_steps: int = 1  # draft steps simulated per batch (1 = no unroll)
-        publish_to: list[str] = []  # actors ("rollout:0", "coordinator") that receive DrafterUpdate
+        publish_to: list[str] = []  # actors ("rollout:0", "coordinator") that receive DrafterUpdate (owner)
         publish_every_steps: int = 20
-        checkpoint_every_steps: int = 50  # 0 = never
+        checkpoint_every_steps: int = 50  # 0 = never (owner)
         seed: int = 0
+        world_size: Annotated[int, msgspec.Meta(ge=1)] = 1  # drafter ranks training this drafter; 0 owns it
+        sync_every_steps: Annotated[int, msgspec.Meta(ge=1)] = 10  # local steps between deltas/updates
+        init_from: str = ""  # owner: an exported EAGLE head to start from when no checkpoint exists
 
     def on_start(self) -> None:
         cfg = self.config
+        if self.rank >= cfg.world_size:
+            raise ValueError(f"world_size: {cfg.world_size} ranks, but this is rank {self.rank}")
+        self.owner = self.rank == 0
+        self.group = [f"drafter:{r}" for r in range(1, cfg.world_size)] if self.owner else [OWNER]
+        missing = [name for name in self.group if name not in self.peers]
+        if missing:
+            raise ValueError(f"world_size: {cfg.world_size} ranks, but {missing} are not in this run")
         torch.manual_seed(cfg.seed + self.rank)
         self.target = load_model(hub.resolve(cfg.model))
         self.target.requires_grad_(False)
         self.head = EagleHead.for_target(self.target.config)
         self.trainer = DrafterTrainer(self.head, self.target, lr=cfg.lr, unroll_steps=cfg.unroll_steps)
         self.buffer = OnlineBuffer(cfg.buffer_bytes, seed=cfg.seed + self.rank)
-        self.version = 0
+        self.version = 0  # owner: of the drafter; other ranks: of the newest global adopted
         self.lease: Lease | None = None
+        self._shapes = {name: (t.shape, t.dtype) for name, t in self.head.state_dict().items()}
+        self._names = sorted(self._shapes)
+        self._last_loss = float("nan")
+        self._trained_s = 0.0
+        # owner: where the version stood when last sent to the group / published / checkpointed
+        self._shared_version = self._published_version = self._checkpointed_version = 0
+        self._remote_merged = False  # deltas folded in since the group last heard
+        self._active: dict[str, float] = {}  # rank → monotonic time until which it counts as training
+        self._last_delta_at: dict[str, float] = {}
+        self._lr_scale = 1
+        # other ranks: the base deltas are taken against, and what was trained since it
+        self._base: dict[str, torch.Tensor] | None = None
+        self._unsent_steps = self._unsent_tokens = 0
+        self._unsent_s = 0.0
         self.ckpt_dir = Path(self.run_dir or ".") / "drafter" / f"rank-{self.rank}"
         self._ckpt_jobs: queue.Queue[tuple[int, dict[str, Any]] | None] = queue.Queue(maxsize=1)
         self._ckpt_done: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
-        self._ckpt_thread = threading.Thread(target=self._checkpoint_worker, name="checkpoint", daemon=True)
-        self._ckpt_thread.start()
-        self._last_loss = float("nan")
-        self._trained_s = 0.0
-        self._resume()
+        self._ckpt_thread: threading.Thread | None = None
+        if self.owner:
+            self._ckpt_thread = threading.Thread(
+                target=self._checkpoint_worker, name="checkpoint", daemon=True
+            )
+            self._ckpt_thread.start()
+            self._resume()
+        else:
+            self._send_delta(final=True)  # zero steps: asks the owner for the global weights
 
     def on_stop(self) -> None:
-        self._ckpt_jobs.put(None)
-        self._ckpt_thread.join(30)
+        if self._ckpt_thread is not None:
+            self._ckpt_jobs.put(None)
+            self._ckpt_thread.join(30)
 
     # -- messages -----------------------------------------------------------------------------------
 
@@ -114,42 +182,170 @@ class DrafterActor(Actor):
         self.log.info(
             "released", lease_id=msg.lease_id, latency_ms=round(latency / 1e6, 3), reason=msg.reason
         )
+        self.send(COORDINATOR, self._stats())  # training seconds so far: the coordinator's reclaimed time
+        # after Released: the release latency never includes a delta or an update
+        if self.owner:
+            self._share(group_now=True)
+        else:
+            self._send_delta(final=True)
+
+    @handler
+    def on_delta(self, msg: DrafterDelta, sender: str) -> None:
+        """Owner: folds a rank's delta into the global drafter (or drops it, saying why)."""
+        why = self._check_delta(msg, sender)
+        if why is not None:
+            self.log.warning("delta_dropped", sender=sender, base_version=msg.base_version, why=why)
+            return
+        now = time.monotonic()
+        if msg.steps:
+            n = self._training_ranks(now, sender)
+            weights = self.head.state_dict()  # views of the parameters: updated in place
+            with torch.no_grad():
+                for name, delta in zip(msg.names, msg.tensors, strict=True):
+                    weights[name].add_(delta.to(weights[name].device), alpha=1.0 / n)
+            self.version += msg.steps
+            self._remote_merged = True
+            self.log.info(
+                "delta_merged",
+                sender=sender,
+                steps=msg.steps,
+                tokens=msg.tokens,
+                ranks=n,
+                base_version=msg.base_version,
+                version=self.version,
+            )
+        if msg.final:
+            self._active.pop(sender, None)
+            self._last_delta_at.pop(sender, None)
+        elif msg.steps:
+            # expected back within about one interval; after twice that (+ 1 s) it no longer counts
+            gap = now - self._last_delta_at.get(sender, now - msg.elapsed_s)
+            self._last_delta_at[sender] = now
+            self._active[sender] = now + 2.0 * gap + 1.0
+        if not msg.steps:
+            self.send(sender, self._update())  # it is not training: it only wants the current weights
+
+    @handler
+    def on_update(self, msg: DrafterUpdate, sender: str) -> None:
+        """Other ranks: adopts the owner's global weights, carrying over what it has not sent yet."""
+        if self.owner or sender != OWNER:
+            self.log.warning("update_ignored", sender=sender, version=msg.version, why="not from the owner")
+            return
+        why = self._check_weights(list(msg.names), list(msg.tensors))
+        if why is None and weights_checksum(list(msg.names), list(msg.tensors)) != msg.checksum:
+            why = "checksum mismatch"
+        if why is not None:
+            self.log.error("update_refused", version=msg.version, why=why)
+            return
+        exact = self._base is None or self._unsent_steps == 0
+        weights = self.head.state_dict()
+        with torch.no_grad():
+            if self._base is None:
+                self._base = {name: torch.empty_like(weights[name]) for name in self._names}
+            for name, received in zip(msg.names, msg.tensors, strict=True):
+                new = received.to(weights[name].device)
+                if exact:
+                    weights[name].copy_(new)
+                else:
+                    weights[name].add_(new - self._base[name])  # local = global + (local − base)
+                self._base[name].copy_(new)
+        self.version = msg.version
+        if exact:
+            # Computed from this rank's own weights, so the coordinator can see the ranks agree bitwise.
+            checksum = weights_checksum(self._names, [weights[n] for n in self._names])
+            fields = {"rank": self.rank, "version": self.version, "checksum": checksum}
+            self.send(COORDINATOR, Status(topic="drafter_synced", fields=fields))
+        self.log.info("adopted", version=msg.version, exact=exact, unsent_steps=self._unsent_steps)
 
     # -- training -----------------------------------------------------------------------------------
 
     def step(self) -> bool:
-        self._report_checkpoints()
+        if self.owner:
+            self._report_checkpoints()
+            if self._remote_merged:
+                self._share()
         if self.lease is None or self.buffer.stats().tokens < self.config.min_buffer_tokens:
             return False
+        if not self.owner and self._base is None:
+            return False  # not before adopting the owner's weights: no forked starting points
+        if self.owner:
+            self._set_lr_scale(self._training_ranks(time.monotonic()))
         batch = self.buffer.sample_batch(self.config.batch_tokens)
         if batch is None:
             return False
         started = time.perf_counter()
         metrics = self.trainer.step(batch)
-        self._trained_s += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self._trained_s += elapsed
         self._last_loss = float(metrics["loss"])
-        self.version += 1
-        cfg = self.config
-        if cfg.publish_every_steps and self.version % cfg.publish_every_steps == 0:
-            self._publish()
-        if cfg.checkpoint_every_steps and self.version % cfg.checkpoint_every_steps == 0:
-            self._checkpoint()
+        if self.owner:
+            self.version += 1
+            self._share()
+        else:
+            self._unsent_steps += 1
+            self._unsent_tokens += int(batch.token_ids.numel())
+            self._unsent_s += elapsed
+            if self._unsent_steps >= self.config.sync_every_steps:
+                self._send_delta(final=False)
         return True
 
-    def _publish(self) -> None:
-        weights = self.trainer.weights()
-        names = sorted(weights)
-        tensors = [weights[n] for n in names]
-        update = DrafterUpdate(
+    def _training_ranks(self, now: float, sender: str | None = None) -> int:
+        """Owner: n, the ranks training now (see the module docstring); at least one."""
+        active = {rank for rank, until in self._active.items() if until > now}
+        if sender is not None:
+            active.add(sender)
+        if self.lease is not None and self.buffer.stats().tokens >= self.config.min_buffer_tokens:
+            active.add(self.name)
+        return max(1, len(active))
+
+    def _set_lr_scale(self, n: int) -> None:
+        if n != self._lr_scale:
+            for group in self.trainer.optimizer.param_groups:
+                group["lr"] = self.config.lr / n
+            self._lr_scale = n
+
+    # -- owner: sharing the global drafter ----------------------------------------------------------
+
+    def _update(self) -> DrafterUpdate:
+        weights = self.trainer.weights()  # a copy: the sent tensors are never modified afterwards
+        tensors = [weights[n] for n in self._names]
+        return DrafterUpdate(
             version=self.version,
             policy_version=0,
-            names=names,
+            names=list(self._names),
             tensors=tensors,
-            checksum=weights_checksum(names, tensors),
+            checksum=weights_checksum(self._names, tensors),
         )
+
+    def _share(self, *, group_now: bool = False, publish_now: bool = False) -> None:
+        """Sends the global drafter where it is due: to the other ranks, to `publish_to`, to disk."""
+        cfg, v = self.config, self.version
+        to_group = (
+            bool(self.group)
+            and v != self._shared_version
+            and (group_now or self._remote_merged or v - self._shared_version >= cfg.sync_every_steps)
+        )
+        publish = publish_now or _crossed(self._published_version, v, cfg.publish_every_steps)
+        update = self._update() if to_group or publish else None
+        if to_group and update is not None:
+            for peer in self.group:
+                self.send(peer, update)
+            self._shared_version = v
+        if publish and update is not None:
+            self._publish(update)
+            self._published_version = v
+        if _crossed(self._checkpointed_version, v, cfg.checkpoint_every_steps):
+            self._checkpoint()
+            self._checkpointed_version = v
+        self._remote_merged = False
+
+    def _publish(self, update: DrafterUpdate) -> None:
         for dest in self.config.publish_to:
             self.send(dest, update)
-        stats = DrafterStats(
+        self.send(COORDINATOR, self._stats())
+
+    def _stats(self) -> DrafterStats:
+        return DrafterStats(
             rank=self.rank,
             version=self.version,
             steps=self.trainer.steps,
@@ -157,9 +353,61 @@ class DrafterActor(Actor):
             buffer_tokens=self.buffer.stats().tokens,
             elapsed_s=self._trained_s,
         )
-        self.send(COORDINATOR, stats)
 
-    # -- checkpoints --------------------------------------------------------------------------------
+    def _check_delta(self, msg: DrafterDelta, sender: str) -> str | None:
+        if not self.owner:
+            return "not the owner"
+        if sender not in self.group or sender != f"drafter:{msg.rank}":
+            return f"sender {sender} (rank {msg.rank}) is not a rank of this drafter"
+        if msg.steps == 0:
+            return None if not msg.names and not msg.tensors else "a zero-step delta carries no tensors"
+        if msg.base_version > self.version:
+            return f"based on version {msg.base_version}, newer than this drafter's {self.version}"
+        return self._check_weights(list(msg.names), list(msg.tensors))
+
+    def _check_weights(self, names: list[str], tensors: list[torch.Tensor]) -> str | None:
+        """None if names/shapes/dtypes are exactly the head's trainable weights and every value is finite."""
+        if names != self._names or len(tensors) != len(names):
+            return f"names {names[:3]}… ({len(names)}) are not the head's {len(self._names)} weights"
+        for name, t in zip(names, tensors, strict=True):
+            shape, dtype = self._shapes[name]
+            if t.shape != shape or t.dtype != dtype:
+                return f"{name}: {tuple(t.shape)} {t.dtype}, expected {tuple(shape)} {dtype}"
+            if not bool(torch.isfinite(t).all()):
+                return f"{name}: non-finite values"
+        return None
+
+    # -- other ranks: deltas ------------------------------------------------------------------------
+
+    def _send_delta(self, *, final: bool) -> None:
+        """Sends the owner local − base (then base = local), or with nothing unsent a zero-step notice."""
+        names: list[str] = []
+        deltas: list[torch.Tensor] = []
+        if self._unsent_steps and self._base is not None:
+            weights = self.head.state_dict()
+            with torch.no_grad():
+                for name in self._names:
+                    deltas.append(weights[name] - self._base[name])  # a new tensor: safe to send zero-copy
+                    self._base[name].copy_(weights[name])
+            names = list(self._names)
+        msg = DrafterDelta(
+            rank=self.rank,
+            base_version=self.version,
+            steps=self._unsent_steps if names else 0,
+            tokens=self._unsent_tokens if names else 0,
+            elapsed_s=self._unsent_s if names else 0.0,
+            final=final,
+            names=names,
+            tensors=deltas,
+        )
+        self.send(OWNER, msg)
+        if names:
+            self.send(COORDINATOR, self._stats())
+            self.log.info("delta_sent", steps=msg.steps, base_version=msg.base_version, final=final)
+        self._unsent_steps = self._unsent_tokens = 0
+        self._unsent_s = 0.0
+
+    # -- checkpoints (owner) ------------------------------------------------------------------------
 
     def _checkpoint(self) -> None:
         state = {"version": self.version, **self.trainer.state_dict()}  # a deep copy: safe to write later
@@ -188,12 +436,30 @@ class DrafterActor(Actor):
                 COORDINATOR, Status(topic="drafter_checkpoint", fields={"version": version, "path": path})
             )
 
+    def _init_from(self, path: str) -> None:
+        """Starts the owner's drafter from an exported head (e.g. `drafter warmup`), at its version, so
+        rollouts holding that head take this actor's updates as newer."""
+        from slipstream.engine import eagle_export
+
+        loaded = eagle_export.load(path, self.target)
+        self.head.load_state_dict(
+            {name: t.to(self.head.fc.weight.dtype) for name, t in loaded.head.state_dict().items()}
+        )
+        self.version = loaded.version
+        self._shared_version = self._published_version = self._checkpointed_version = self.version
+        self.log.info("initialised", path=path, version=self.version)
+
     def _resume(self) -> None:
         ckpts = sorted(self.ckpt_dir.glob("ckpt-*.pt"))
         if not ckpts:
+            if self.config.init_from:
+                self._init_from(self.config.init_from)
             return
         state = torch.load(ckpts[-1], weights_only=True)
         self.trainer.load_state_dict(state)
+        for group in self.trainer.optimizer.param_groups:
+            group["lr"] = self.config.lr  # the checkpoint holds the lr / n the owner trained at last
         self.version = int(state["version"])
+        self._published_version = self._checkpointed_version = self.version
         self.log.info("resumed", version=self.version, path=str(ckpts[-1]))
-        self._publish()  # peers get the restored weights at once
+        self._share(group_now=bool(self.group), publish_now=True)  # peers get the restored weights at once

@@ -1,7 +1,9 @@
 """Drafter channel: hidden states of finished responses in, versioned drafter weights out.
 
 Hidden states are the bulk of this channel (response_len × hidden per sample), so they travel as
-zero-copy frames and may be bf16 (raw bytes on the wire).
+zero-copy frames and may be bf16 (raw bytes on the wire). Drafter ranks that train one drafter together
+exchange `DrafterDelta` (rank → rank 0, the owner) and `DrafterUpdate` (owner → ranks): weights and
+weight differences are tensors in frames too, never pickled.
 """
 
 from enum import StrEnum
@@ -10,13 +12,14 @@ from typing import Annotated
 import msgspec
 import torch
 
-from slipstream.protocols.base import Message, NonNeg
+from slipstream.protocols.base import Message, NonNeg, NonNegF
 
 
 class DrafterKind(StrEnum):
     HIDDEN = "drafter.hidden"
     UPDATE = "drafter.update"
     STATS = "drafter.stats"
+    DELTA = "drafter.delta"
 
 
 class HiddenStates(Message, frozen=True, kw_only=True):
@@ -54,6 +57,25 @@ class DrafterStats(Message, frozen=True, kw_only=True):
     elapsed_s: Annotated[float, msgspec.Meta(ge=0.0)]
 
 
-MESSAGES: tuple[type[Message], ...] = (HiddenStates, DrafterUpdate, DrafterStats)
+class DrafterDelta(Message, frozen=True, kw_only=True):
+    """Drafter rank → drafter rank 0 (the owner of the one drafter): what this rank trained since its base.
+
+    tensors[i] = local − base of trainable weight names[i], in the weight's dtype; the owner folds it into
+    the global drafter. With steps 0, names and tensors are empty: the rank is not training (starting up,
+    or preempted with nothing unsent) and asks for the current global weights.
+    """
+
+    kind = DrafterKind.DELTA
+    rank: NonNeg
+    base_version: NonNeg  # the newest global version this rank had adopted when it trained these steps
+    steps: NonNeg  # optimizer steps behind the delta
+    tokens: NonNeg  # training tokens behind the delta
+    elapsed_s: NonNegF  # training time behind the delta
+    final: bool  # the rank stops training after this (preempted, or not leased yet)
+    names: list[str]
+    tensors: list[torch.Tensor]
+
+
+MESSAGES: tuple[type[Message], ...] = (HiddenStates, DrafterUpdate, DrafterStats, DrafterDelta)
 
 __all__ = [m.__name__ for m in MESSAGES] + ["MESSAGES", "DrafterKind"]

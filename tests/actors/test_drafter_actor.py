@@ -21,20 +21,20 @@ from tests.engine.conftest import build_checkpoint
 HEARTBEAT_S = 0.25
 
 
-def drafter_spec(model: Path, **config: object) -> ActorSpec:
+def drafter_spec(model: Path, rank: int = 0, **config: object) -> ActorSpec:
     cfg = {"model": str(model), "publish_to": ["coordinator"], "batch_tokens": 256, "min_buffer_tokens": 32,
            "publish_every_steps": 5, "checkpoint_every_steps": 5, **config}  # fmt: skip
-    return ActorSpec(actor="slipstream.actors.drafter:DrafterActor", config=cfg, threads=1)
+    return ActorSpec(actor="slipstream.actors.drafter:DrafterActor", rank=rank, config=cfg, threads=1)
 
 
-def feed(endpoint: str, n: int, hidden_size: int, vocab: int) -> None:
+def feed(endpoint: str, n: int, hidden_size: int, vocab: int, *, seed: int = 0) -> None:
     """Streams `n` random sequences' hidden states to the drafter's data socket."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, b"rollout:0")
     sock.connect(endpoint)
     codec = Codec()
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     for i in range(n):
         length = 40 + i % 30
         msg = HiddenStates(

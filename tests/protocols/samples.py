@@ -106,6 +106,16 @@ def samples() -> dict[str, Message]:
             checksum="d",
         ),
         drafter.DrafterStats(rank=0, version=1, steps=10, loss=0.5, buffer_tokens=1000, elapsed_s=1.0),
+        drafter.DrafterDelta(
+            rank=1,
+            base_version=4,
+            steps=3,
+            tokens=300,
+            elapsed_s=0.5,
+            final=False,
+            names=["fc"],
+            tensors=[torch.full((2,), -0.5)],
+        ),
     ]
     return {m.kind: m for m in out}
 
