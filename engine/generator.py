@@ -229,6 +229,18 @@ class Generator:
     def num_running(self) -> int:
         return len(self._running)
 
+    @property
+    def num_decoding(self) -> int:
+        """Sequences with a pending token: the decode batch of the next iteration (the tuner's batch size)."""
+        return sum(seq.num_cached == len(seq.tokens) - 1 for seq in self._running.values())
+
+    @property
+    def num_prefilling(self) -> int:
+        """Requests whose prompt is not fully cached yet, waiting ones included: the next iteration will
+        spend part of its pass on their prefill if any of them gets a slot."""
+        waiting = len(self._waiting) if self.cache.num_free_slots else 0
+        return len(self._running) - self.num_decoding + waiting
+
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """One iteration: admit, decode (or draft and verify) every pending token, prefill within the

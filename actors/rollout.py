@@ -1,0 +1,364 @@
+"""The rollout actor: decodes GRPO groups with continuous batching and tuned, lossless speculation.
+
+One rollout actor per device. It receives `GenerateRequest`s (one prompt, G samples, the policy version),
+decodes every sample in one continuous batch, and streams each `Completion` the moment it finishes: token
+ids, per-token log-probs under the sampling distribution (the learner's behaviour policy), finish reason
+and the policy version that produced it. Each finished response's hidden states go to the drafter actors'
+buffers (`hidden_to`), and when its queue drains the actor tells the coordinator `Idle`, so the coordinator
+can lease its device to drafter training.
+
+Per decode iteration the tuner (`engine/tuner.py`) picks the speculation arm for the live batch size, the
+generator runs the iteration with it, and the committed tokens per second of that iteration are the arm's
+reward. Arms only change speed: greedy output is token-identical and sampled output follows the target
+distribution exactly with or without the tuner (tested). An `IterationStats` per iteration reports the
+decision and what it bought; every decision is logged. The tuner's state is saved to the run directory
+whenever the actor goes idle and restored at start, so it carries across RL steps and restarts.
+
+Updates, applied between iterations:
+- `DrafterUpdate` (versioned, checksummed): hot-swapped into the EAGLE drafter at once, mid-generation;
+  drafts change, outputs do not. The eagle arms' estimates are forgotten so the tuner retries them.
+- `WeightUpdate` (bucketed, checksummed): buckets are staged until the version is complete, then applied
+  when no request is in flight (a response is never produced by two policies) and acknowledged with
+  `WeightAck`; a bad update is refused with the reason and the old weights stay.
+
+Non-obvious choices:
+- Sample i of a group samples with seed `sample_seed(request.seed, i)`; noise is keyed by (seed,
+  position), so a sample's tokens depend only on its seed, never on batch composition or on the tuner.
+- Tuner rewards come only from iterations with no prompt prefill in them: a prefill chunk's cost says
+  nothing about the arm, and would penalise whichever arm was active when a new group arrived.
+- The EAGLE drafter is held from the start (warmed from `drafter`, or untrained until the first update
+  when hidden states go to drafter actors; without either, eagle arms are never available), so it
+  observes every commit and can draft for requests already in flight the moment it wins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+import torch
+
+from slipstream.actors.drafter import weights_checksum
+from slipstream.engine import eagle_export, hub
+from slipstream.engine.buffer import completion_window
+from slipstream.engine.eagle import EagleDrafter, EagleHead
+from slipstream.engine.generator import Completion, Generator, Request
+from slipstream.engine.sampling import SamplingParams
+from slipstream.engine.tuner import Tuner, TunerConfig
+from slipstream.engine.weights import load_model
+from slipstream.protocols.control import Idle
+from slipstream.protocols.drafter import DrafterUpdate, HiddenStates
+from slipstream.protocols.learner import WeightAck, WeightUpdate
+from slipstream.protocols.rollout import Completion as CompletionMsg
+from slipstream.protocols.rollout import GenerateRequest, IterationStats
+from slipstream.runtime.actor import COORDINATOR, Actor, handler
+from slipstream.runtime.codec import tensor_bytes
+
+SEED_BITS = 20  # sample index bits in a sample's seed: up to ~1M samples per prompt
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The sampling seed of sample `index` of a group whose request carries `seed` (fits int64)."""
+    if not 0 <= index < 1 << SEED_BITS:
+        raise ValueError(f"sample index must be in [0, 2**{SEED_BITS}), got {index}")
+    return ((seed << SEED_BITS) | index) & ((1 << 63) - 1)
+
+
+def weights_digest(tensors: list[torch.Tensor]) -> str:
+    """sha256 over the raw bytes of `tensors`, in order (`WeightUpdate.checksum`)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(tensor_bytes(t).numpy().tobytes())
+    return h.hexdigest()
+
+
+class RolloutActor(Actor):
+    role = "rollout"
+
+    class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+        model: str  # the policy: a model directory or a registry name
+        max_batch: int = 32  # concurrent sequences (KV cache slots)
+        max_len: int = 2048  # prompt + response tokens per sequence
+        token_budget: int = 0  # tokens per forward pass; 0 = sized from max_batch and the arms
+        spec_mode: Literal["rejection", "reproducible"] = "rejection"  # how sampled rows are verified
+        tuner: TunerConfig = TunerConfig()  # buckets and arms; arms ["off"] = plain decoding
+        drafter: str = ""  # exported EAGLE head to start with (e.g. `drafter warmup --out`); "" = untrained
+        hidden_to: list[str] = []  # drafter actors that receive each response's hidden states
+        hidden_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+        completions_to: list[str] = msgspec.field(default_factory=lambda: [COORDINATOR])
+        policy_version: int = 0  # version of the weights loaded from `model`
+
+        def __post_init__(self) -> None:
+            if self.max_batch < 1:
+                raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+            if self.token_budget and self.token_budget <= self.max_batch:
+                raise ValueError(
+                    f"token_budget must exceed max_batch ({self.max_batch}), got {self.token_budget}"
+                )
+
+    def on_start(self) -> None:
+        cfg = self.config
+        self.model = load_model(hub.resolve(cfg.model))
+        self.tuner = Tuner(cfg.tuner)
+        self.tuner_path = Path(self.run_dir or ".") / "rollout" / f"rank-{self.rank}" / "tuner.json"
+        if self.tuner_path.is_file():
+            self.tuner.load_state_dict(json.loads(self.tuner_path.read_text()))
+            self.log.info("tuner_restored", path=str(self.tuner_path))
+        arms = self.tuner.arms
+        deepest = max(arm.spec().verify_budget for arm in arms if arm.method != "off") if len(arms) > 1 else 0
+        self.generator = Generator(
+            self.model,
+            num_slots=cfg.max_batch,
+            max_len=cfg.max_len,
+            token_budget=cfg.token_budget or max(512, cfg.max_batch * (1 + deepest) + 64),
+            return_hidden=bool(cfg.hidden_to),
+        )
+        self.eagle: EagleDrafter | None = None
+        # An EAGLE head is worth holding only if it starts trained or will be trained online.
+        if any(arm.method == "eagle" for arm in arms) and (cfg.drafter or cfg.hidden_to):
+            self.eagle = self._make_eagle()
+            self.generator.set_spec(
+                next(a for a in arms if a.method == "eagle").spec(cfg.spec_mode), self.eagle
+            )
+            self.generator.set_spec(None)
+        self.methods = {"off", "ngram", "self"} | ({"eagle"} if self.eagle is not None else set())
+        self.policy_version = cfg.policy_version
+        self._samples: dict[str, tuple[int, int]] = {}  # request id -> (group id, sample index)
+        self._arm = "off"
+        self._iteration = 0
+        self._idle_sent = True  # nothing to report until work arrives
+        self._staged: dict[int, dict[int, WeightUpdate]] = {}  # version -> bucket -> update (cloned)
+        self._ready_version: int | None = None  # a complete, verified version waiting for a drained queue
+        self._hidden_dtype = getattr(torch, cfg.hidden_dtype)
+
+    def _make_eagle(self) -> EagleDrafter:
+        cfg = self.config
+        kwargs = {"num_slots": cfg.max_batch, "max_len": cfg.max_len}
+        if cfg.drafter:
+            drafter = eagle_export.load(cfg.drafter, self.model, **kwargs)
+            self.log.info("drafter_loaded", path=cfg.drafter, version=drafter.version)
+            return drafter
+        head = EagleHead.for_target(self.model.config).to(self.model.lm_head_weight.dtype)
+        return EagleDrafter(head, self.model, **kwargs)
+
+    def on_stop(self) -> None:
+        self._save_tuner()
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    @handler
+    def on_generate(self, msg: GenerateRequest, sender: str) -> None:
+        if msg.policy_version != self.policy_version:
+            self.log.warning(
+                "policy_version_mismatch",
+                group_id=msg.group_id,
+                asked=msg.policy_version,
+                have=self.policy_version,
+            )
+        sampling = msg.sampling
+        prompt = msg.prompt_ids.tolist()
+        for i in range(msg.num_samples):
+            request_id = f"{msg.group_id}:{i}"
+            try:
+                params = SamplingParams(
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=sampling.top_k,
+                    max_tokens=sampling.max_tokens,
+                    stop_token_ids=tuple(sampling.stop_token_ids),
+                    seed=sample_seed(msg.seed, i),
+                )
+                self.generator.add(
+                    Request(
+                        request_id=request_id, prompt_ids=prompt, params=params, group_id=str(msg.group_id)
+                    )
+                )
+            except ValueError as exc:
+                # The coordinator waits for every sample: answer with an error completion, never silence.
+                self.log.error("bad_request", group_id=msg.group_id, sample_index=i, error=str(exc))
+                self._send_completion(msg.group_id, i, [], [], "error", 0.0)
+                continue
+            self._samples[request_id] = (msg.group_id, i)
+        self._idle_sent = False
+
+    # -- updates --------------------------------------------------------------------------------------
+
+    @handler
+    def on_drafter_update(self, msg: DrafterUpdate, sender: str) -> None:
+        if self.eagle is None:
+            self.log.warning("drafter_update_unused", version=msg.version, why="no eagle arm configured")
+            return
+        if msg.version <= self.eagle.version:
+            self.log.info("drafter_update_stale", version=msg.version, have=self.eagle.version)
+            return
+        if weights_checksum(list(msg.names), list(msg.tensors)) != msg.checksum:
+            self.log.error("drafter_update_refused", version=msg.version, why="checksum mismatch")
+            return
+        self.eagle.load_state(dict(zip(msg.names, msg.tensors, strict=True)), msg.version)  # copies
+        self.tuner.forget("eagle")
+        self.log.info("drafter_swapped", version=msg.version, sender=sender)
+
+    @handler
+    def on_weights(self, msg: WeightUpdate, sender: str) -> None:
+        error = self._check_weights(msg)
+        if error is not None:
+            self.log.error("weights_refused", version=msg.version, bucket=msg.bucket, error=error)
+            self.send(
+                sender, WeightAck(version=msg.version, role=self.role, rank=self.rank, ok=False, error=error)
+            )
+            return
+        buckets = self._staged.setdefault(msg.version, {})
+        # Clone: received tensors alias a frame or shared-memory slot that is recycled after this handler.
+        buckets[msg.bucket] = WeightUpdate(
+            version=msg.version,
+            bucket=msg.bucket,
+            num_buckets=msg.num_buckets,
+            names=list(msg.names),
+            tensors=[t.clone() for t in msg.tensors],
+            checksum=msg.checksum,
+        )
+        self._weights_from = sender
+        if len(buckets) == msg.num_buckets:
+            for old in [v for v in self._staged if v < msg.version]:
+                del self._staged[old]
+            self._ready_version = msg.version
+            if not self.generator.has_unfinished():
+                self._apply_weights()
+
+    def _check_weights(self, msg: WeightUpdate) -> str | None:
+        if msg.version <= self.policy_version:
+            return f"version {msg.version} is not newer than the loaded version {self.policy_version}"
+        if msg.bucket >= msg.num_buckets:
+            return f"bucket {msg.bucket} out of range for num_buckets {msg.num_buckets}"
+        if len(msg.names) != len(msg.tensors):
+            return f"{len(msg.names)} names for {len(msg.tensors)} tensors"
+        params = dict(self.model.named_parameters())
+        for name, tensor in zip(msg.names, msg.tensors, strict=True):
+            param = params.get(name)
+            if param is None:
+                return f"unknown parameter {name!r}"
+            if tuple(tensor.shape) != tuple(param.shape) or tensor.dtype != param.dtype:
+                return f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, expected {tuple(param.shape)} {param.dtype}"
+        if weights_digest(list(msg.tensors)) != msg.checksum:
+            return f"bucket {msg.bucket}: checksum mismatch"
+        return None
+
+    def _apply_weights(self) -> None:
+        version = self._ready_version
+        assert version is not None
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for update in self._staged.pop(version).values():
+                for name, tensor in zip(update.names, update.tensors, strict=True):
+                    params[name].copy_(tensor)  # bumps the tensor version: prepacked weights repack
+        self.policy_version = version
+        self._ready_version = None
+        self.log.info("weights_applied", version=version)
+        ack = WeightAck(version=version, role=self.role, rank=self.rank, ok=True)
+        self.send(self._weights_from, ack)
+
+    # -- decoding -------------------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        generator = self.generator
+        if not generator.has_unfinished():
+            if self._ready_version is not None:
+                self._apply_weights()
+            if not self._idle_sent:
+                self._idle_sent = True
+                self._save_tuner()
+                self.send(
+                    COORDINATOR, Idle(role=self.role, rank=self.rank, policy_version=self.policy_version)
+                )
+                self.log.info("idle", policy_version=self.policy_version)
+            return False
+        batch = generator.num_decoding
+        clean = batch > 0 and generator.num_prefilling == 0
+        decision = self.tuner.choose(max(batch, 1), self.methods)
+        if decision.arm != self._arm:
+            arm = self.tuner.arm(decision.arm)
+            self.generator.set_spec(None if arm.method == "off" else arm.spec(self.config.spec_mode))
+            self._arm = decision.arm
+        self.log.info("tuner_decision", iteration=self._iteration, **decision.as_dict())
+        before = generator.stats
+        started = time.perf_counter()
+        outputs = generator.step()
+        seconds = time.perf_counter() - started
+        after = generator.stats
+        committed = after["committed"] - before["committed"]
+        if clean:
+            self.tuner.record(batch, decision.arm, committed, seconds)
+        self.send(
+            COORDINATOR,
+            IterationStats(
+                rank=self.rank,
+                iteration=self._iteration,
+                batch_size=batch,
+                arm=decision.arm,
+                drafted=after["drafted"] - before["drafted"],
+                accepted=after["accepted"] - before["accepted"],
+                committed=committed,
+                iter_s=seconds,
+            ),
+        )
+        self._iteration += 1
+        for output in outputs:
+            if output.completion is not None:
+                self._finish(output.completion)
+        return True
+
+    def _finish(self, completion: Completion) -> None:
+        group_id, index = self._samples.pop(completion.request_id)
+        passes = completion.target_passes
+        accept = len(completion.token_ids) / passes if passes else 0.0
+        self._send_completion(
+            group_id, index, completion.token_ids, completion.logprobs, completion.finish_reason, accept
+        )
+        if not self.config.hidden_to:
+            return
+        window = completion_window(completion)
+        if window is None:
+            return
+        token_ids, hidden, response_start = window
+        msg = HiddenStates(
+            group_id=group_id,
+            sample_index=index,
+            token_ids=token_ids,
+            hidden=hidden.to(self._hidden_dtype),
+            response_start=response_start,
+            policy_version=self.policy_version,
+        )
+        for dest in self.config.hidden_to:
+            self.send(dest, msg)
+
+    def _send_completion(
+        self, group_id: int, index: int, tokens: list[int], logprobs: list[float], reason: str, accept: float
+    ) -> None:
+        msg = CompletionMsg(
+            group_id=group_id,
+            sample_index=index,
+            token_ids=torch.tensor(tokens, dtype=torch.int64),
+            logprobs=torch.tensor(logprobs, dtype=torch.float32),
+            finish_reason=reason,  # type: ignore[arg-type]
+            policy_version=self.policy_version,
+            accept_length=accept,
+        )
+        for dest in self.config.completions_to:
+            self.send(dest, msg)
+
+    def _save_tuner(self) -> None:
+        try:
+            self.tuner_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.tuner_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.tuner.state_dict()))
+            os.replace(tmp, self.tuner_path)
+        except OSError as exc:
+            self.log.warning("tuner_save_failed", error=str(exc))
+
+
+__all__ = ["RolloutActor", "sample_seed", "weights_digest"]
