@@ -27,7 +27,6 @@ NOT_YET = {
     "launch": "multi-node launch from a topology file (deploy)",
 }
 BENCH_NOT_YET = {
-    "rollout": "the long-tail rollout benchmark (issue: Adaptive rollout)",
     "e2e": "the end-to-end RL step benchmark",
 }
 
@@ -60,13 +59,29 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what in BENCH_NOT_YET:
         return _not_yet(f"bench {args.what}", BENCH_NOT_YET[args.what])
+    if args.what == "rollout":
+        from slipstream.benchmarks import rollout
+
+        result = rollout.run(
+            args.model,
+            task=args.task,
+            prompts=args.prompts,
+            samples=args.samples,
+            max_tokens=args.max_tokens if args.max_tokens is not None else 512,
+            temperature=args.temperature,
+            seed=args.seed,
+            modes=tuple(args.modes.split(",")),
+            drafter=args.drafter,
+        )
+        print(json.dumps(result) if args.json else rollout.render(result))
+        return 0
     if args.what == "decode":
         from slipstream.benchmarks import decode
 
         result = decode.run(
             args.model,
             batches=decode.parse_batches(args.batches),
-            max_tokens=args.max_tokens,
+            max_tokens=args.max_tokens if args.max_tokens is not None else 256,
             repeats=args.repeats,
             threads=args.threads,
         )
@@ -211,16 +226,27 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("name")
     msub.add_parser("list", help="known model names and where they live")
 
-    s = sub.add_parser("bench", help="benchmarks printing JSON: transport, decode (rollout, e2e: not yet)")
-    s.add_argument("what", choices=["transport", "decode", *BENCH_NOT_YET])
+    s = sub.add_parser("bench", help="benchmarks printing JSON: transport, decode, rollout (e2e: not yet)")
+    s.add_argument("what", choices=["transport", "decode", "rollout", *BENCH_NOT_YET])
     s.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    s.add_argument("--model", default=None, help="decode: model directory or name (default smollm2-135m)")
+    s.add_argument(
+        "--model", default=None, help="decode, rollout: model directory or name (default smollm2-135m)"
+    )
     s.add_argument("--batches", default="1,4,16,32", help="decode: comma-separated batch sizes")
-    s.add_argument("--max-tokens", type=int, default=256, help="decode: new tokens per request")
+    s.add_argument(
+        "--max-tokens", type=int, default=None, help="decode, rollout: new tokens per request (256, 512)"
+    )
     s.add_argument("--repeats", type=int, default=1, help="decode: interleaved rounds (median per config)")
     s.add_argument(
         "--threads", type=int, default=None, help="decode: torch threads (default OMP_NUM_THREADS)"
     )
+    s.add_argument("--task", default="basic_arithmetic", help="rollout: reasoning-gym task")
+    s.add_argument("--prompts", type=int, default=8, help="rollout: prompts (GRPO groups)")
+    s.add_argument("--samples", type=int, default=4, help="rollout: responses per prompt (G)")
+    s.add_argument("--temperature", type=float, default=0.7, help="rollout: sampling temperature")
+    s.add_argument("--seed", type=int, default=0, help="rollout: prompt and sampling seed")
+    s.add_argument("--modes", default="plain,ngram,adaptive", help="rollout: comma-separated subset")
+    s.add_argument("--drafter", type=Path, default=None, help="rollout: warmed EAGLE drafter directory")
 
     s = sub.add_parser("logs", help="print a run's logs, merged by time; --follow streams live events")
     s.add_argument("run", help="run directory")

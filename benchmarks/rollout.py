@@ -1,0 +1,384 @@
+"""Rollout benchmark: a long-tail GRPO rollout, plain vs n-gram vs full adaptive, side by side in one run.
+
+    slipstream bench rollout --json                       # smollm2-135m, basic_arithmetic, all three modes
+    slipstream bench rollout --prompts 4 --samples 4 --max-tokens 128 --json      # a quicker one
+    python -m slipstream.benchmarks.rollout --json        # the same without the CLI
+
+Workload: `prompts` reasoning-gym questions (fixed seed) through the chat template, `samples` (G) responses
+each at temperature 0.7, up to `max_tokens` (512) tokens, EOS honoured — so response lengths are the
+model's own, heavy-tailed ones. Why 0.7: at T = 1 SmolLM2-135M degenerates in about a third of its
+responses, which all run to the length cap (11 of 32 at 384 tokens): a wide plateau, not a tail. At 0.7
+one response in 32 reaches 512 tokens and a few long ones decode alone for half the makespan, which is
+the shape of reasoning-model rollouts this benchmark is about. Real processes: 2 rollout actors, each pinned to one core of this CPU with one thread
+("2 devices"), and for the adaptive mode 2 drafter actors, one per device, dormant until leased. The
+bench itself is the coordinator: it deals whole groups round-robin (GRPO siblings stay together, so the
+n-gram drafter sees them), streams completions back, leases a device to its drafter actor the moment
+that device's rollout reports Idle, and preempts every lease when the last completion arrives.
+
+Modes (same prompts, same seeds):
+- plain: the tuner has one arm, "off".
+- ngram: arms off and n-gram chains: what a user without a drafter gets (the tuner switches n-gram off
+  where it loses).
+- adaptive: off, n-gram and EAGLE arms. The EAGLE head starts warmed (`--drafter DIR`, by default a
+  cached `drafter warmup` of the model on the task, made on first use), keeps training online on the
+  rollouts' hidden states in idle device time, and hot-swaps into the still-decoding rollout.
+
+Verification runs in reproducible mode, so every mode must produce token-identical responses (checked:
+`identical_outputs`); the makespans then compare exactly the same work. Each mode's JSON: makespan_s
+(first request sent → last completion received), tokens_per_s, accept_length per batch-size bucket
+(committed tokens per sequence-iteration), arms chosen per bucket, idle_device_s (device-seconds between
+a rollout going idle and the end of the phase), reclaimed_share (drafter training seconds inside those
+leases / idle_device_s), drafter_versions swapped in. Top level: speedup = plain makespan / adaptive
+makespan, ngram_speedup = plain / ngram.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvloop
+
+from slipstream.engine import hub
+from slipstream.engine.tokenizer import Tokenizer
+from slipstream.protocols.control import Idle, Lease, Preempt, Released
+from slipstream.protocols.drafter import DrafterStats
+from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats, SamplingSpec
+from slipstream.runtime.supervisor import ActorSpec, Supervisor
+
+__all__ = ["MODES", "main", "render", "run"]
+
+MODES = ("plain", "ngram", "adaptive")
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_TASK = "basic_arithmetic"
+DEVICES = 2
+BUCKETS = [1, 2, 3, 5, 9, 17]
+NGRAM_ARMS = ["ngram:d3", "ngram:d5"]
+EAGLE_ARMS = ["eagle:d3", "eagle:d5", "eagle:d7", "eagle:d4k4v16"]
+ARMS = {"plain": ["off"], "ngram": ["off", *NGRAM_ARMS], "adaptive": ["off", *NGRAM_ARMS, *EAGLE_ARMS]}
+PHASE_TIMEOUT_S = 3600.0
+
+
+def bucket_label(batch: int) -> str:
+    for i, lo in enumerate(BUCKETS):
+        hi = BUCKETS[i + 1] - 1 if i + 1 < len(BUCKETS) else None
+        if hi is None or batch <= hi:
+            return str(lo) if hi == lo else (f"{lo}+" if hi is None else f"{lo}-{hi}")
+    raise AssertionError("unreachable")
+
+
+def default_drafter_dir(model: str, task: str) -> Path:
+    return hub.home() / "drafters" / f"{Path(model).name}-{task}"
+
+
+def rollout_specs(
+    mode: str, model: str, max_len: int, drafter: Path | None, max_batch: int
+) -> list[ActorSpec]:
+    adaptive = mode == "adaptive"
+    specs = []
+    for rank in range(DEVICES):
+        config: dict[str, Any] = {
+            "model": model,
+            "max_batch": max_batch,
+            "max_len": max_len,
+            "spec_mode": "reproducible",
+            "tuner": {"buckets": BUCKETS, "arms": ARMS[mode], "seed": rank},
+        }
+        if adaptive:
+            config.update(drafter=str(drafter), hidden_to=[f"drafter:{r}" for r in range(DEVICES)])
+        specs.append(
+            ActorSpec(actor="slipstream.actors.rollout:RolloutActor", rank=rank, config=config, cpus=[rank])
+        )
+    if adaptive:
+        for rank in range(DEVICES):
+            config = {
+                "model": model,
+                "init_from": str(drafter),
+                "publish_to": [f"rollout:{r}" for r in range(DEVICES)],
+                "world_size": DEVICES,
+                "batch_tokens": 512,  # a short step: preemption waits at most one
+                "publish_every_steps": 10,
+                "checkpoint_every_steps": 0,
+            }
+            specs.append(
+                ActorSpec(
+                    actor="slipstream.actors.drafter:DrafterActor", rank=rank, config=config, cpus=[rank]
+                )
+            )
+    return specs
+
+
+async def run_phase(
+    mode: str,
+    *,
+    model: str,
+    prompts: list[list[int]],
+    samples: int,
+    max_tokens: int,
+    temperature: float,
+    stop_ids: list[int],
+    seed: int,
+    drafter: Path | None,
+    run_dir: Path,
+) -> dict[str, Any]:
+    """One mode: start the actors, run the rollout phase as the coordinator does, return its figures."""
+    max_len = max(len(p) for p in prompts) + max_tokens + 64
+    max_batch = -(-len(prompts) // DEVICES) * samples
+    sup = Supervisor(run_dir, heartbeat_s=1.0)
+    await sup.start(rollout_specs(mode, model, max_len, drafter, max_batch))
+    try:
+        return await _coordinate(
+            sup, mode, prompts, samples,
+            SamplingSpec(temperature=temperature, max_tokens=max_tokens, stop_token_ids=stop_ids), seed,
+        )  # fmt: skip
+    finally:
+        await sup.shutdown(grace_s=10.0)
+
+
+async def _coordinate(
+    sup: Supervisor, mode: str, prompts: list[list[int]], samples: int, sampling: SamplingSpec, seed: int
+) -> dict[str, Any]:
+    adaptive = mode == "adaptive"
+    expected = len(prompts) * samples
+    responses: dict[tuple[int, int], list[int]] = {}
+    committed: dict[str, int] = defaultdict(int)
+    seq_iters: dict[str, int] = defaultdict(int)
+    arms: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    idle_at: dict[int, float] = {}
+    leases: dict[int, tuple[int, float]] = {}  # rank -> (lease id, leased at)
+    trained: dict[int, list[float]] = defaultdict(list)  # drafter rank -> DrafterStats.elapsed_s seen
+    trained_at_lease: dict[int, float] = {}
+    released_ms: list[float] = []
+    finish: dict[str, int] = defaultdict(int)
+
+    started = time.monotonic()
+    for group, prompt in enumerate(prompts):
+        await sup.send(
+            f"rollout:{group % DEVICES}",
+            GenerateRequest(
+                group_id=group,
+                prompt_ids=torch.tensor(prompt, dtype=torch.int64),
+                num_samples=samples,
+                seed=seed * 1_000_003 + group,
+                sampling=sampling,
+                policy_version=0,
+            ),
+        )
+    ended = None
+    deadline = started + PHASE_TIMEOUT_S
+    while ended is None or leases:
+        if not sup.deaths.empty():
+            died = sup.deaths.get_nowait()
+            raise RuntimeError(f"{died.name} died during the {mode} phase: {died.reason}")
+        try:
+            sender, msg = await asyncio.wait_for(
+                sup.inbox.get(), timeout=max(0.01, deadline - time.monotonic())
+            )
+        except TimeoutError:
+            raise RuntimeError(
+                f"{mode} phase: no progress before the {PHASE_TIMEOUT_S:.0f} s limit"
+            ) from None
+        now = time.monotonic()
+        if isinstance(msg, Completion):
+            responses[(msg.group_id, msg.sample_index)] = msg.token_ids.tolist()
+            finish[msg.finish_reason] += 1
+            if len(responses) == expected:
+                ended = now
+                for rank, (lease_id, _) in leases.items():  # the phase is over: give the devices back
+                    await sup.send(
+                        f"drafter:{rank}",
+                        Preempt(lease_id=lease_id, reason="rollout done", sent_ns=time.time_ns()),
+                    )
+                deadline = now + 30.0
+        elif isinstance(msg, IterationStats):
+            if msg.batch_size == 0:  # a prefill-only pass: it says nothing about decoding
+                continue
+            label = bucket_label(msg.batch_size)
+            committed[label] += msg.committed
+            seq_iters[label] += msg.batch_size
+            arms[label][msg.arm] += 1
+        elif isinstance(msg, Idle):
+            idle_at[msg.rank] = now
+            if adaptive and ended is None:
+                # The line where an idle device goes to drafter training.
+                lease_id = len(released_ms) + len(leases) + 1
+                trained_at_lease[msg.rank] = trained[msg.rank][-1] if trained[msg.rank] else 0.0
+                await sup.send(
+                    f"drafter:{msg.rank}",
+                    Lease(lease_id=lease_id, device=f"cpu:{msg.rank}", threads=1, cpus=[msg.rank]),
+                )
+                leases[msg.rank] = (lease_id, now)
+        elif isinstance(msg, DrafterStats):
+            trained[msg.rank].append(msg.elapsed_s)
+        elif isinstance(msg, Released):
+            rank = int(sender.split(":")[1])
+            leases.pop(rank, None)
+            released_ms.append(msg.latency_ns / 1e6)
+    assert ended is not None
+    makespan = ended - started
+    idle_device_s = sum(max(0.0, ended - t) for t in idle_at.values())
+    reclaimed_s = sum(
+        max(0.0, trained[rank][-1] - trained_at_lease.get(rank, 0.0))
+        for rank in trained_at_lease
+        if trained[rank]
+    )
+    tokens = sum(len(r) for r in responses.values())
+    return {
+        "makespan_s": round(makespan, 3),
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / makespan, 2),
+        "accept_length": {
+            k: round(committed[k] / seq_iters[k], 3) for k in sorted(seq_iters, key=_bucket_key)
+        },
+        "arms": {k: dict(arms[k]) for k in sorted(arms, key=_bucket_key)},
+        "idle_device_s": round(idle_device_s, 3),
+        "reclaimed_s": round(reclaimed_s, 3),
+        "reclaimed_share": round(min(reclaimed_s / idle_device_s, 1.0), 3) if idle_device_s > 0 else 0.0,
+        "preempt_ms": [round(x, 2) for x in released_ms],
+        "finish_reasons": dict(finish),
+        "_responses": responses,
+    }
+
+
+def _bucket_key(label: str) -> int:
+    return int(label.split("-")[0].rstrip("+"))
+
+
+def run(
+    model: str | None = None,
+    *,
+    task: str = DEFAULT_TASK,
+    prompts: int = 8,
+    samples: int = 4,
+    max_tokens: int = 512,
+    temperature: float = 0.7,
+    seed: int = 0,
+    modes: tuple[str, ...] = MODES,
+    drafter: Path | None = None,
+    warmup_steps: int = 300,
+) -> dict[str, Any]:
+    """All requested modes, one after another, on the same workload; see the module docstring."""
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}: choose from {', '.join(MODES)}")
+    model = model or DEFAULT_MODEL
+    model_dir = hub.resolve(model)
+    from slipstream.runtime.drafter_cli import task_prompts, warmup
+
+    if (model_dir / "tokenizer.json").is_file():
+        tokenizer = Tokenizer.from_dir(model_dir)
+        prompt_ids = task_prompts(task, prompts, seed, tokenizer)
+        stop_ids = sorted(tokenizer.stop_ids)
+    else:  # a bare model directory (the tests' tiny models): seeded random prompts, the model's EOS
+        gen = torch.Generator().manual_seed(seed)
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        prompt_ids = [
+            torch.randint(0, vocab, (8 + 4 * (i % 3),), generator=gen).tolist() for i in range(prompts)
+        ]
+        stop_ids = []
+    warmed: dict[str, Any] | None = None
+    if "adaptive" in modes:
+        drafter = drafter or default_drafter_dir(model, task)
+        if not (drafter / "config.json").is_file():
+            print(
+                f"bench rollout: no warmed drafter at {drafter}; running drafter warmup first",
+                file=sys.stderr,
+            )
+            warmed = warmup(model=model, task=task, steps=warmup_steps, out=drafter, seed=seed + 1)
+    result: dict[str, Any] = {
+        "model": str(model_dir),
+        "task": task,
+        "prompts": prompts,
+        "samples": samples,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "devices": DEVICES,
+        "drafter": None if drafter is None else str(drafter),
+        "modes": {},
+    }
+    if warmed is not None:
+        result["warmup"] = warmed
+    with tempfile.TemporaryDirectory(prefix="slipstream-bench-rollout-") as tmp:
+        for mode in modes:
+            print(f"bench rollout: {mode} …", file=sys.stderr)
+            result["modes"][mode] = uvloop.run(
+                run_phase(
+                    mode,
+                    model=str(model_dir),
+                    prompts=prompt_ids,
+                    samples=samples,
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    stop_ids=stop_ids,
+                    seed=seed,
+                    drafter=drafter,
+                    run_dir=Path(tmp) / mode,
+                )
+            )
+    outputs = [m.pop("_responses") for m in result["modes"].values()]
+    result["identical_outputs"] = all(o == outputs[0] for o in outputs)
+    spans = {mode: figures["makespan_s"] for mode, figures in result["modes"].items()}
+    if "plain" in spans:
+        for mode, key in (("adaptive", "speedup"), ("ngram", "ngram_speedup")):
+            if mode in spans:
+                result[key] = round(spans["plain"] / spans[mode], 3)
+    return result
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = [
+        f"rollout: {result['model']} on {result['task']}, {result['prompts']} prompts x {result['samples']} "
+        f"samples, <= {result['max_tokens']} tokens, T={result['temperature']}, {result['devices']} devices"
+    ]
+    for mode, m in result["modes"].items():
+        lines.append(
+            f"  {mode:9s} makespan {m['makespan_s']:8.2f} s  {m['tokens_per_s']:7.1f} tok/s  idle "
+            f"{m['idle_device_s']:6.1f} dev-s  reclaimed {m['reclaimed_share']:.2f}  accept {m['accept_length']}"
+        )
+    for key in ("speedup", "ngram_speedup"):
+        if key in result:
+            lines.append(f"  {key}: {result[key]:.3f}x")
+    lines.append(f"  identical outputs across modes: {result['identical_outputs']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m slipstream.benchmarks.rollout", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--model", default=None)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--task", default=DEFAULT_TASK)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--drafter", type=Path, default=None)
+    args = p.parse_args(argv)
+    result = run(
+        args.model,
+        task=args.task,
+        prompts=args.prompts,
+        samples=args.samples,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        modes=tuple(args.modes.split(",")),
+        drafter=args.drafter,
+    )
+    print(json.dumps(result) if args.json else render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
