@@ -13,10 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from slipstream.engine import drafter_train
 from slipstream.engine.buffer import OnlineBuffer, PackedBatch
 from slipstream.engine.drafter_train import (
     DrafterTrainer,
+    ce_candidates,
     drafter_loss,
+    head_cross_entropy,
     make_pairs,
     unroll_mask,
     unrolled_forward,
@@ -58,10 +61,10 @@ def random_batch(
 def test_drafter_loss_hand_computed() -> None:
     pred_h = torch.tensor([[0.0, 2.0], [float("nan"), 5.0]], requires_grad=True)
     true_h = torch.tensor([[0.5, 0.0], [0.0, 0.0]])
-    pred_l = torch.tensor([[0.0, 1.0], [float("nan"), 0.0]], requires_grad=True)
-    true_l = torch.tensor([[0.0, math.log(3.0)], [9.0, 0.0]])
+    # Logits = h Wᵀ: head (0, 2) → (0, 1); target (0.5, 0) → (0, log 3).
+    lm_head = torch.tensor([[0.0, 0.0], [2 * math.log(3.0), 0.5]])
     mask = torch.tensor([True, False])  # row 1 is prompt: NaNs there must not leak
-    loss, parts = drafter_loss(pred_h, true_h, pred_l, true_l, mask)
+    loss, parts = drafter_loss(pred_h, true_h, lm_head, mask)
     # smooth-L1: |0 - 0.5| = 0.5 → 0.5·0.5² = 0.125; |2 - 0| = 2 → 2 - 0.5 = 1.5; mean 0.8125.
     # CE: target probs (1/4, 3/4); -(1/4·(0 - lse) + 3/4·(1 - lse)) = lse - 3/4, lse = log(1 + e).
     ce = math.log(1 + math.e) - 0.75
@@ -70,12 +73,102 @@ def test_drafter_loss_hand_computed() -> None:
     assert parts["accuracy"] == 1.0 and parts["tokens"] == 1
     loss.backward()
     assert torch.isfinite(pred_h.grad).all() and pred_h.grad[1].abs().sum() == 0
-    # Soft labels: d(CE)/d(pred logits) = softmax(pred) - softmax(target).
-    expected = 0.1 * (torch.softmax(pred_l.detach()[0], -1) - torch.tensor([0.25, 0.75]))
-    torch.testing.assert_close(pred_l.grad[0], expected)
-    empty, parts = drafter_loss(pred_h[:1], true_h[:1], pred_l[:1], true_l[:1], torch.tensor([False]))
+    # smooth-L1: (x - y) / d inside beta, sign / d outside; soft labels: d(CE)/d(logits) =
+    # softmax(pred) - softmax(target), through the head: × W.
+    d_logits = torch.softmax(torch.tensor([0.0, 1.0]), -1) - torch.tensor([0.25, 0.75])
+    torch.testing.assert_close(pred_h.grad[0], torch.tensor([-0.25, 0.5]) + 0.1 * d_logits @ lm_head)
+    empty, parts = drafter_loss(pred_h[:1], true_h[:1], lm_head, torch.tensor([False]))
     empty.backward()
     assert empty.item() == 0.0 and parts["tokens"] == 0
+
+
+def naive_ce(pred: torch.Tensor, target: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    """[N] soft cross-entropy through full logits, by autograd: the reference."""
+    log_q = torch.log_softmax(pred @ lm_head.T, -1)
+    return -(torch.softmax(target @ lm_head.T, -1) * log_q).sum(-1)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 3 rows of a 40-word vocabulary per chunk: every test below crosses chunk boundaries.
+    monkeypatch.setattr(drafter_train, "CE_CHUNK_ELEMENTS", 3 * 40)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_head_cross_entropy_matches_autograd(small_chunks: None, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    pred = torch.randn(10, 6, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(True)
+    target = torch.randn(10, 6, generator=gen, dtype=torch.float64).to(dtype)
+    lm_head = torch.randn(40, 6, generator=gen, dtype=torch.float64).to(dtype)
+    row_weights = torch.rand(10, generator=gen, dtype=torch.float64).to(dtype)
+    loss, correct = head_cross_entropy(pred, target, lm_head, row_weights)
+    (grad,) = torch.autograd.grad(3.0 * loss, pred)  # an upstream factor, as the unroll's decay weights
+    ref = (naive_ce(pred, target, lm_head) * row_weights).sum()
+    (ref_grad,) = torch.autograd.grad(3.0 * ref, pred)
+    torch.testing.assert_close(loss, ref.detach())
+    torch.testing.assert_close(grad, ref_grad)
+    assert torch.equal(correct, (pred @ lm_head.T).argmax(-1) == (target @ lm_head.T).argmax(-1))
+    if dtype == torch.float64:
+        assert torch.autograd.gradcheck(
+            lambda p: head_cross_entropy(p, target, lm_head, row_weights)[0],
+            (pred.detach().requires_grad_(),),
+        )
+
+
+def test_restricted_ce_equals_full_ce_when_candidates_cover_the_vocabulary(small_chunks: None) -> None:
+    gen = torch.Generator().manual_seed(1)
+    pred = torch.randn(8, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    target = torch.randn(8, 5, generator=gen, dtype=torch.float64)
+    lm_head = torch.randn(40, 5, generator=gen, dtype=torch.float64)
+    mask = torch.rand(8, generator=gen) > 0.3
+    full, full_parts = drafter_loss(pred, target, lm_head, mask)
+    (full_grad,) = torch.autograd.grad(full, pred)
+    # Any order: the candidates index rows of the head.
+    restricted, parts = drafter_loss(
+        pred, target, lm_head, mask, candidates=torch.randperm(40, generator=gen)
+    )
+    (grad,) = torch.autograd.grad(restricted, pred)
+    torch.testing.assert_close(restricted, full)
+    torch.testing.assert_close(grad, full_grad)
+    assert parts == pytest.approx(full_parts)
+
+
+def test_restricted_ce_gradient(small_chunks: None) -> None:
+    """Over a sub-vocabulary the loss is the soft CE of both distributions renormalised there; its gradient
+    pushes the head towards the target within it, and is nearly the full one when the candidates hold
+    nearly all the mass."""
+    gen = torch.Generator().manual_seed(2)
+    lm_head = torch.randn(40, 5, generator=gen, dtype=torch.float64)
+    target = torch.randn(6, 5, generator=gen, dtype=torch.float64) * 4  # peaked distributions
+    pred = (target + 0.3 * torch.randn(6, 5, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    mask = torch.ones(6, dtype=torch.bool)
+    candidates = ce_candidates(target, lm_head, torch.tensor([7, 3]), k=4)
+    top4 = (target @ lm_head.T).topk(4, -1).indices
+    assert candidates.tolist() == sorted({*top4.flatten().tolist(), 7, 3})
+    loss, _ = drafter_loss(pred, target, lm_head, mask, ce_weight=1.0, candidates=candidates)
+    (grad,) = torch.autograd.grad(loss, pred)
+    smooth_l1 = torch.nn.functional.smooth_l1_loss(pred, target, reduction="none").mean(-1).mean()
+    (l1_grad,) = torch.autograd.grad(smooth_l1, pred, retain_graph=True)
+    ref = smooth_l1 + naive_ce(pred, target, lm_head[candidates]).mean()
+    (ref_grad,) = torch.autograd.grad(ref, pred)
+    torch.testing.assert_close(loss, ref.detach().float())
+    torch.testing.assert_close(grad, ref_grad)
+    # A descent direction for the CE, and close to the full CE's gradient: the head's and the target's
+    # mass outside the candidates is small here.
+    ce_grad = grad - l1_grad
+    (full_ce_grad,) = torch.autograd.grad(naive_ce(pred, target, lm_head).mean(), pred)
+    outside = torch.ones(40, dtype=torch.bool)
+    outside[candidates] = False
+    tail = torch.softmax(target @ lm_head.T, -1)[:, outside].sum(-1).max()
+    assert tail < 0.05
+    cosine = torch.nn.functional.cosine_similarity(ce_grad.flatten(), full_ce_grad.flatten(), dim=0)
+    assert cosine > 0.95
+    with torch.no_grad():
+        stepped = pred - 0.1 * ce_grad
+    assert (
+        naive_ce(stepped, target, lm_head[candidates]).mean()
+        < naive_ce(pred, target, lm_head[candidates]).mean()
+    )
 
 
 # -------------------------------------------------------------------------------------------------------
@@ -92,7 +185,6 @@ def test_make_pairs(target: Transformer) -> None:
     features = target_features(target, batch.hidden).detach()
     torch.testing.assert_close(pairs.features, features[rows_in])
     torch.testing.assert_close(pairs.target_features, features[rows_next])
-    torch.testing.assert_close(pairs.target_logits, target.head(batch.hidden[rows_next]).detach())
     # Pair i drafts token i + 2: trained once that token comes after the first response token.
     assert pairs.mask.tolist() == [False, True, True, True, True, True, True, True]
 
@@ -161,6 +253,34 @@ def test_trainer_keeps_the_target_frozen_and_checkpoints_the_head(target: Transf
     assert all(torch.equal(v, twin.head.state_dict()[k]) for k, v in head.state_dict().items())
 
 
+def test_trainer_topk_vocab(target: Transformer) -> None:
+    """ce_vocab="topk" with candidates covering the vocabulary is the full-vocabulary step; a small top-k
+    trains on fewer words."""
+    vocab = target.config.vocab_size
+    batch = random_batch(target, [9, 12, 5], [3, 1, 0], seed=3)
+    runs = []
+    for kwargs in (
+        {"ce_vocab": "full"},
+        {"ce_vocab": "topk", "ce_topk": vocab},
+        {"ce_vocab": "topk", "ce_topk": 4},
+    ):
+        torch.manual_seed(0)
+        head = EagleHead.for_target(target.config).to(torch.float64)
+        trainer = DrafterTrainer(head, target, unroll_steps=2, **kwargs)
+        runs.append((trainer.step(batch), trainer.weights()))
+    (full, full_weights), (covering, covering_weights), (small, _) = runs
+    assert "ce_vocab_size" not in full and covering["ce_vocab_size"] == vocab
+    assert covering["loss"] == pytest.approx(full["loss"]) and covering["ce"] == pytest.approx(full["ce"])
+    for name, tensor in full_weights.items():
+        torch.testing.assert_close(covering_weights[name], tensor)
+    assert small["ce_vocab_size"] < vocab and math.isfinite(small["loss"])
+    head = EagleHead.for_target(target.config)
+    with pytest.raises(ValueError, match="ce_vocab"):
+        DrafterTrainer(head, target, ce_vocab="sampled")
+    with pytest.raises(ValueError, match="ce_topk"):
+        DrafterTrainer(head, target, ce_topk=0)
+
+
 # -------------------------------------------------------------------------------------------------------
 # End to end: accept length
 
@@ -201,9 +321,11 @@ def test_online_training_raises_accept_length(make_checkpoint: Callable[..., Pat
     """Target: tiny random Llama (hidden 64, 2 layers, vocab 256, init std 0.05, float32). Prompts: a fixed
     6-token template + 2 random tokens; 512 for training, 16 held out. The target's greedy responses (64
     tokens, hidden states kept) fill an OnlineBuffer (bf16); the drafter trains N = 300 steps of 2048-token
-    packed batches (AdamW, lr 3e-3, no unroll) and is hot-swapped in. Measured on 1 thread of the shared
-    2-core machine: the whole test 20-33 s, of which training 12-19 s (40-60 ms a step); held-out greedy
-    accept length at chain depth 5: untrained 1.03, trained 2.99 (with 200 steps: 2.68).
+    packed batches (AdamW, lr 3e-3, no unroll; the default top-64 CE, whose candidates cover this small
+    vocabulary) and is hot-swapped in. Measured on 1 thread of the shared 2-core machine: the whole test
+    18-33 s, of which training 9-19 s (30-60 ms a step); held-out greedy accept length at chain depth 5:
+    untrained 1.03, trained 3.00 (2.99 with the full-vocabulary CE; 3.05 with ce_topk=8, 193 candidates;
+    with 200 steps: 2.68).
 
     Why templated prompts: with fully random prompts the random target's continuations share little
     structure, and held-out accept plateaus near 2.1 however long it trains (the training set reaches 3.5:
