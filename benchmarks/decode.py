@@ -1,6 +1,7 @@
 """Decode benchmark: plain vs speculative tokens/s at batch 1/4/16/32, measured side by side in one run.
 
     slipstream bench decode --json                                    # smollm2-135m, the full run
+    slipstream bench decode --drafter DIR --batches 1,4 --json        # with eagle rows
     slipstream bench decode --model DIR --batches 1 --max-tokens 16 --repeats 1 --json   # a quick one
     python -m slipstream.benchmarks.decode --json                     # the same without the CLI
 
@@ -13,7 +14,9 @@ JSON says which). EOS is ignored, so every config decodes exactly B × max_token
 compare like with like.
 
 Rows per batch size (JSON "rows"): plain; n-gram chain k=3, chain k=7 and a tree (depth 4, topk 4, verify
-16), all sampled with rejection verification; self-draft chain k=3 and k=7 in reproducible mode. The
+16), all sampled with rejection verification; self-draft chain k=3 and k=7 in reproducible mode; with
+--drafter DIR (an exported EAGLE head) eagle chain k=3/5/7 and a tree (depth 4, topk 4, verify 16), in
+rejection mode. The
 self-draft (oracle) replays the target's own output recorded by an untimed plain run with the same seeds
 (which is also the warm-up); reproducible verification accepts a replayed token exactly when it is the
 target's keyed sample, so the oracle is accepted all the way (up to float ties) even at T = 1 and no
@@ -42,6 +45,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,7 +58,7 @@ from slipstream.engine.tokenizer import Tokenizer
 from slipstream.engine.weights import load_model
 from slipstream.runtime.generate import make_drafter, make_generator, spec_config
 
-__all__ = ["ARMS", "Arm", "bench_prompts", "main", "render", "run"]
+__all__ = ["ARMS", "EAGLE_ARMS", "Arm", "bench_prompts", "main", "render", "run"]
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_BATCHES = (1, 4, 16, 32)
@@ -70,7 +74,7 @@ class Arm:
     """One benchmark config: a drafter and a tree shape."""
 
     spec: str
-    """"off" (plain), "ngram" or "self"."""
+    """"off" (plain), "ngram", "self" or "eagle"."""
     depth: int = 0
     topk: int = 0
     verify: int = 0
@@ -96,6 +100,8 @@ ARMS = (
     Arm("self", 3, 1, 3),
     Arm("self", 7, 1, 7),
 )
+EAGLE_ARMS = (Arm("eagle", 3, 1, 3), Arm("eagle", 5, 1, 5), Arm("eagle", 7, 1, 7), Arm("eagle", 4, 4, 16))
+"""Rows added with --drafter DIR (a trained EAGLE head, rejection verification like the n-gram rows)."""
 
 
 # -- prompts -------------------------------------------------------------------------------------------
@@ -199,21 +205,28 @@ def _requests(prompts: Sequence[list[int]], max_tokens: int) -> list[Request]:
 
 
 def _generator(
-    model: Transformer, requests: list[Request], arm: Arm, recorded: dict[str, list[int]]
+    model: Transformer,
+    requests: list[Request],
+    arm: Arm,
+    recorded: dict[str, list[int]],
+    drafter_dir: Path | None = None,
 ) -> Generator:
     spec = spec_config(
         arm.spec, depth=arm.depth, topk=arm.topk, verify=arm.verify, reproducible=arm.mode == "reproducible"
     )
-    return make_generator(
-        model, requests, spec=spec, drafter=make_drafter(arm.spec, recorded), eos_token_ids=()
-    )
+    drafter = make_drafter(arm.spec, recorded, drafter_dir=drafter_dir, target=model)
+    return make_generator(model, requests, spec=spec, drafter=drafter, eos_token_ids=())
 
 
 def _round(
-    model: Transformer, requests: list[Request], arms: Sequence[Arm], recorded: dict[str, list[int]]
+    model: Transformer,
+    requests: list[Request],
+    arms: Sequence[Arm],
+    recorded: dict[str, list[int]],
+    drafter_dir: Path | None = None,
 ) -> list[_Tally]:
     """Every arm decodes `requests` once, one iteration each in turn; returns each arm's totals."""
-    gens = [_generator(model, requests, arm, recorded) for arm in arms]
+    gens = [_generator(model, requests, arm, recorded, drafter_dir) for arm in arms]
     tallies = [_Tally() for _ in arms]
     for gen in gens:
         for request in requests:
@@ -253,8 +266,10 @@ def run(
     threads: int | None = None,
     arms: Sequence[Arm] = ARMS,
     log: bool = True,
+    drafter: Path | None = None,
 ) -> dict[str, Any]:
-    """Run the benchmark; returns the JSON-ready result (see the module docstring)."""
+    """Run the benchmark; returns the JSON-ready result (see the module docstring). drafter: an exported
+    EAGLE head; its rows (`EAGLE_ARMS`) are added to `arms`."""
     if not batches or min(batches) < 1:
         raise ValueError(f"batches must be positive, got {list(batches)}")
     for name, value in (("max_tokens", max_tokens), ("repeats", repeats), ("prompt_tokens", prompt_tokens)):
@@ -264,6 +279,10 @@ def run(
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
+    if drafter is not None:
+        if not (Path(drafter) / "config.json").is_file():
+            raise ValueError(f"--drafter {drafter}: not an exported EAGLE drafter (no config.json)")
+        arms = [*arms, *EAGLE_ARMS]
     started = time.perf_counter()
     name = model or DEFAULT_MODEL
     path = hub.resolve(name)
@@ -285,7 +304,7 @@ def run(
         rounds: list[list[_Tally]] = []
         for r in range(repeats):
             t0 = time.perf_counter()
-            rounds.append(_round(target, requests, arms, recorded))
+            rounds.append(_round(target, requests, arms, recorded, drafter))
             rates = ", ".join(
                 f"{arm.label} {t.tokens / t.seconds:.0f}" for arm, t in zip(arms, rounds[-1], strict=True)
             )
@@ -327,6 +346,7 @@ def run(
         "torch": torch.__version__,
         "self_mode": "reproducible: the oracle replays an untimed plain run with the same seeds",
         "timing": "configs interleaved per iteration; median tokens/s over repeats; prefill included",
+        "drafter": None if drafter is None else str(drafter),
         "wall_s": round(time.perf_counter() - started, 1),
     }
 

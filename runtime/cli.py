@@ -84,6 +84,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens if args.max_tokens is not None else 256,
             repeats=args.repeats,
             threads=args.threads,
+            drafter=args.drafter,
         )
         print(json.dumps(result) if args.json else decode.render(result))
         return 0
@@ -246,7 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=0.7, help="rollout: sampling temperature")
     s.add_argument("--seed", type=int, default=0, help="rollout: prompt and sampling seed")
     s.add_argument("--modes", default="plain,ngram,adaptive", help="rollout: comma-separated subset")
-    s.add_argument("--drafter", type=Path, default=None, help="rollout: warmed EAGLE drafter directory")
+    s.add_argument(
+        "--drafter",
+        type=Path,
+        default=None,
+        help="decode, rollout: an exported EAGLE drafter (decode: adds eagle rows)",
+    )
 
     s = sub.add_parser("logs", help="print a run's logs, merged by time; --follow streams live events")
     s.add_argument("run", help="run directory")
