@@ -88,6 +88,7 @@ class RolloutActor(Actor):
         spec_mode: Literal["rejection", "reproducible"] = "rejection"  # how sampled rows are verified
         tuner: TunerConfig = TunerConfig()  # buckets and arms; arms ["off"] = plain decoding
         drafter: str = ""  # exported EAGLE head to start with (e.g. `drafter warmup --out`); "" = untrained
+        draft_vocab: int = 4096  # EAGLE proposes among this many most frequent observed tokens (0 = all)
         hidden_to: list[str] = []  # drafter actors that receive each response's hidden states
         hidden_dtype: Literal["bfloat16", "float32"] = "bfloat16"
         completions_to: list[str] = msgspec.field(default_factory=lambda: [COORDINATOR])
@@ -138,7 +139,7 @@ class RolloutActor(Actor):
 
     def _make_eagle(self) -> EagleDrafter:
         cfg = self.config
-        kwargs = {"num_slots": cfg.max_batch, "max_len": cfg.max_len}
+        kwargs = {"num_slots": cfg.max_batch, "max_len": cfg.max_len, "draft_vocab": cfg.draft_vocab}
         if cfg.drafter:
             drafter = eagle_export.load(cfg.drafter, self.model, **kwargs)
             self.log.info("drafter_loaded", path=cfg.drafter, version=drafter.version)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -397,3 +398,38 @@ def test_generator_with_eagle_drafter_is_lossless(target: Transformer, spec: Spe
     speculative = Generator(target, num_slots=3, max_len=96, token_budget=48, spec=spec, drafter=drafter)
     assert [c.token_ids for c in speculative.generate(requests)] == [c.token_ids for c in plain]
     assert drafter.cache.num_free_slots == 3  # every finished request was reset
+
+
+def test_draft_vocabulary_restricts_proposals_to_frequent_observed_tokens(
+    target: Transformer, completions: list[Completion]
+) -> None:
+    """With a draft vocabulary the chain is the argmax over (frequent) observed tokens only."""
+    head = make_head(target)
+    drafter = EagleDrafter(head, target, num_slots=2, max_len=64, draft_vocab=8)
+    c = completions[1]
+    counts: Counter[int] = Counter(c.prompt_ids)
+    for j in range(12):
+        drafter.observe(state(c, j, c.hidden[j : j + 1]))
+        counts.update([c.token_ids[j]])
+        chain = drafter.propose([state(c, j, c.hidden[:0])], depth=3, topk=1, verify=3)[0]
+        assert set(chain.tokens.tolist()) <= set(drafter._sub[0].tolist())
+        assert drafter._sub[0].numel() == min(8, len(counts))
+    assert all(counts[t] for t in drafter._sub[0].tolist())  # only tokens it has seen
+
+
+@pytest.mark.parametrize(
+    "spec", [SpecConfig(method="eagle", depth=4), SpecConfig(method="eagle", depth=3, topk=2, verify=5)]
+)
+def test_generator_with_a_draft_vocabulary_is_lossless(target: Transformer, spec: SpecConfig) -> None:
+    gen = torch.Generator().manual_seed(11)
+    requests = [
+        Request(
+            request_id=f"q{i}", prompt_ids=torch.randint(0, 160, (6,), generator=gen).tolist(), params=GREEDY
+        )
+        for i in range(5)
+    ]
+    plain = Generator(target, num_slots=3, max_len=96, token_budget=48).generate(requests)
+    drafter = EagleDrafter(make_head(target), target, num_slots=3, max_len=96, draft_vocab=12)
+    speculative = Generator(target, num_slots=3, max_len=96, token_budget=48, spec=spec, drafter=drafter)
+    assert [c.token_ids for c in speculative.generate(requests)] == [c.token_ids for c in plain]
+    assert drafter._sub is not None and drafter._sub[0].numel() == 12
