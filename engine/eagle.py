@@ -407,7 +407,9 @@ class EagleDrafter(Drafter):
             ids = counts.topk(min(self.draft_vocab, self._distinct)).indices.sort().values  # [U]
             if self._sub is None or not torch.equal(ids, self._sub[0]):
                 weight = self.target.lm_head_weight
-                rows = weight.detach().index_select(0, ids.to(weight.device)).contiguous()  # [U, d]
+                # A normal tensor, not an inference one: its prepacked copy is keyed by its version counter.
+                with torch.inference_mode(False):
+                    rows = weight.detach().index_select(0, ids.to(weight.device)).contiguous()  # [U, d]
                 self._sub = (ids.to(weight.device), rows, _PackedWeight())
             self._counted_since = 0
         ids, rows, pack = self._sub

@@ -420,7 +420,11 @@ def test_draft_vocabulary_restricts_proposals_to_frequent_observed_tokens(
 @pytest.mark.parametrize(
     "spec", [SpecConfig(method="eagle", depth=4), SpecConfig(method="eagle", depth=3, topk=2, verify=5)]
 )
-def test_generator_with_a_draft_vocabulary_is_lossless(target: Transformer, spec: SpecConfig) -> None:
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # float32: the prepacked CPU head path
+def test_generator_with_a_draft_vocabulary_is_lossless(
+    make_checkpoint: Callable[..., Path], spec: SpecConfig, dtype: torch.dtype
+) -> None:
+    target = load_model(make_checkpoint("llama", seed=3), dtype=dtype)
     gen = torch.Generator().manual_seed(11)
     requests = [
         Request(
