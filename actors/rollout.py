@@ -16,7 +16,9 @@ whenever the actor goes idle and restored at start, so it carries across RL step
 
 Updates, applied between iterations:
 - `DrafterUpdate` (versioned, checksummed): hot-swapped into the EAGLE drafter at once, mid-generation;
-  drafts change, outputs do not. The eagle arms' estimates are forgotten so the tuner retries them.
+  drafts change, outputs do not. Once the version has moved `retune_drafter_versions` training steps
+  since the last time, the eagle arms' estimates are forgotten so the tuner retries them (not at every
+  update: a retry costs a few iterations per bucket and arm, and ten steps rarely change the ranking).
 - `WeightUpdate` (bucketed, checksummed): buckets are staged until the version is complete, then applied
   when no request is in flight (a response is never produced by two policies) and acknowledged with
   `WeightAck`; a bad update is refused with the reason and the old weights stay.
@@ -91,6 +93,7 @@ class RolloutActor(Actor):
         draft_vocab: int = 4096  # EAGLE proposes among this many most frequent observed tokens (0 = all)
         hidden_to: list[str] = []  # drafter actors that receive each response's hidden states
         hidden_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+        retune_drafter_versions: int = 100  # drafter versions (training steps) after which eagle is retried
         completions_to: list[str] = msgspec.field(default_factory=lambda: [COORDINATOR])
         policy_version: int = 0  # version of the weights loaded from `model`
 
@@ -127,6 +130,7 @@ class RolloutActor(Actor):
                 next(a for a in arms if a.method == "eagle").spec(cfg.spec_mode), self.eagle
             )
             self.generator.set_spec(None)
+        self._retuned_version = 0 if self.eagle is None else self.eagle.version
         self.methods = {"off", "ngram", "self"} | ({"eagle"} if self.eagle is not None else set())
         self.policy_version = cfg.policy_version
         self._samples: dict[str, tuple[int, int]] = {}  # request id -> (group id, sample index)
@@ -201,8 +205,12 @@ class RolloutActor(Actor):
             self.log.error("drafter_update_refused", version=msg.version, why="checksum mismatch")
             return
         self.eagle.load_state(dict(zip(msg.names, msg.tensors, strict=True)), msg.version)  # copies
-        self.tuner.forget("eagle")
-        self.log.info("drafter_swapped", version=msg.version, sender=sender)
+        retune = msg.version - self._retuned_version >= self.config.retune_drafter_versions
+        if retune:
+            # Only after a real change: every forget costs min_trials x hold iterations per bucket and arm.
+            self.tuner.forget("eagle")
+            self._retuned_version = msg.version
+        self.log.info("drafter_swapped", version=msg.version, sender=sender, retuned=retune)
 
     @handler
     def on_weights(self, msg: WeightUpdate, sender: str) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import sys
 import tempfile
@@ -120,7 +121,7 @@ async def run_phase(
     mode: str,
     *,
     model: str,
-    prompts: list[list[int]],
+    prompt_sets: list[list[list[int]]],
     samples: int,
     max_tokens: int,
     temperature: float,
@@ -128,24 +129,44 @@ async def run_phase(
     seed: int,
     drafter: Path | None,
     run_dir: Path,
-) -> dict[str, Any]:
-    """One mode: start the actors, run the rollout phase as the coordinator does, return its figures."""
-    max_len = max(len(p) for p in prompts) + max_tokens + 64
-    max_batch = -(-len(prompts) // DEVICES) * samples
+) -> list[dict[str, Any]]:
+    """One mode: start the actors, run one rollout step per prompt set as the coordinator does (actors,
+    tuner state and drafter carry over between steps), return each step's figures."""
+    max_len = max(len(p) for prompts in prompt_sets for p in prompts) + max_tokens + 64
+    max_batch = -(-max(len(prompts) for prompts in prompt_sets) // DEVICES) * samples
+    sampling = SamplingSpec(temperature=temperature, max_tokens=max_tokens, stop_token_ids=stop_ids)
     sup = Supervisor(run_dir, heartbeat_s=1.0)
     await sup.start(rollout_specs(mode, model, max_len, drafter, max_batch))
+    last_trained: dict[int, float] = {}
+    steps = []
     try:
-        return await _coordinate(
-            sup, mode, prompts, samples,
-            SamplingSpec(temperature=temperature, max_tokens=max_tokens, stop_token_ids=stop_ids), seed,
-        )  # fmt: skip
+        for step, prompts in enumerate(prompt_sets):
+            figures = await _coordinate(
+                sup, mode, prompts, samples, sampling, seed + step, group_base=step * 10_000,
+                last_trained=last_trained,
+            )  # fmt: skip
+            steps.append(figures)
+        return steps
     finally:
         await sup.shutdown(grace_s=10.0)
 
 
+_lease_ids = itertools.count(1)
+
+
 async def _coordinate(
-    sup: Supervisor, mode: str, prompts: list[list[int]], samples: int, sampling: SamplingSpec, seed: int
+    sup: Supervisor,
+    mode: str,
+    prompts: list[list[int]],
+    samples: int,
+    sampling: SamplingSpec,
+    seed: int,
+    *,
+    group_base: int,
+    last_trained: dict[int, float],
 ) -> dict[str, Any]:
+    """One synchronous rollout step. last_trained (drafter rank -> its training seconds so far, from
+    DrafterStats) carries across steps."""
     adaptive = mode == "adaptive"
     expected = len(prompts) * samples
     responses: dict[tuple[int, int], list[int]] = {}
@@ -153,16 +174,17 @@ async def _coordinate(
     seq_iters: dict[str, int] = defaultdict(int)
     arms: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     idle_at: dict[int, float] = {}
-    leases: dict[int, tuple[int, float]] = {}  # rank -> (lease id, leased at)
-    trained: dict[int, list[float]] = defaultdict(list)  # drafter rank -> DrafterStats.elapsed_s seen
+    leases: dict[int, int] = {}  # drafter rank -> lease id
     trained_at_lease: dict[int, float] = {}
+    awaiting_stats: set[int] = set()  # released drafters whose DrafterStats is still on its way
     released_ms: list[float] = []
     finish: dict[str, int] = defaultdict(int)
 
     started = time.monotonic()
-    for group, prompt in enumerate(prompts):
+    for i, prompt in enumerate(prompts):
+        group = group_base + i
         await sup.send(
-            f"rollout:{group % DEVICES}",
+            f"rollout:{i % DEVICES}",
             GenerateRequest(
                 group_id=group,
                 prompt_ids=torch.tensor(prompt, dtype=torch.int64),
@@ -174,7 +196,7 @@ async def _coordinate(
         )
     ended = None
     deadline = started + PHASE_TIMEOUT_S
-    while ended is None or leases:
+    while ended is None or leases or awaiting_stats:
         if not sup.deaths.empty():
             died = sup.deaths.get_nowait()
             raise RuntimeError(f"{died.name} died during the {mode} phase: {died.reason}")
@@ -192,11 +214,9 @@ async def _coordinate(
             finish[msg.finish_reason] += 1
             if len(responses) == expected:
                 ended = now
-                for rank, (lease_id, _) in leases.items():  # the phase is over: give the devices back
-                    await sup.send(
-                        f"drafter:{rank}",
-                        Preempt(lease_id=lease_id, reason="rollout done", sent_ns=time.time_ns()),
-                    )
+                for rank, lease_id in leases.items():  # the step is over: give the devices back
+                    preempt = Preempt(lease_id=lease_id, reason="rollout done", sent_ns=time.time_ns())
+                    await sup.send(f"drafter:{rank}", preempt)
                 deadline = now + 30.0
         elif isinstance(msg, IterationStats):
             if msg.batch_size == 0:  # a prefill-only pass: it says nothing about decoding
@@ -206,30 +226,28 @@ async def _coordinate(
             seq_iters[label] += msg.batch_size
             arms[label][msg.arm] += 1
         elif isinstance(msg, Idle):
+            if ended is not None or msg.rank in idle_at:
+                continue  # the previous step's trailing Idle
             idle_at[msg.rank] = now
-            if adaptive and ended is None:
+            if adaptive:
                 # The line where an idle device goes to drafter training.
-                lease_id = len(released_ms) + len(leases) + 1
-                trained_at_lease[msg.rank] = trained[msg.rank][-1] if trained[msg.rank] else 0.0
-                await sup.send(
-                    f"drafter:{msg.rank}",
-                    Lease(lease_id=lease_id, device=f"cpu:{msg.rank}", threads=1, cpus=[msg.rank]),
-                )
-                leases[msg.rank] = (lease_id, now)
+                lease_id = next(_lease_ids)
+                trained_at_lease[msg.rank] = last_trained.get(msg.rank, 0.0)
+                lease = Lease(lease_id=lease_id, device=f"cpu:{msg.rank}", threads=1, cpus=[msg.rank])
+                await sup.send(f"drafter:{msg.rank}", lease)
+                leases[msg.rank] = lease_id
         elif isinstance(msg, DrafterStats):
-            trained[msg.rank].append(msg.elapsed_s)
+            last_trained[msg.rank] = msg.elapsed_s
+            awaiting_stats.discard(msg.rank)
         elif isinstance(msg, Released):
             rank = int(sender.split(":")[1])
             leases.pop(rank, None)
+            awaiting_stats.add(rank)  # a drafter reports its training seconds right after releasing
             released_ms.append(msg.latency_ns / 1e6)
     assert ended is not None
     makespan = ended - started
     idle_device_s = sum(max(0.0, ended - t) for t in idle_at.values())
-    reclaimed_s = sum(
-        max(0.0, trained[rank][-1] - trained_at_lease.get(rank, 0.0))
-        for rank in trained_at_lease
-        if trained[rank]
-    )
+    reclaimed_s = sum(max(0.0, last_trained.get(rank, 0.0) - t0) for rank, t0 in trained_at_lease.items())
     tokens = sum(len(r) for r in responses.values())
     return {
         "makespan_s": round(makespan, 3),
@@ -261,27 +279,32 @@ def run(
     max_tokens: int = 512,
     temperature: float = 0.7,
     seed: int = 0,
+    steps: int = 2,
     modes: tuple[str, ...] = MODES,
     drafter: Path | None = None,
-    warmup_steps: int = 300,
+    warmup_steps: int = 1000,
 ) -> dict[str, Any]:
     """All requested modes, one after another, on the same workload; see the module docstring."""
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}: choose from {', '.join(MODES)}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
     model = model or DEFAULT_MODEL
     model_dir = hub.resolve(model)
     from slipstream.runtime.drafter_cli import task_prompts, warmup
 
     if (model_dir / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_dir(model_dir)
-        prompt_ids = task_prompts(task, prompts, seed, tokenizer)
+        # Step s draws its own questions (seed + s): a new batch of prompts per RL step.
+        prompt_sets = [task_prompts(task, prompts, seed + s, tokenizer) for s in range(steps)]
         stop_ids = sorted(tokenizer.stop_ids)
     else:  # a bare model directory (the tests' tiny models): seeded random prompts, the model's EOS
         gen = torch.Generator().manual_seed(seed)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        prompt_ids = [
-            torch.randint(0, vocab, (8 + 4 * (i % 3),), generator=gen).tolist() for i in range(prompts)
+        prompt_sets = [
+            [torch.randint(0, vocab, (8 + 4 * (i % 3),), generator=gen).tolist() for i in range(prompts)]
+            for _ in range(steps)
         ]
         stop_ids = []
     warmed: dict[str, Any] | None = None
@@ -289,10 +312,13 @@ def run(
         drafter = drafter or default_drafter_dir(model, task)
         if not (drafter / "config.json").is_file():
             print(
-                f"bench rollout: no warmed drafter at {drafter}; running drafter warmup first",
+                f"bench rollout: no warmed drafter at {drafter}; running drafter warmup first (~30 min)",
                 file=sys.stderr,
             )
-            warmed = warmup(model=model, task=task, steps=warmup_steps, out=drafter, seed=seed + 1)
+            warmed = warmup(
+                model=model, task=task, steps=warmup_steps, out=drafter, samples=384, max_tokens=256,
+                temperature=temperature, seed=seed + 1000,
+            )  # fmt: skip
     result: dict[str, Any] = {
         "model": str(model_dir),
         "task": task,
@@ -300,20 +326,22 @@ def run(
         "samples": samples,
         "max_tokens": max_tokens,
         "temperature": temperature,
+        "steps": steps,
         "devices": DEVICES,
         "drafter": None if drafter is None else str(drafter),
         "modes": {},
     }
     if warmed is not None:
         result["warmup"] = warmed
+    outputs = []
     with tempfile.TemporaryDirectory(prefix="slipstream-bench-rollout-") as tmp:
         for mode in modes:
             print(f"bench rollout: {mode} …", file=sys.stderr)
-            result["modes"][mode] = uvloop.run(
+            figures = uvloop.run(
                 run_phase(
                     mode,
                     model=str(model_dir),
-                    prompts=prompt_ids,
+                    prompt_sets=prompt_sets,
                     samples=samples,
                     max_tokens=max_tokens,
                     temperature=temperature,
@@ -323,13 +351,16 @@ def run(
                     run_dir=Path(tmp) / mode,
                 )
             )
-    outputs = [m.pop("_responses") for m in result["modes"].values()]
+            outputs.append([f.pop("_responses") for f in figures])
+            # The measured step is the last: earlier ones warm the tuner and train the drafter online.
+            result["modes"][mode] = {**figures[-1], "step_makespans_s": [f["makespan_s"] for f in figures]}
     result["identical_outputs"] = all(o == outputs[0] for o in outputs)
-    spans = {mode: figures["makespan_s"] for mode, figures in result["modes"].items()}
+    spans = {mode: figures["step_makespans_s"] for mode, figures in result["modes"].items()}
     if "plain" in spans:
         for mode, key in (("adaptive", "speedup"), ("ngram", "ngram_speedup")):
             if mode in spans:
-                result[key] = round(spans["plain"] / spans[mode], 3)
+                result[key] = round(spans["plain"][-1] / spans[mode][-1], 3)
+                result[f"{key}_first_step"] = round(spans["plain"][0] / spans[mode][0], 3)
     return result
 
 
@@ -362,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=2)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--drafter", type=Path, default=None)
     args = p.parse_args(argv)
@@ -373,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         seed=args.seed,
+        steps=args.steps,
         modes=tuple(args.modes.split(",")),
         drafter=args.drafter,
     )

@@ -70,6 +70,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens if args.max_tokens is not None else 512,
             temperature=args.temperature,
             seed=args.seed,
+            steps=args.steps,
             modes=tuple(args.modes.split(",")),
             drafter=args.drafter,
         )
@@ -246,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--samples", type=int, default=4, help="rollout: responses per prompt (G)")
     s.add_argument("--temperature", type=float, default=0.7, help="rollout: sampling temperature")
     s.add_argument("--seed", type=int, default=0, help="rollout: prompt and sampling seed")
+    s.add_argument("--steps", type=int, default=2, help="rollout: RL steps per mode; the last is measured")
     s.add_argument("--modes", default="plain,ngram,adaptive", help="rollout: comma-separated subset")
     s.add_argument(
         "--drafter",
