@@ -38,7 +38,7 @@ one update per rank per merge, which suits a handful of ranks and heads of up to
 rank trains on what is streamed to it (rollouts' `hidden_to`), so streaming every sample to every rank
 trains on duplicates; and messages to a dead rank queue in the transport up to its high-water mark.
 
-Every `publish_every_steps` (of the version) the owner sends a versioned, checksummed `DrafterUpdate` to
+Every `publish_every_steps` (of the version), and at most every `publish_min_interval_s`, the owner sends a versioned, checksummed `DrafterUpdate` to
 `publish_to`, which is rollout actors, or the coordinator. Every `checkpoint_every_steps` a background
 thread writes weights, optimizer state and version atomically to the run directory. It writes with
 torch.save, read back with weights_only=True: local disk, never the wire. A restarted owner (for example
@@ -101,6 +101,7 @@ class DrafterActor(Actor):
         unroll_steps: int = 1  # draft steps simulated per batch (1 = no unroll)
         publish_to: list[str] = []  # actors ("rollout:0", "coordinator") that receive DrafterUpdate (owner)
         publish_every_steps: int = 20
+        publish_min_interval_s: float = 1.0  # and at most this often: rollouts use only the newest anyway
         checkpoint_every_steps: int = 50  # 0 = never (owner)
         seed: int = 0
         world_size: Annotated[int, msgspec.Meta(ge=1)] = 1  # drafter ranks training this drafter; 0 owns it
@@ -130,6 +131,7 @@ class DrafterActor(Actor):
         self._trained_s = 0.0
         # owner: where the version stood when last sent to the group / published / checkpointed
         self._shared_version = self._published_version = self._checkpointed_version = 0
+        self._published_at = float("-inf")
         self._remote_merged = False  # deltas folded in since the group last heard
         self._active: dict[str, float] = {}  # rank → monotonic time until which it counts as training
         self._last_delta_at: dict[str, float] = {}
@@ -325,7 +327,10 @@ class DrafterActor(Actor):
             and v != self._shared_version
             and (group_now or self._remote_merged or v - self._shared_version >= cfg.sync_every_steps)
         )
-        publish = publish_now or _crossed(self._published_version, v, cfg.publish_every_steps)
+        publish = publish_now or (
+            _crossed(self._published_version, v, cfg.publish_every_steps)
+            and time.monotonic() - self._published_at >= cfg.publish_min_interval_s
+        )
         update = self._update() if to_group or publish else None
         if to_group and update is not None:
             for peer in self.group:
@@ -334,6 +339,7 @@ class DrafterActor(Actor):
         if publish and update is not None:
             self._publish(update)
             self._published_version = v
+            self._published_at = time.monotonic()
         if _crossed(self._checkpointed_version, v, cfg.checkpoint_every_steps):
             self._checkpoint()
             self._checkpointed_version = v

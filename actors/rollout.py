@@ -15,8 +15,8 @@ decision and what it bought; every decision is logged. The tuner's state is save
 whenever the actor goes idle and restored at start, so it carries across RL steps and restarts.
 
 Updates, applied between iterations:
-- `DrafterUpdate` (versioned, checksummed): hot-swapped into the EAGLE drafter at once, mid-generation;
-  drafts change, outputs do not. Once the version has moved `retune_drafter_versions` training steps
+- `DrafterUpdate` (versioned, checksummed): the newest one is hot-swapped into the EAGLE drafter before
+  the next iteration, mid-generation; drafts change, outputs do not. Once the version has moved `retune_drafter_versions` training steps
   since the last time, the eagle arms' estimates are forgotten so the tuner retries them (not at every
   update: a retry costs a few iterations per bucket and arm, and ten steps rarely change the ranking).
 - `WeightUpdate` (bucketed, checksummed): buckets are staged until the version is complete, then applied
@@ -131,6 +131,7 @@ class RolloutActor(Actor):
             )
             self.generator.set_spec(None)
         self._retuned_version = 0 if self.eagle is None else self.eagle.version
+        self._pending_drafter: DrafterUpdate | None = None  # the newest update, swapped in before decoding
         self.methods = {"off", "ngram", "self"} | ({"eagle"} if self.eagle is not None else set())
         self.policy_version = cfg.policy_version
         self._samples: dict[str, tuple[int, int]] = {}  # request id -> (group id, sample index)
@@ -198,19 +199,38 @@ class RolloutActor(Actor):
         if self.eagle is None:
             self.log.warning("drafter_update_unused", version=msg.version, why="no eagle arm configured")
             return
-        if msg.version <= self.eagle.version:
-            self.log.info("drafter_update_stale", version=msg.version, have=self.eagle.version)
+        newest = self._pending_drafter.version if self._pending_drafter is not None else self.eagle.version
+        if msg.version <= newest:
+            self.log.info("drafter_update_stale", version=msg.version, have=newest)
             return
+        # Only the newest update is kept, and swapped in before the next iteration: a drafter that publishes
+        # faster than this actor decodes costs a clone per update, never a swap per update.
+        # Clone: received tensors alias a frame or shared-memory slot that is recycled after this handler.
+        self._pending_drafter = DrafterUpdate(
+            version=msg.version,
+            policy_version=msg.policy_version,
+            names=list(msg.names),
+            tensors=[t.clone() for t in msg.tensors],
+            checksum=msg.checksum,
+        )
+
+    def _swap_drafter(self) -> None:
+        msg, self._pending_drafter = self._pending_drafter, None
+        assert msg is not None and self.eagle is not None
         if weights_checksum(list(msg.names), list(msg.tensors)) != msg.checksum:
             self.log.error("drafter_update_refused", version=msg.version, why="checksum mismatch")
             return
-        self.eagle.load_state(dict(zip(msg.names, msg.tensors, strict=True)), msg.version)  # copies
+        try:
+            self.eagle.load_state(dict(zip(msg.names, msg.tensors, strict=True)), msg.version)  # copies
+        except ValueError as exc:
+            self.log.error("drafter_update_refused", version=msg.version, why=str(exc))
+            return
         retune = msg.version - self._retuned_version >= self.config.retune_drafter_versions
         if retune:
             # Only after a real change: every forget costs min_trials x hold iterations per bucket and arm.
             self.tuner.forget("eagle")
             self._retuned_version = msg.version
-        self.log.info("drafter_swapped", version=msg.version, sender=sender, retuned=retune)
+        self.log.info("drafter_swapped", version=msg.version, retuned=retune)
 
     @handler
     def on_weights(self, msg: WeightUpdate, sender: str) -> None:
@@ -274,6 +294,8 @@ class RolloutActor(Actor):
     # -- decoding -------------------------------------------------------------------------------------
 
     def step(self) -> bool:
+        if self._pending_drafter is not None:
+            self._swap_drafter()
         generator = self.generator
         if not generator.has_unfinished():
             if self._ready_version is not None:

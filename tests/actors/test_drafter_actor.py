@@ -23,7 +23,7 @@ HEARTBEAT_S = 0.25
 
 def drafter_spec(model: Path, rank: int = 0, **config: object) -> ActorSpec:
     cfg = {"model": str(model), "publish_to": ["coordinator"], "batch_tokens": 256, "min_buffer_tokens": 32,
-           "publish_every_steps": 5, "checkpoint_every_steps": 5, **config}  # fmt: skip
+           "publish_every_steps": 5, "checkpoint_every_steps": 5, "publish_min_interval_s": 0.0, **config}  # fmt: skip
     return ActorSpec(actor="slipstream.actors.drafter:DrafterActor", rank=rank, config=cfg, threads=1)
 
 
