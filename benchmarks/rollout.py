@@ -196,7 +196,8 @@ async def _coordinate(
         )
     ended = None
     deadline = started + PHASE_TIMEOUT_S
-    while ended is None or leases or awaiting_stats:
+    # Every rollout reports Idle right after its last completion: wait for all, so none trails into the next step.
+    while ended is None or leases or awaiting_stats or len(idle_at) < DEVICES:
         if not sup.deaths.empty():
             died = sup.deaths.get_nowait()
             raise RuntimeError(f"{died.name} died during the {mode} phase: {died.reason}")
@@ -226,10 +227,10 @@ async def _coordinate(
             seq_iters[label] += msg.batch_size
             arms[label][msg.arm] += 1
         elif isinstance(msg, Idle):
-            if ended is not None or msg.rank in idle_at:
-                continue  # the previous step's trailing Idle
+            if msg.rank in idle_at:
+                continue
             idle_at[msg.rank] = now
-            if adaptive:
+            if adaptive and ended is None:
                 # The line where an idle device goes to drafter training.
                 lease_id = next(_lease_ids)
                 trained_at_lease[msg.rank] = last_trained.get(msg.rank, 0.0)
