@@ -385,7 +385,15 @@ def test_load_is_strict(target: Transformer, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "spec", [SpecConfig(method="eagle", depth=4), SpecConfig(method="eagle", depth=3, topk=2, verify=5)]
 )
-def test_generator_with_eagle_drafter_is_lossless(target: Transformer, spec: SpecConfig) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "draft_vocab"),
+    # A 12-token draft vocabulary, in float64 and in float32 (the prepacked CPU path of its head rows).
+    [(torch.float64, 0), (torch.float64, 12), (torch.float32, 12)],
+)
+def test_generator_with_eagle_drafter_is_lossless(
+    make_checkpoint: Callable[..., Path], spec: SpecConfig, dtype: torch.dtype, draft_vocab: int
+) -> None:
+    target = load_model(make_checkpoint("llama", seed=3), dtype=dtype)
     gen = torch.Generator().manual_seed(9)
     requests = [
         Request(
@@ -394,10 +402,12 @@ def test_generator_with_eagle_drafter_is_lossless(target: Transformer, spec: Spe
         for i in range(5)
     ]
     plain = Generator(target, num_slots=3, max_len=96, token_budget=48).generate(requests)
-    drafter = EagleDrafter(make_head(target), target, num_slots=3, max_len=96)
+    drafter = EagleDrafter(make_head(target), target, num_slots=3, max_len=96, draft_vocab=draft_vocab)
     speculative = Generator(target, num_slots=3, max_len=96, token_budget=48, spec=spec, drafter=drafter)
     assert [c.token_ids for c in speculative.generate(requests)] == [c.token_ids for c in plain]
     assert drafter.cache.num_free_slots == 3  # every finished request was reset
+    if draft_vocab:
+        assert drafter._sub is not None and drafter._sub[0].numel() == draft_vocab
 
 
 def test_draft_vocabulary_restricts_proposals_to_frequent_observed_tokens(
@@ -415,25 +425,3 @@ def test_draft_vocabulary_restricts_proposals_to_frequent_observed_tokens(
         assert set(chain.tokens.tolist()) <= set(drafter._sub[0].tolist())
         assert drafter._sub[0].numel() == min(8, len(counts))
     assert all(counts[t] for t in drafter._sub[0].tolist())  # only tokens it has seen
-
-
-@pytest.mark.parametrize(
-    "spec", [SpecConfig(method="eagle", depth=4), SpecConfig(method="eagle", depth=3, topk=2, verify=5)]
-)
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # float32: the prepacked CPU head path
-def test_generator_with_a_draft_vocabulary_is_lossless(
-    make_checkpoint: Callable[..., Path], spec: SpecConfig, dtype: torch.dtype
-) -> None:
-    target = load_model(make_checkpoint("llama", seed=3), dtype=dtype)
-    gen = torch.Generator().manual_seed(11)
-    requests = [
-        Request(
-            request_id=f"q{i}", prompt_ids=torch.randint(0, 160, (6,), generator=gen).tolist(), params=GREEDY
-        )
-        for i in range(5)
-    ]
-    plain = Generator(target, num_slots=3, max_len=96, token_budget=48).generate(requests)
-    drafter = EagleDrafter(make_head(target), target, num_slots=3, max_len=96, draft_vocab=12)
-    speculative = Generator(target, num_slots=3, max_len=96, token_budget=48, spec=spec, drafter=drafter)
-    assert [c.token_ids for c in speculative.generate(requests)] == [c.token_ids for c in plain]
-    assert drafter._sub is not None and drafter._sub[0].numel() == 12
