@@ -447,11 +447,10 @@ class DrafterActor(Actor):
         rollouts holding that head take this actor's updates as newer."""
         from slipstream.engine import eagle_export
 
-        loaded = eagle_export.load(path, self.target)
+        head, self.version = eagle_export.load_head(path, self.target)  # no drafter: its KV cache is waste
         self.head.load_state_dict(
-            {name: t.to(self.head.fc.weight.dtype) for name, t in loaded.head.state_dict().items()}
+            {name: t.to(self.head.fc.weight.dtype) for name, t in head.state_dict().items()}
         )
-        self.version = loaded.version
         self._shared_version = self._published_version = self._checkpointed_version = self.version
         self.log.info("initialised", path=path, version=self.version)
 

@@ -50,6 +50,7 @@ import uvloop
 
 from slipstream.engine import hub
 from slipstream.engine.tokenizer import Tokenizer
+from slipstream.engine.tuner import Tuner, TunerConfig
 from slipstream.protocols.control import Idle, Lease, Preempt, Released
 from slipstream.protocols.drafter import DrafterStats
 from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats, SamplingSpec
@@ -68,12 +69,8 @@ ARMS = {"plain": ["off"], "ngram": ["off", *NGRAM_ARMS], "adaptive": ["off", *NG
 PHASE_TIMEOUT_S = 3600.0
 
 
-def bucket_label(batch: int) -> str:
-    for i, lo in enumerate(BUCKETS):
-        hi = BUCKETS[i + 1] - 1 if i + 1 < len(BUCKETS) else None
-        if hi is None or batch <= hi:
-            return str(lo) if hi == lo else (f"{lo}+" if hi is None else f"{lo}-{hi}")
-    raise AssertionError("unreachable")
+# The rollout's own bucketing (the tuner's), so figures are reported per bucket the tuner decides in.
+_BUCKETING = Tuner(TunerConfig(buckets=BUCKETS, arms=["off"]))
 
 
 def default_drafter_dir(model: str, task: str) -> Path:
@@ -170,9 +167,9 @@ async def _coordinate(
     adaptive = mode == "adaptive"
     expected = len(prompts) * samples
     responses: dict[tuple[int, int], list[int]] = {}
-    committed: dict[str, int] = defaultdict(int)
-    seq_iters: dict[str, int] = defaultdict(int)
-    arms: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    committed: dict[int, int] = defaultdict(int)  # by bucket index
+    seq_iters: dict[int, int] = defaultdict(int)
+    arms: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     idle_at: dict[int, float] = {}
     leases: dict[int, int] = {}  # drafter rank -> lease id
     trained_at_lease: dict[int, float] = {}
@@ -222,7 +219,7 @@ async def _coordinate(
         elif isinstance(msg, IterationStats):
             if msg.batch_size == 0:  # a prefill-only pass: it says nothing about decoding
                 continue
-            label = bucket_label(msg.batch_size)
+            label = _BUCKETING.bucket(msg.batch_size)
             committed[label] += msg.committed
             seq_iters[label] += msg.batch_size
             arms[label][msg.arm] += 1
@@ -255,9 +252,9 @@ async def _coordinate(
         "tokens": tokens,
         "tokens_per_s": round(tokens / makespan, 2),
         "accept_length": {
-            k: round(committed[k] / seq_iters[k], 3) for k in sorted(seq_iters, key=_bucket_key)
+            _BUCKETING.label(b): round(committed[b] / seq_iters[b], 3) for b in sorted(seq_iters)
         },
-        "arms": {k: dict(arms[k]) for k in sorted(arms, key=_bucket_key)},
+        "arms": {_BUCKETING.label(b): dict(arms[b]) for b in sorted(arms)},
         "idle_device_s": round(idle_device_s, 3),
         "reclaimed_s": round(reclaimed_s, 3),
         "reclaimed_share": round(min(reclaimed_s / idle_device_s, 1.0), 3) if idle_device_s > 0 else 0.0,
@@ -265,10 +262,6 @@ async def _coordinate(
         "finish_reasons": dict(finish),
         "_responses": responses,
     }
-
-
-def _bucket_key(label: str) -> int:
-    return int(label.split("-")[0].rstrip("+"))
 
 
 def run(

@@ -75,23 +75,10 @@ CE_VOCABS = ("full", "topk")
 _PACKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-class _TransposedPack(_PackedWeight):
-    """Packs Wᵀ from a contiguous copy: oneDNN reorders a transposed view ~6× slower."""
-
-    def get(self, weight: Tensor) -> Tensor:
-        key = (weight.data_ptr(), weight._version)
-        if key != self.key:
-            with torch.inference_mode():
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
-            self.key = key
-        assert self.packed is not None
-        return self.packed
-
-
 def _packs(weight: Tensor) -> tuple[_PackedWeight, _PackedWeight]:
     packs = _PACKS.get(weight)
     if packs is None:
-        packs = _PACKS[weight] = (_PackedWeight(), _TransposedPack())
+        packs = _PACKS[weight] = (_PackedWeight(), _PackedWeight())  # W and Wᵀ
     return packs
 
 

@@ -54,7 +54,7 @@ from slipstream.engine.config import ModelConfig
 from slipstream.engine.eagle import EagleDrafter, EagleHead
 from slipstream.engine.model import Transformer
 
-__all__ = ["config_dict", "export", "exported_state_dict", "load"]
+__all__ = ["config_dict", "export", "exported_state_dict", "load", "load_head"]
 
 Server = Literal["vllm", "sglang"]
 _ARCHITECTURES: dict[str, list[str]] = {"vllm": ["LlamaForCausalLM"], "sglang": ["LlamaForCausalLMEagle"]}
@@ -166,6 +166,12 @@ def export(
 def load(path: str | Path, target: Transformer, **drafter_kwargs: Any) -> EagleDrafter:
     """An `EagleDrafter` for `target` from an exported directory (either server variant), in the target's
     dtype; drafter_kwargs go to `EagleDrafter` (num_slots, max_len). Strict: every tensor must be known."""
+    head, version = load_head(path, target)
+    return EagleDrafter(head, target, version=version, **drafter_kwargs)
+
+
+def load_head(path: str | Path, target: Transformer) -> tuple[EagleHead, int]:
+    """(the exported head in the target's dtype, its drafter version): `load` without a drafter's cache."""
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
     config = ModelConfig.from_dict(raw)
@@ -181,8 +187,7 @@ def load(path: str | Path, target: Transformer, **drafter_kwargs: Any) -> EagleD
     head = EagleHead(config).to(dtype)
     weights = _our_weights(head, tensors, str(path))
     head.load_state_dict(weights)
-    version = int(raw.get("slipstream", {}).get("drafter_version", 0))
-    return EagleDrafter(head, target, version=version, **drafter_kwargs)
+    return head, int(raw.get("slipstream", {}).get("drafter_version", 0))
 
 
 def _our_weights(head: EagleHead, tensors: Mapping[str, Tensor], source: str) -> dict[str, Tensor]:
