@@ -2,6 +2,7 @@
 
     slipstream bench rollout --json                       # smollm2-135m, basic_arithmetic, all three modes
     slipstream bench rollout --prompts 4 --samples 4 --max-tokens 128 --json      # a quicker one
+    slipstream bench rollout --trace iters.jsonl          # plus every decode iteration, one JSON line each
     python -m slipstream.benchmarks.rollout --json        # the same without the CLI
 
 Workload: `prompts` reasoning-gym questions (fixed seed) through the chat template, `samples` (G) responses
@@ -45,6 +46,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 import uvloop
 
@@ -126,6 +128,7 @@ async def run_phase(
     seed: int,
     drafter: Path | None,
     run_dir: Path,
+    trace: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """One mode: start the actors, run one rollout step per prompt set as the coordinator does (actors,
     tuner state and drafter carry over between steps), return each step's figures."""
@@ -140,7 +143,7 @@ async def run_phase(
         for step, prompts in enumerate(prompt_sets):
             figures = await _coordinate(
                 sup, mode, prompts, samples, sampling, seed + step, group_base=step * 10_000,
-                last_trained=last_trained,
+                last_trained=last_trained, trace=trace,
             )  # fmt: skip
             steps.append(figures)
         return steps
@@ -161,14 +164,17 @@ async def _coordinate(
     *,
     group_base: int,
     last_trained: dict[int, float],
+    trace: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One synchronous rollout step. last_trained (drafter rank -> its training seconds so far, from
-    DrafterStats) carries across steps."""
+    DrafterStats) carries across steps; every IterationStats is appended to `trace` (when given) with its
+    arrival time from the step's start."""
     adaptive = mode == "adaptive"
     expected = len(prompts) * samples
     responses: dict[tuple[int, int], list[int]] = {}
     committed: dict[int, int] = defaultdict(int)  # by bucket index
     seq_iters: dict[int, int] = defaultdict(int)
+    bucket_s: dict[int, float] = defaultdict(float)  # device-seconds of decode iterations, by bucket
     arms: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     idle_at: dict[int, float] = {}
     leases: dict[int, int] = {}  # drafter rank -> lease id
@@ -199,13 +205,14 @@ async def _coordinate(
             died = sup.deaths.get_nowait()
             raise RuntimeError(f"{died.name} died during the {mode} phase: {died.reason}")
         try:
-            sender, msg = await asyncio.wait_for(
-                sup.inbox.get(), timeout=max(0.01, deadline - time.monotonic())
-            )
+            # Wake at least every second, so an actor that dies while all are quiet is noticed.
+            sender, msg = await asyncio.wait_for(sup.inbox.get(), timeout=1.0)
         except TimeoutError:
-            raise RuntimeError(
-                f"{mode} phase: no progress before the {PHASE_TIMEOUT_S:.0f} s limit"
-            ) from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{mode} phase: no progress before the {PHASE_TIMEOUT_S:.0f} s limit"
+                ) from None
+            continue
         now = time.monotonic()
         if isinstance(msg, Completion):
             responses[(msg.group_id, msg.sample_index)] = msg.token_ids.tolist()
@@ -222,6 +229,10 @@ async def _coordinate(
             label = _BUCKETING.bucket(msg.batch_size)
             committed[label] += msg.committed
             seq_iters[label] += msg.batch_size
+            bucket_s[label] += msg.iter_s
+            if trace is not None:
+                trace.append({"mode": mode, "group_base": group_base, "t": round(now - started, 4),
+                              **msgspec.structs.asdict(msg)})  # fmt: skip
             arms[label][msg.arm] += 1
         elif isinstance(msg, Idle):
             if msg.rank in idle_at:
@@ -255,6 +266,7 @@ async def _coordinate(
             _BUCKETING.label(b): round(committed[b] / seq_iters[b], 3) for b in sorted(seq_iters)
         },
         "arms": {_BUCKETING.label(b): dict(arms[b]) for b in sorted(arms)},
+        "decode_s": {_BUCKETING.label(b): round(bucket_s[b], 2) for b in sorted(bucket_s)},
         "idle_device_s": round(idle_device_s, 3),
         "reclaimed_s": round(reclaimed_s, 3),
         "reclaimed_share": round(min(reclaimed_s / idle_device_s, 1.0), 3) if idle_device_s > 0 else 0.0,
@@ -277,6 +289,7 @@ def run(
     modes: tuple[str, ...] = MODES,
     drafter: Path | None = None,
     warmup_steps: int = 1000,
+    trace: Path | None = None,
 ) -> dict[str, Any]:
     """All requested modes, one after another, on the same workload; see the module docstring."""
     for mode in modes:
@@ -328,6 +341,7 @@ def run(
     if warmed is not None:
         result["warmup"] = warmed
     outputs = []
+    iterations: list[dict[str, Any]] | None = [] if trace is not None else None
     with tempfile.TemporaryDirectory(prefix="slipstream-bench-rollout-") as tmp:
         for mode in modes:
             print(f"bench rollout: {mode} …", file=sys.stderr)
@@ -343,11 +357,15 @@ def run(
                     seed=seed,
                     drafter=drafter,
                     run_dir=Path(tmp) / mode,
+                    trace=iterations,
                 )
             )
             outputs.append([f.pop("_responses") for f in figures])
             # The measured step is the last: earlier ones warm the tuner and train the drafter online.
             result["modes"][mode] = {**figures[-1], "step_makespans_s": [f["makespan_s"] for f in figures]}
+    if trace is not None:
+        assert iterations is not None
+        trace.write_text("".join(json.dumps(row) + "\n" for row in iterations))
     result["identical_outputs"] = all(o == outputs[0] for o in outputs)
     spans = {mode: figures["step_makespans_s"] for mode, figures in result["modes"].items()}
     if "plain" in spans:
@@ -390,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--drafter", type=Path, default=None)
+    p.add_argument("--trace", type=Path, default=None)
     args = p.parse_args(argv)
     result = run(
         args.model,
@@ -402,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         modes=tuple(args.modes.split(",")),
         drafter=args.drafter,
+        trace=args.trace,
     )
     print(json.dumps(result) if args.json else render(result))
     return 0

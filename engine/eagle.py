@@ -48,6 +48,7 @@ from slipstream.engine.config import ModelConfig
 from slipstream.engine.drafters.base import Draft, Drafter, DraftState
 from slipstream.engine.kv_cache import KVCache
 from slipstream.engine.model import DecoderLayer, Linear, Rotary, Transformer, _linear, _PackedWeight
+from slipstream.engine.sampling import keyed_pick, keyed_rank
 from slipstream.engine.tree import build_tree, tree_depths
 
 __all__ = [
@@ -190,6 +191,21 @@ class EagleHead(nn.Module):
         q, k, v = self.qkv(x, positions)
         attn = varlen_attention(q, [k], [v], cu_seqlens, _causal)
         return self.finish(x, attn)
+
+
+# (temperature [B], seeds [B], positions [B] of the first draft token) for keyed draws; temperature 0
+# where a row drafts its argmax.
+_Keys = tuple[Tensor, Tensor, Tensor]
+
+
+def _keys(states: Sequence[DraftState]) -> _Keys | None:
+    """Keys for drafting `states` with the sampler's noise, or None when no row is a keyed sampling row."""
+    if not any(state.keyed and not state.params.greedy for state in states):
+        return None
+    temperature = torch.tensor([state.params.temperature if state.keyed else 0.0 for state in states])
+    seeds = torch.tensor([state.params.seed for state in states], dtype=torch.int64)
+    positions = torch.tensor([state.position for state in states], dtype=torch.int64)
+    return temperature, seeds, positions
 
 
 @dataclasses.dataclass(eq=False)
@@ -337,7 +353,9 @@ class EagleDrafter(Drafter):
         if not ready or depth < 1 or verify < 1:
             return drafts
         if topk == 1:
-            chains = self._draft_chains([request for _, request, _ in ready], min(depth, verify))
+            chains = self._draft_chains(
+                [request for _, request, _ in ready], [state for _, _, state in ready], min(depth, verify)
+            )
             for (i, _, _), chain in zip(ready, chains, strict=True):
                 drafts[i] = Draft.chain(chain)
         else:
@@ -424,10 +442,15 @@ class EagleDrafter(Drafter):
         full = logprobs.new_full((logprobs.shape[0], len(self._counts)), float("-inf"))
         return full.index_copy_(1, ids, logprobs)
 
-    def _draft_argmax(self, outs: Tensor) -> Tensor:
+    def _draft_pick(self, outs: Tensor, keys: _Keys | None, step: int) -> Tensor:
+        """Each row's draft token [B] at `step` tokens past its pending one: the argmax, or for keyed
+        sampling rows the draw made with the sampler's own noise at that position (`keyed_pick`)."""
         logits, ids = self._draft_logits(outs)
-        best = logits.argmax(-1)
-        return best if ids is None else ids[best]
+        if keys is None:
+            best = logits.argmax(-1)
+            return best if ids is None else ids[best]
+        temperature, seeds, positions = keys
+        return keyed_pick(logits, temperature, seeds, positions + step, ids)
 
     def _new_features(self, capacity: int) -> Tensor:
         weight = self.head.fc.weight
@@ -504,10 +527,14 @@ class EagleDrafter(Drafter):
             attn.append(attend(q[i : i + 1], keys[slot, :, :end], values[slot, :, :end], mask))
         return self.head.finish(x, torch.cat(attn))
 
-    def _draft_chains(self, requests: Sequence[_Request], k: int) -> list[Tensor]:
-        """Greedy chains of k tokens for several requests at once (k - 1 batched head passes)."""
+    def _draft_chains(
+        self, requests: Sequence[_Request], states: Sequence[DraftState], k: int
+    ) -> list[Tensor]:
+        """Chains of k tokens for several requests at once (k - 1 batched head passes): argmax tokens, or
+        keyed draws for sampling requests that verification draws with keyed noise."""
+        keys = _keys(states)
         outs = torch.stack([request.last_out for request in requests])  # [B, d]
-        tokens = [self._draft_argmax(outs)]  # [B] per step
+        tokens = [self._draft_pick(outs, keys, 0)]  # [B] per step
         for j in range(1, k):
             nodes = [
                 _Node(
@@ -521,13 +548,25 @@ class EagleDrafter(Drafter):
                 for b, request in enumerate(requests)
             ]
             outs = self._run_nodes(nodes)
-            tokens.append(self._draft_argmax(outs))
+            tokens.append(self._draft_pick(outs, keys, j))
         return list(torch.stack(tokens, dim=1).cpu())  # B × [k]
 
     def _draft_tree(self, request: _Request, state: DraftState, depth: int, topk: int, verify: int) -> Draft:
         """An EAGLE-2 tree (`tree.build_tree`) whose children are the head's top-k tokens (point masses)."""
         temperature = state.params.temperature
         scale = 1.0 / temperature if temperature > 0 else 1.0
+        keyed = state.keyed and temperature > 0
+        seed = torch.tensor([state.params.seed], dtype=torch.int64)
+
+        def scores(outs: Tensor, positions: list[int]) -> Tensor:
+            logprobs = self._draft_logprobs(outs, scale)
+            if not keyed:
+                return logprobs
+            # Rank children by the sampler's own race at their position (the target's token is drawn there).
+            return keyed_rank(
+                logprobs, seed.expand(len(positions)), torch.tensor(positions, dtype=torch.int64)
+            )
+
         root_out = request.last_out
         assert root_out is not None
         outs: dict[int, Tensor] = {}  # expanded candidate → its head output
@@ -535,7 +574,7 @@ class EagleDrafter(Drafter):
 
         def expand(tokens: Tensor, parents: Tensor, frontier: Tensor) -> Tensor:
             if frontier.tolist() == [-1]:
-                return self._draft_logprobs(root_out[None], scale)
+                return scores(root_out[None], [state.position])
             depths = tree_depths(parents).tolist()
             parent_of = parents.tolist()
             nodes = []
@@ -559,7 +598,8 @@ class EagleDrafter(Drafter):
             result = self._run_nodes(nodes)
             for c, out in zip(frontier.tolist(), result, strict=True):
                 outs[c] = out
-            return self._draft_logprobs(result, scale)
+            # A child of candidate c sits one past c, and the root's children at state.position.
+            return scores(result, [state.position + depths[c] + 1 for c in frontier.tolist()])
 
         tree = build_tree(expand, depth, topk, verify)
         return Draft(tree.tokens, tree.parents)

@@ -37,6 +37,8 @@ __all__ = [
     "STREAM_SAMPLE",
     "STREAM_TAIL",
     "SamplingParams",
+    "keyed_pick",
+    "keyed_rank",
     "keyed_uniform",
     "params_tensors",
     "processed_probs",
@@ -316,6 +318,55 @@ def race_sample(
         token = torch.searchsorted(inner_cdf, frac * inner_cdf[:, -1:], right=True).clamp_max(BLOCK - 1)
         winner[tail_rows] = (block * BLOCK + token)[:, 0]
     return winner
+
+
+def keyed_pick(
+    logits: Tensor,
+    temperature: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+    ids: Tensor | None = None,
+    width: int = 32,
+) -> Tensor:
+    """A drafter's guess [R] of the token `sample` will draw at each row's position: the winner of the
+    sampler's own race (STREAM_SAMPLE noise at that position) run over the draft distribution
+    softmax(logits / T) restricted to its `width` most likely tokens. Greedy rows (T = 0) get the argmax.
+
+    This couples draft and target through shared randomness: where the draft distribution q is close to the
+    target's p, both races are won by the same token, so a chain drafted this way survives "match"
+    verification about as often as greedy drafting does at T = 0 — where an argmax draft survives only
+    with probability p(argmax). (The race of arrival times E_i / q_i is Gumbel-max coupling; its
+    agreement probability is at least (1 - TV) / (1 + TV) of the two distributions.) It changes no output:
+    verification draws the target's token regardless of the draft.
+
+    logits [R, U] are over the draft vocabulary `ids` [U] (None: the whole vocabulary, U = V); top-k / top-p
+    are not applied (a guess needs no exact filter).
+    """
+    logits = logits.float()
+    greedy = temperature <= 0
+    scaled = logits * torch.where(greedy, 1.0, temperature.float()).reciprocal()[:, None]
+    top, index = scaled.topk(min(width, scaled.shape[-1]), dim=-1)  # [R, w], descending
+    tokens = index if ids is None else ids[index]
+    keys = _row_keys(seeds, positions, STREAM_SAMPLE)
+    # argmin_i E_i / q_i = argmin_i log E_i - log q_i; q's normaliser is the same for the whole row.
+    arrival = torch.log(-torch.log(_uniform_at(keys[:, None], tokens))) - top.double()
+    pick = torch.where(greedy, 0, arrival.argmin(-1))
+    return tokens.gather(1, pick[:, None])[:, 0]
+
+
+def keyed_rank(logprobs: Tensor, seeds: Tensor, positions: Tensor, width: int = 32) -> Tensor:
+    """Draft log-probs [R, V] re-dealt so that their ranking follows the sampler's race at each row's
+    position: the `width` most likely tokens keep the same *set* of values, but the largest goes to the
+    token whose arrival E_i / q_i comes first, the second largest to the second, and so on. A tree built
+    on these scores (`tree.build_tree`) puts the keyed draw (`keyed_pick`) on its first branch and hedges
+    with the next arrivals, while keeping the draft's calibration of how far to trust a level. The rows
+    are log-softmaxes at the sampling temperature; -inf entries stay -inf."""
+    top, index = logprobs.topk(min(width, logprobs.shape[-1]), dim=-1)  # [R, w], descending
+    keys = _row_keys(seeds, positions, STREAM_SAMPLE)
+    arrival = torch.log(-torch.log(_uniform_at(keys[:, None], index))) - top.double()
+    arrival = arrival.masked_fill(top.isinf(), float("inf"))  # a -inf token never arrives
+    order = arrival.argsort(-1)  # [R, w]: by arrival
+    return logprobs.scatter(1, index.gather(1, order), top)
 
 
 def sample(

@@ -25,7 +25,7 @@ requests in the same forward pass is 5–25% faster than two passes, so the Gene
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -242,9 +242,14 @@ class Speculator:
         proposals = [EMPTY] * len(states)
         if not asked or budget <= 0:
             return proposals
-        drafts = self.drafters[spec.method].propose(
-            [states[i] for i in asked], spec.depth, spec.topk, spec.verify_budget
-        )
+        # In reproducible mode every row is verified by drawing the target's token with keyed noise, which
+        # a drafter may share (`DraftState.keyed`); greedy rows are keyed in any mode.
+        asked_states = []
+        for i in asked:
+            state = states[i]
+            keyed = spec.mode == "reproducible" or state.params.greedy
+            asked_states.append(state if state.keyed == keyed else replace(state, keyed=keyed))
+        drafts = self.drafters[spec.method].propose(asked_states, spec.depth, spec.topk, spec.verify_budget)
         if len(drafts) != len(asked):
             raise ValueError(f"drafter returned {len(drafts)} drafts for {len(asked)} requests")
         for i, draft in zip(asked, drafts, strict=True):

@@ -73,6 +73,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             steps=args.steps,
             modes=tuple(args.modes.split(",")),
             drafter=args.drafter,
+            trace=args.trace,
         )
         print(json.dumps(result) if args.json else rollout.render(result))
         return 0
@@ -249,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="rollout: prompt and sampling seed")
     s.add_argument("--steps", type=int, default=2, help="rollout: RL steps per mode; the last is measured")
     s.add_argument("--modes", default="plain,ngram,adaptive", help="rollout: comma-separated subset")
+    s.add_argument(
+        "--trace", type=Path, default=None, help="rollout: write every decode iteration's stats here (JSONL)"
+    )
     s.add_argument(
         "--drafter",
         type=Path,

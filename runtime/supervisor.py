@@ -117,6 +117,9 @@ class Supervisor:
         """Spawns every actor and completes the handshake, or kills them all and raises."""
         self._proxy.start()
         self._tasks.append(asyncio.create_task(self._recv_loop(), name="supervisor-recv"))
+        # Beat from the first Hello on: an actor that is ready early must not hear silence (and stop)
+        # while a slower one is still loading its model.
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="supervisor-heartbeat"))
         try:
             classes = [self._check(spec) for spec in specs]  # every config is valid before anything spawns
             for spec, cls in zip(specs, classes, strict=True):
@@ -125,7 +128,6 @@ class Supervisor:
         except BaseException:
             await self.shutdown(reason="start-up failed", grace_s=0.5)
             raise
-        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="supervisor-heartbeat"))
 
     @staticmethod
     def _check(spec: ActorSpec) -> type:
@@ -276,9 +278,11 @@ class Supervisor:
             beat = Heartbeat(seq=seq, sent_ns=time.time_ns())
             now = time.monotonic()
             for name, p in list(self._procs.items()):
-                if p.dead:
+                if p.dead or p.hello is None:  # not connected yet: the handshake deadline covers start-up
                     continue
-                if now - p.last_seen > limit:
+                # Liveness is judged once an actor is ready: until then it may be busy loading a model
+                # on its compute thread while its IO thread still beats.
+                if p.ready and now - p.last_seen > limit:
                     self._mark_dead(p, f"no heartbeat for {now - p.last_seen:.2f}s", None)
                     with contextlib.suppress(ProcessLookupError):
                         p.proc.kill()

@@ -43,6 +43,11 @@ class DraftState:
     hidden: Tensor | None = None
     """[t, hidden] the target's last-layer hidden states for the tokens committed since the last call, or
     None (model-free drafters ignore it)."""
+    keyed: bool = False
+    """True when verification draws the target's token at each position with the sampler's own keyed
+    noise ("match" rows: greedy requests, and every request in reproducible mode). A drafter may then draw
+    with that same noise (`sampling.keyed_pick`) and guess the very token plain decoding will sample, not
+    just a likely one. Set by the speculator per pass; only speed depends on it."""
 
     @property
     def position(self) -> int:

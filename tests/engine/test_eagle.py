@@ -410,6 +410,29 @@ def test_generator_with_eagle_drafter_is_lossless(
         assert drafter._sub is not None and drafter._sub[0].numel() == draft_vocab
 
 
+@pytest.mark.parametrize("topk", [1, 2])
+def test_keyed_sampled_drafts_are_token_identical_to_plain(
+    make_checkpoint: Callable[..., Path], topk: int
+) -> None:
+    """Reproducible mode at T = 0.9: the drafter draws chains (and ranks tree children) with the sampler's
+    own noise, and the output is still exactly plain decoding's."""
+    target = load_model(make_checkpoint("llama", seed=3), dtype=torch.float32)
+    gen = torch.Generator().manual_seed(9)
+    requests = [
+        Request(
+            request_id=f"q{i}",
+            prompt_ids=torch.randint(0, 160, (6,), generator=gen).tolist(),
+            params=SamplingParams(temperature=0.9, seed=i, max_tokens=40),
+        )
+        for i in range(5)
+    ]
+    plain = Generator(target, num_slots=3, max_len=96, token_budget=48).generate(requests)
+    drafter = EagleDrafter(make_head(target), target, num_slots=3, max_len=96, draft_vocab=12)
+    spec = SpecConfig(method="eagle", depth=3, topk=topk, verify=3 * topk, mode="reproducible")
+    speculative = Generator(target, num_slots=3, max_len=96, token_budget=48, spec=spec, drafter=drafter)
+    assert [c.token_ids for c in speculative.generate(requests)] == [c.token_ids for c in plain]
+
+
 def test_draft_vocabulary_restricts_proposals_to_frequent_observed_tokens(
     target: Transformer, completions: list[Completion]
 ) -> None:

@@ -13,8 +13,11 @@ import pytest
 import torch
 
 from slipstream.engine.sampling import (
+    HEAD_MIN_PROB,
     SamplingParams,
     _argmax,
+    keyed_pick,
+    keyed_rank,
     keyed_uniform,
     params_tensors,
     processed_probs,
@@ -238,3 +241,58 @@ def test_race_sample_planted_bias_is_detected():
     biased /= biased.sum()
     stat, dof = chi2_statistic(tokens, biased)
     assert stat > chi2_critical(dof)
+
+
+def test_keyed_pick_on_the_target_distribution_is_the_sampled_token():
+    """Drawing with the sampler's own noise over the same distribution reproduces `sample` exactly when every
+    token is in the race's head (p >= HEAD_MIN_PROB) and within the width."""
+    torch.manual_seed(2)
+    rows, vocab = 2000, 64
+    logits = torch.randn(rows, vocab) * 0.3
+    temperature = torch.full((rows,), 0.7)
+    seeds, positions = torch.arange(rows), torch.arange(rows) % 37 + 5
+    probs = processed_probs(logits, temperature, torch.ones(rows), torch.zeros(rows, dtype=torch.int64))
+    assert probs.min() > HEAD_MIN_PROB
+    tokens, _ = sample(
+        logits, temperature, torch.ones(rows), torch.zeros(rows, dtype=torch.int64), seeds, positions
+    )
+    assert torch.equal(keyed_pick(logits, temperature, seeds, positions, width=vocab), tokens)
+    # A draft vocabulary: logits over a subset of ids, picks mapped back to vocabulary ids.
+    ids = torch.arange(vocab).flip(0)
+    assert torch.equal(
+        keyed_pick(logits[:, ids], temperature, seeds, positions, ids=ids, width=vocab), tokens
+    )
+    # Greedy rows take the argmax.
+    greedy = keyed_pick(logits, torch.zeros(rows), seeds, positions)
+    assert torch.equal(greedy, logits.argmax(-1))
+
+
+def test_keyed_pick_guesses_the_draw_better_than_the_argmax():
+    """A draft distribution near the target's (logits + noise): the keyed draw agrees with the target's
+    sampled token about twice as often as the draft's argmax does (measured 0.66 vs 0.35)."""
+    torch.manual_seed(3)
+    rows, vocab = 4000, 5000
+    logits = torch.randn(rows, vocab) * 3
+    temperature = torch.full((rows,), 0.7)
+    seeds, positions = torch.arange(rows), torch.full((rows,), 11)
+    ones, zeros = torch.ones(rows), torch.zeros(rows, dtype=torch.int64)
+    tokens, _ = sample(logits, temperature, ones, zeros, seeds, positions)
+    draft = logits + torch.randn(rows, vocab) * 0.5
+    keyed = (keyed_pick(draft, temperature, seeds, positions) == tokens).double().mean().item()
+    argmax = (draft.argmax(-1) == tokens).double().mean().item()
+    assert keyed > argmax + 0.2, (keyed, argmax)
+
+
+def test_keyed_rank_puts_the_keyed_draw_first_and_keeps_the_values():
+    torch.manual_seed(4)
+    rows, vocab = 300, 1000
+    logits = torch.randn(rows, vocab) * 2
+    temperature = torch.full((rows,), 0.7)
+    seeds, positions = torch.arange(rows), torch.arange(rows) + 3
+    logprobs = torch.log_softmax(logits / 0.7, dim=-1)
+    logprobs[:, 500:] = float("-inf")  # a draft vocabulary: the rest can never be drafted
+    ranked = keyed_rank(logprobs, seeds, positions)
+    pick = keyed_pick(logits[:, :500], temperature, seeds, positions)
+    assert torch.equal(ranked.argmax(-1), pick)
+    assert torch.equal(ranked.sort(-1).values, logprobs.sort(-1).values)  # the same values, re-dealt
+    assert (ranked[:, 500:] == float("-inf")).all()
