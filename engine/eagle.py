@@ -402,6 +402,20 @@ class EagleDrafter(Drafter):
             self._append_features(request, new.to(request.features.dtype))
         return request
 
+    def prime_counts(self, counts: Mapping[int, int]) -> None:
+        """Add prior token counts (token id → count), e.g. those of the head's training data, so the draft
+        vocabulary holds the task's tokens before this drafter has observed them. Ids out of range raise."""
+        vocab = len(self._counts)
+        bad = [t for t in counts if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token counts: ids {bad[:5]} out of range for vocabulary {vocab}")
+        for token, n in counts.items():
+            if n > 0:
+                if not self._counts[token]:
+                    self._distinct += 1
+                self._counts[token] += int(n)
+        self._sub = None  # re-choose at the next draft
+
     def _count(self, tokens: Sequence[int]) -> None:
         counts = self._counts
         for token in tokens:
@@ -415,11 +429,13 @@ class EagleDrafter(Drafter):
         vocab = len(self._counts)
         if not self.draft_vocab or self.draft_vocab >= vocab or not self._distinct:
             return draft_logits(self.target, outs), None
-        # Re-choose when enough has been counted, and early on whenever new tokens have appeared.
+        # Re-choose when enough has been counted, and while the vocabulary is not full, once the new
+        # tokens are 1/16 of it (each choice copies and repacks the rows: not on every new token).
+        held = 0 if self._sub is None else self._sub[0].numel()
         if (
             self._sub is None
             or self._counted_since >= 256
-            or (self._distinct > self._sub[0].numel() and self._sub[0].numel() < self.draft_vocab)
+            or (held < self.draft_vocab and self._distinct >= held + max(1, held // 16))
         ):
             counts = torch.tensor(self._counts)
             ids = counts.topk(min(self.draft_vocab, self._distinct)).indices.sort().values  # [U]

@@ -33,6 +33,10 @@ The two servers disagree on two details, so `server` picks the variant (the tens
 - SGLang: `architectures: ["LlamaForCausalLMEagle"]` (SGLang's EAGLE-1 class); a zero `fc.bias`, since
   that class's fc always has a bias and would otherwise keep its random initialisation (sglang#5773).
 
+Optionally, `token_counts.json` ({"ids": [...], "counts": [...]}): how often each token occurs in the
+head's training data. Servers ignore it; `load` primes the drafter's draft vocabulary with it (the tokens
+a draft may use; see `EagleDrafter`), so a fresh rollout drafts the task's tokens from its first step.
+
 config.json carries the Llama fields both need (hidden_size, intermediate_size, num_hidden_layers = 1,
 num_attention_heads, num_key_value_heads, head_dim, hidden_act, rms_norm_eps, rope_theta, rope_scaling,
 max_position_embeddings, vocab_size, tie_word_embeddings, attention_bias, mlp_bias, torch_dtype), the
@@ -54,7 +58,15 @@ from slipstream.engine.config import ModelConfig
 from slipstream.engine.eagle import EagleDrafter, EagleHead
 from slipstream.engine.model import Transformer
 
-__all__ = ["config_dict", "export", "exported_state_dict", "load", "load_head"]
+__all__ = [
+    "COUNTS_FILE",
+    "config_dict",
+    "export",
+    "exported_state_dict",
+    "load",
+    "load_head",
+    "load_token_counts",
+]
 
 Server = Literal["vllm", "sglang"]
 _ARCHITECTURES: dict[str, list[str]] = {"vllm": ["LlamaForCausalLM"], "sglang": ["LlamaForCausalLMEagle"]}
@@ -75,6 +87,9 @@ def _slices(config: ModelConfig) -> list[tuple[str, str, int, int]]:
         ("layers.0.mlp.up_proj.weight", "layer.mlp.gate_up.weight", inter, inter),
         ("layers.0.mlp.down_proj.weight", "layer.mlp.down.weight", 0, d),
     ]
+
+
+COUNTS_FILE = "token_counts.json"
 
 
 def exported_state_dict(
@@ -152,22 +167,45 @@ def export(
     server: Server = "vllm",
     version: int = 0,
     dtype: torch.dtype | None = None,
+    token_counts: Mapping[int, int] | None = None,
 ) -> Path:
-    """Write model.safetensors + config.json to out_dir (created if needed); returns out_dir."""
+    """Write model.safetensors + config.json (+ token_counts.json when given) to out_dir (created if
+    needed); returns out_dir."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = config_dict(head, target_config, server=server, version=version, dtype=dtype)
     tensors = exported_state_dict(head, server=server, dtype=dtype)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if token_counts:
+        ids = sorted(token_counts, key=lambda t: (-token_counts[t], t))
+        body = {"ids": ids, "counts": [int(token_counts[t]) for t in ids]}
+        (out / COUNTS_FILE).write_text(json.dumps(body) + "\n")
     return out
+
+
+def load_token_counts(path: str | Path) -> dict[int, int]:
+    """The token counts exported with a head ({} when it has none); a malformed file raises, naming it."""
+    file = Path(path) / COUNTS_FILE
+    if not file.is_file():
+        return {}
+    try:
+        body = json.loads(file.read_text())
+        ids, counts = body["ids"], body["counts"]
+        if len(ids) != len(counts) or not all(isinstance(x, int) and x >= 0 for x in [*ids, *counts]):
+            raise ValueError("ids and counts must be equally long lists of non-negative integers")
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{file}: {e}") from None
+    return dict(zip(ids, counts, strict=True))
 
 
 def load(path: str | Path, target: Transformer, **drafter_kwargs: Any) -> EagleDrafter:
     """An `EagleDrafter` for `target` from an exported directory (either server variant), in the target's
     dtype; drafter_kwargs go to `EagleDrafter` (num_slots, max_len). Strict: every tensor must be known."""
     head, version = load_head(path, target)
-    return EagleDrafter(head, target, version=version, **drafter_kwargs)
+    drafter = EagleDrafter(head, target, version=version, **drafter_kwargs)
+    drafter.prime_counts(load_token_counts(path))
+    return drafter
 
 
 def load_head(path: str | Path, target: Transformer) -> tuple[EagleHead, int]:

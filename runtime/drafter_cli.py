@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,11 @@ def accept_length(completions: list[Completion]) -> float:
     return sum(len(c.token_ids) for c in completions) / max(passes, 1)
 
 
+def _primed(drafter: EagleDrafter, counts: Counter[int]) -> EagleDrafter:
+    drafter.prime_counts(counts)
+    return drafter
+
+
 def warmup(
     *,
     model: str,
@@ -120,7 +126,9 @@ def warmup(
             bar.advance(task_id)
     train_s = time.perf_counter() - t0
     head.eval()
-    eagle_export.export(head, target.config, out, server=server, version=steps)
+    # The training data's token counts travel with the head: a rollout's draft vocabulary starts from them.
+    counts = Counter(t for c in completions for t in [*c.prompt_ids, *c.token_ids])
+    eagle_export.export(head, target.config, out, server=server, version=steps, token_counts=counts)
 
     evals: dict[str, float] = {}
     greedy = [SamplingParams(temperature=0.0, max_tokens=max_tokens) for _ in eval_prompts]
@@ -129,12 +137,12 @@ def warmup(
         name = f"chain{depth}" if topk == 1 else f"tree{depth}x{topk}v{verify}"
         spec = SpecConfig(method="eagle", depth=depth, topk=topk, verify=verify)
         gen = Generator(target, num_slots=min(32, len(eval_prompts)), eos_token_ids=eos, spec=spec,
-                        drafter=EagleDrafter(head, target))  # fmt: skip
+                        drafter=_primed(EagleDrafter(head, target), counts))  # fmt: skip
         evals[f"greedy_{name}"] = round(
             accept_length(_generate(gen, eval_prompts, greedy, f"eval {name}")), 3
         )
     gen = Generator(target, num_slots=min(32, len(eval_prompts)), eos_token_ids=eos,
-                    spec=SpecConfig(method="eagle", depth=5), drafter=EagleDrafter(head, target))  # fmt: skip
+                    spec=SpecConfig(method="eagle", depth=5), drafter=_primed(EagleDrafter(head, target), counts))  # fmt: skip
     evals[f"t{temperature:g}_chain5"] = round(
         accept_length(_generate(gen, eval_prompts, sampled, "eval sampled")), 3
     )

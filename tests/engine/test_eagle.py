@@ -362,6 +362,28 @@ def test_exported_head_runs_in_an_independent_llama_layer(target: Transformer, t
     torch.testing.assert_close(hf, ours, rtol=1e-6, atol=1e-6)
 
 
+def test_exported_token_counts_prime_the_draft_vocabulary(target: Transformer, tmp_path: Path) -> None:
+    counts = {5: 40, 17: 3, 9: 40, 100: 1}
+    out = export(make_head(target), target.config, tmp_path / "head", token_counts=counts)
+    assert json.loads((out / "token_counts.json").read_text()) == {
+        "ids": [5, 9, 17, 100],
+        "counts": [40, 40, 3, 1],
+    }
+    drafter = load(out, target, num_slots=2, max_len=64, draft_vocab=3)
+    assert [drafter._counts[t] for t in (5, 9, 17, 100, 6)] == [40, 40, 3, 1, 0]
+    # Before observing anything, the draft vocabulary is the three most frequent training tokens.
+    _, ids = drafter._draft_logits(
+        torch.zeros(1, target.config.hidden_size, dtype=target.lm_head_weight.dtype)
+    )
+    assert ids is not None and ids.tolist() == [5, 9, 17]
+    (out / "token_counts.json").write_text('{"ids": [1, 2], "counts": [3]}')
+    with pytest.raises(ValueError, match=r"token_counts\.json"):
+        load(out, target)
+    (out / "token_counts.json").write_text(json.dumps({"ids": [10**9], "counts": [1]}))
+    with pytest.raises(ValueError, match="out of range"):
+        load(out, target)
+
+
 def test_load_is_strict(target: Transformer, tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
