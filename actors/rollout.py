@@ -221,7 +221,8 @@ class RolloutActor(Actor):
             self.log.error("drafter_update_refused", version=msg.version, why="checksum mismatch")
             return
         try:
-            self.eagle.load_state(dict(zip(msg.names, msg.tensors, strict=True)), msg.version)  # copies
+            # Copies; live requests keep their cached pairs (a rebuild per update would cost more than it buys).
+            self.eagle.load_state(dict(zip(msg.names, msg.tensors, strict=True)), msg.version, rebuild=False)
         except ValueError as exc:
             self.log.error("drafter_update_refused", version=msg.version, why=str(exc))
             return

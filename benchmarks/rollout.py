@@ -24,13 +24,20 @@ Modes (same prompts, same seeds):
   cached `drafter warmup` of the model on the task, made on first use), keeps training online on the
   rollouts' hidden states in idle device time, and hot-swaps into the still-decoding rollout.
 
+Steps: each mode runs `steps` RL steps (4), each on its own fresh prompts, the same for every mode. The
+first warms the tuner and starts the online drafter; the others are measured and summed, because one
+step's makespan on this shared 2-core machine varies by ±15% between runs (29.8–36.1 s for the same
+plain step) — a sum over three steps halves that.
+
 Verification runs in reproducible mode, so every mode must produce token-identical responses (checked:
 `identical_outputs`); the makespans then compare exactly the same work. Each mode's JSON: makespan_s
-(first request sent → last completion received), tokens_per_s, accept_length per batch-size bucket
-(committed tokens per sequence-iteration), arms chosen per bucket, idle_device_s (device-seconds between
-a rollout going idle and the end of the phase), reclaimed_share (drafter training seconds inside those
-leases / idle_device_s), drafter_versions swapped in. Top level: speedup = plain makespan / adaptive
-makespan, ngram_speedup = plain / ngram.
+(first request sent → last completion received, summed over the measured steps), tokens_per_s,
+idle_device_s (device-seconds between a rollout going idle and the end of its step), reclaimed_share
+(drafter training seconds inside those leases / idle_device_s), step_makespans_s (every step); and, for
+the last step, accept_length per batch-size bucket (committed tokens per sequence-iteration), arms chosen
+per bucket and decode_s (device-seconds of decode iterations per bucket). Top level: speedup = plain
+makespan / adaptive makespan, ngram_speedup = plain / ngram, each also per step. `--trace FILE` writes
+every decode iteration (rank, batch size, arm, drafted, accepted, committed, seconds) as JSON lines.
 """
 
 from __future__ import annotations
@@ -288,7 +295,7 @@ def run(
     max_tokens: int = 512,
     temperature: float = 0.7,
     seed: int = 0,
-    steps: int = 2,
+    steps: int = 4,
     modes: tuple[str, ...] = MODES,
     drafter: Path | None = None,
     warmup_steps: int = 1000,
@@ -364,19 +371,49 @@ def run(
                 )
             )
             outputs.append([f.pop("_responses") for f in figures])
-            # The measured step is the last: earlier ones warm the tuner and train the drafter online.
-            result["modes"][mode] = {**figures[-1], "step_makespans_s": [f["makespan_s"] for f in figures]}
+            result["modes"][mode] = _measured(figures)
     if trace is not None:
         assert iterations is not None
         trace.write_text("".join(json.dumps(row) + "\n" for row in iterations))
     result["identical_outputs"] = all(o == outputs[0] for o in outputs)
-    spans = {mode: figures["step_makespans_s"] for mode, figures in result["modes"].items()}
-    if "plain" in spans:
+    modes = result["modes"]
+    if "plain" in modes:
         for mode, key in (("adaptive", "speedup"), ("ngram", "ngram_speedup")):
-            if mode in spans:
-                result[key] = round(spans["plain"][-1] / spans[mode][-1], 3)
-                result[f"{key}_first_step"] = round(spans["plain"][0] / spans[mode][0], 3)
+            if mode in modes:
+                result[key] = round(modes["plain"]["makespan_s"] / modes[mode]["makespan_s"], 3)
+                first = modes["plain"]["step_makespans_s"][0] / modes[mode]["step_makespans_s"][0]
+                result[f"{key}_first_step"] = round(first, 3)
+                per_step = [
+                    round(p / m, 3)
+                    for p, m in zip(
+                        modes["plain"]["step_makespans_s"], modes[mode]["step_makespans_s"], strict=True
+                    )
+                ]
+                result[f"{key}_per_step"] = per_step
     return result
+
+
+def _measured(figures: list[dict[str, Any]]) -> dict[str, Any]:
+    """A mode's figures over its measured steps: every step but the first (which warms the tuner and starts
+    the drafter's online training), or the only one. Times and tokens are totals over those steps; the
+    per-bucket figures (accept_length, arms, decode_s) and finish reasons are the last step's."""
+    measured = figures[1:] or figures
+    makespan = sum(f["makespan_s"] for f in measured)
+    tokens = sum(f["tokens"] for f in measured)
+    idle = sum(f["idle_device_s"] for f in measured)
+    reclaimed = sum(f["reclaimed_s"] for f in measured)
+    return {
+        **figures[-1],
+        "measured_steps": len(measured),
+        "makespan_s": round(makespan, 3),
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / makespan, 2),
+        "idle_device_s": round(idle, 3),
+        "reclaimed_s": round(reclaimed, 3),
+        "reclaimed_share": round(min(reclaimed / idle, 1.0), 3) if idle > 0 else 0.0,
+        "preempt_ms": [x for f in measured for x in f["preempt_ms"]],
+        "step_makespans_s": [f["makespan_s"] for f in figures],
+    }
 
 
 def render(result: dict[str, Any]) -> str:
@@ -408,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--drafter", type=Path, default=None)
     p.add_argument("--trace", type=Path, default=None)

@@ -248,7 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--samples", type=int, default=4, help="rollout: responses per prompt (G)")
     s.add_argument("--temperature", type=float, default=0.7, help="rollout: sampling temperature")
     s.add_argument("--seed", type=int, default=0, help="rollout: prompt and sampling seed")
-    s.add_argument("--steps", type=int, default=2, help="rollout: RL steps per mode; the last is measured")
+    s.add_argument(
+        "--steps", type=int, default=4, help="rollout: RL steps per mode; all but the first are measured"
+    )
     s.add_argument("--modes", default="plain,ngram,adaptive", help="rollout: comma-separated subset")
     s.add_argument(
         "--trace", type=Path, default=None, help="rollout: write every decode iteration's stats here (JSONL)"

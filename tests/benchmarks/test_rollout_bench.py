@@ -25,7 +25,10 @@ def test_bench_rollout_runs_all_modes_on_the_same_responses(tmp_path: Path) -> N
     torch.manual_seed(0)
     eagle_export.export(EagleHead.for_target(config), config, tmp_path / "drafter", version=1)
 
-    result = rollout.run(str(model), prompts=4, samples=3, max_tokens=48, drafter=tmp_path / "drafter")
+    trace = tmp_path / "iterations.jsonl"
+    result = rollout.run(
+        str(model), prompts=4, samples=3, max_tokens=48, steps=3, drafter=tmp_path / "drafter", trace=trace
+    )
 
     assert result["identical_outputs"] is True
     assert set(result["modes"]) == {"plain", "ngram", "adaptive"}
@@ -39,8 +42,19 @@ def test_bench_rollout_runs_all_modes_on_the_same_responses(tmp_path: Path) -> N
             "reclaimed_share",
         }
         assert sum(figures["finish_reasons"].values()) == 12
+        # Steps 2 and 3 are measured and summed.
+        assert figures["measured_steps"] == 2 and len(figures["step_makespans_s"]) == 3
+        assert figures["makespan_s"] == pytest.approx(sum(figures["step_makespans_s"][1:]), abs=2e-3)
+        assert sum(figures["decode_s"].values()) > 0
     assert {arm for arms in result["modes"]["plain"]["arms"].values() for arm in arms} == {"off"}
     adaptive = result["modes"]["adaptive"]
     # The rank that drains first gets a lease, which the end of the phase preempts.
     assert len(adaptive["preempt_ms"]) >= 1
     assert result["speedup"] > 0 and result["ngram_speedup"] > 0
+    assert len(result["speedup_per_step"]) == 3
+    # The trace holds every decode iteration of every mode and step, each with its arm and timing.
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert {row["mode"] for row in rows} == {"plain", "ngram", "adaptive"}
+    assert {row["group_base"] for row in rows} == {0, 10_000, 20_000}
+    assert all(row["iter_s"] > 0 and row["batch_size"] >= 1 for row in rows)
+    assert {row["arm"] for row in rows if row["mode"] == "plain"} == {"off"}

@@ -261,6 +261,14 @@ def test_load_state_hot_swaps_weights(target: Transformer, completions: list[Com
     assert after == fresh.tokens.tolist()
     again = EagleDrafter(head, target, num_slots=1, max_len=64)
     assert before != again.propose([state(c, 8, c.hidden[:9])], 5, 1, 5)[0].tokens.tolist()
+    # rebuild=False keeps the cached pairs: only the pairs committed after the swap run the new weights.
+    kept = EagleDrafter(make_head(target, seed=0), target, num_slots=1, max_len=64)
+    kept.propose([state(c, 8, c.hidden[:9])], 5, 1, 5)
+    cached = kept._requests[c.request_id].cached
+    kept.load_state(new.state_dict(), version=1, rebuild=False)
+    assert kept._requests[c.request_id].cached == cached
+    assert len(kept.propose([state(c, 10, c.hidden[9:11])], 5, 1, 5)[0]) == 5
+    assert kept._requests[c.request_id].cached == cached + 2
     with pytest.raises(ValueError, match="not newer"):
         drafter.load_state(new.state_dict(), version=1)
     with pytest.raises(ValueError, match="missing"):
