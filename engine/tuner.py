@@ -3,7 +3,7 @@
 Each decode iteration the caller (the rollout actor) asks `Tuner.choose(batch_size)` for an arm — a
 drafter kind, depth, top-k and verify budget — runs the iteration with `tuner.arm(name).spec(mode)` through
 `Generator.set_spec`, and feeds back `Tuner.record(batch_size, arm, committed_tokens, seconds)`. The reward
-is committed tokens per second of that iteration. What pays off depends mostly on the live batch size (a
+is committed tokens per second of that iteration, per sequence of the batch (see below). What pays off depends mostly on the live batch size (a
 deep draft wins at batch 1, where a verify pass costs little more than a plain one, and loses at batch 32,
 where every verified node costs compute), so each bucket of batch sizes is its own bandit with several arms.
 "off" is an arm in every bucket, so speculation switches itself off where it loses. Pure Python: the caller
@@ -14,6 +14,15 @@ ngram, eagle or self (the benchmark ceiling); D the draft depth (default 4), K t
 chain, > 1 a tree), V the verify budget (default 0 = depth * topk), all as in `SpecConfig`. Names are kept
 canonical (``eagle:d4k1v0`` → ``eagle:d4``, ``ngram`` → ``ngram:d4``), so two spellings never split one
 arm's statistics. Examples: ``ngram:d3``, ``eagle:d6``, ``eagle:d4k4v16``.
+
+Why per sequence: a bucket spans several batch sizes (9-16), and at a fixed arm throughput grows with the
+batch (SmolLM2, one CPU thread: plain decoding makes ~110 tokens/s at batch 9 and ~190 at 16), while the
+batch shrinks over a rollout as responses finish. Raw tokens/s then compares arms measured at different
+moments by their batch sizes more than by their merit: in `bench rollout` an n-gram arm sampled at batch
+15 out-scored "off" sampled at batch 11 (131 vs 135 tokens/s, a near tie) although at equal batch it was
+25% slower, and the tuner spent a third of that bucket's iterations on it. Per sequence, plain decoding
+varies by ~15% across the bucket, and the arms order correctly. At one batch size the two rewards are
+proportional, so nothing else changes.
 
 Policy, per bucket, and the non-obvious choices (each measured on the synthetic cost model of
 tests/engine/test_tuner.py, 200 seeds):
@@ -206,7 +215,8 @@ class Tuner:
         self.edges: tuple[int, ...] = tuple(self.config.buckets)
         self._index = {arm.name: i for i, arm in enumerate(self.arms)}
         nb, na = len(self.edges), len(self.arms)
-        # [bucket][arm] → the latest reward samples: (committed tokens, seconds), each pooled over `hold` iterations
+        # [bucket][arm] → the latest reward samples: (committed tokens per sequence, seconds), each pooled over
+        # `hold` iterations
         self._windows: list[list[deque[tuple[float, float]]]] = [
             [deque(maxlen=self.config.window) for _ in range(na)] for _ in range(nb)
         ]
@@ -316,7 +326,8 @@ class Tuner:
         return prior
 
     def record(self, batch_size: int, arm: str, committed_tokens: float, seconds: float) -> None:
-        """Feed back one iteration run with `arm` at `batch_size` (reward: committed_tokens / seconds).
+        """Feed back one iteration run with `arm` at `batch_size` (reward: committed_tokens / batch_size /
+        seconds).
         An iteration with seconds <= 0 (a clock that did not move) tells nothing and is ignored."""
         b, i = self.bucket(batch_size), self._arm_index(arm)
         if not committed_tokens >= 0:
@@ -324,7 +335,7 @@ class Tuner:
         if not seconds > 0:
             return
         pending = self._pending[b][i]
-        pending[0] += committed_tokens
+        pending[0] += committed_tokens / batch_size  # per sequence: see the module docstring
         pending[1] += seconds
         pending[2] += 1
         if pending[2] >= self.config.hold:
@@ -355,7 +366,7 @@ class Tuner:
         return self.arms[-max(scored)[1]].name if scored else None
 
     def estimate(self, batch_size: int, arm: str) -> float | None:
-        """Median reward (tokens/s) of `arm` in the bucket of `batch_size`; None without rewards."""
+        """Median reward (tokens/s per sequence) of `arm` in the bucket of `batch_size`; None without rewards."""
         window = self._windows[self.bucket(batch_size)][self._arm_index(arm)]
         return _median_reward(window) if window else None
 

@@ -198,6 +198,18 @@ def test_settles_on_off_where_every_speculative_arm_loses():
             assert share >= 1 - config.epsilon - SLACK, (seed, batch, share)
 
 
+def test_arms_measured_at_different_batch_sizes_of_one_bucket_compare_per_sequence():
+    """Bucket 9-16. "off" costs 50 + 2b ms for b tokens; ngram commits 1.1b tokens in 60 + 4b ms: slower
+    at every batch size. Adversarial schedule: ngram is only ever measured at batch 16 (early in a rollout),
+    off at batch 9 (late). Raw tokens/s would rank ngram first (17.6 / 0.124 = 142 against 9 / 0.068 =
+    132); per sequence, off wins (14.7 against 8.9), as it does at any one batch size."""
+    tuner = Tuner(TunerConfig(buckets=[1, 9, 17], arms=["off", "ngram:d3"], hold=1))
+    for _ in range(8):
+        tuner.record(16, "ngram:d3", 1.1 * 16, 0.060 + 0.004 * 16)
+        tuner.record(9, "off", 9, 0.050 + 0.002 * 9)
+    assert tuner.best(12) == "off"
+
+
 def test_exploration_is_rationed_by_time_not_by_iterations():
     # At batch 32 every speculative arm takes 4-15x as long per iteration as plain decoding, so its turn
     # to be explored is taken with probability 1/k: far fewer explorations than epsilon of the decisions.
