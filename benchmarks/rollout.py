@@ -313,8 +313,11 @@ def run(
 
     if (model_dir / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_dir(model_dir)
-        # Step s draws its own questions (seed + s): a new batch of prompts per RL step.
-        prompt_sets = [task_prompts(task, prompts, seed + s, tokenizer) for s in range(steps)]
+        # A new batch of questions per RL step: consecutive chunks of one dataset. (reasoning-gym keys item i
+        # of seed s by s + i, so datasets of neighbouring seeds share items: seed + step would repeat 7 of
+        # 8 questions from one step to the next. The default warmup, seed + 1000, is disjoint from these.)
+        questions = task_prompts(task, prompts * steps, seed, tokenizer)
+        prompt_sets = [questions[s * prompts : (s + 1) * prompts] for s in range(steps)]
         stop_ids = sorted(tokenizer.stop_ids)
     else:  # a bare model directory (the tests' tiny models): seeded random prompts, the model's EOS
         gen = torch.Generator().manual_seed(seed)

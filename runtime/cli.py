@@ -198,7 +198,7 @@ def _cmd_drafter(args: argparse.Namespace) -> int:
         result = drafter_cli.warmup(
             model=args.model, task=args.task, steps=args.steps, out=args.out, samples=args.samples,
             eval_samples=args.eval_samples, max_tokens=args.max_tokens, temperature=args.temperature,
-            seed=args.seed, lr=args.lr, server=args.server,
+            seed=args.seed, lr=args.lr, server=args.server, init_from=args.init_from, unroll=args.unroll,
         )  # fmt: skip
     print(json.dumps(result))
     return 0
@@ -287,6 +287,13 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--lr", type=float, default=1e-3)
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--server", choices=["vllm", "sglang"], default="vllm", help="export layout flavour")
+    w.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="an exported head to continue from (its token counts too)",
+    )
+    w.add_argument("--unroll", type=int, default=1, help="draft steps simulated per batch (1 = no unroll)")
     e = dsub.add_parser("export", help="export a run's newest drafter checkpoint in the EAGLE layout")
     e.add_argument("run", type=Path, help="run directory or checkpoint file")
     e.add_argument("--model", required=True)

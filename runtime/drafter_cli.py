@@ -40,7 +40,10 @@ EVAL_STRATEGIES = [(3, 1, 0), (5, 1, 0), (7, 1, 0), (4, 4, 16)]  # (depth, topk,
 
 
 def task_prompts(task: str, n: int, seed: int, tokenizer: Tokenizer) -> list[list[int]]:
-    """`n` reasoning-gym questions of `task`, as chat-templated token ids."""
+    """`n` reasoning-gym questions of `task`, as chat-templated token ids.
+
+    reasoning-gym derives item i of a dataset from seed + i, so the questions of seeds s and s + k overlap
+    unless k >= n: keep training and evaluation seeds further apart than their sizes."""
     try:
         import reasoning_gym
     except ImportError as e:
@@ -90,7 +93,12 @@ def warmup(
     batch_tokens: int = 2048,
     lr: float = 1e-3,
     server: str = "vllm",
+    init_from: Path | None = None,
+    unroll: int = 1,
 ) -> dict[str, Any]:
+    """Sample `samples` prompts of `task` from the model, train an EAGLE head on its own outputs (from
+    scratch, or continuing the exported head `init_from`, whose token counts are carried over), export it
+    to `out` and measure held-out accept lengths; returns the summary also written to out/warmup.json."""
     started = time.perf_counter()
     model_dir = hub.resolve(model)
     target = load_model(model_dir)
@@ -112,8 +120,15 @@ def warmup(
     for c in completions:
         buffer.add_completion(c, policy_version=0)
     torch.manual_seed(seed)
-    head = EagleHead.for_target(target.config)
-    trainer = DrafterTrainer(head, target, lr=lr)
+    prior: Counter[int] = Counter()
+    start_version = 0
+    if init_from is not None:
+        head, start_version = eagle_export.load_head(init_from, target)
+        head = head.float() if head.fc.weight.dtype != torch.float32 else head
+        prior.update(eagle_export.load_token_counts(init_from))
+    else:
+        head = EagleHead.for_target(target.config)
+    trainer = DrafterTrainer(head, target, lr=lr, unroll_steps=unroll)
     t0 = time.perf_counter()
     losses: list[float] = []
     with Progress(transient=True) as bar:
@@ -127,8 +142,9 @@ def warmup(
     train_s = time.perf_counter() - t0
     head.eval()
     # The training data's token counts travel with the head: a rollout's draft vocabulary starts from them.
-    counts = Counter(t for c in completions for t in [*c.prompt_ids, *c.token_ids])
-    eagle_export.export(head, target.config, out, server=server, version=steps, token_counts=counts)
+    counts = prior + Counter(t for c in completions for t in [*c.prompt_ids, *c.token_ids])
+    version = start_version + steps
+    eagle_export.export(head, target.config, out, server=server, version=version, token_counts=counts)
 
     evals: dict[str, float] = {}
     greedy = [SamplingParams(temperature=0.0, max_tokens=max_tokens) for _ in eval_prompts]
@@ -146,6 +162,14 @@ def warmup(
     evals[f"t{temperature:g}_chain5"] = round(
         accept_length(_generate(gen, eval_prompts, sampled, "eval sampled")), 3
     )
+    # Reproducible mode: the same sampled tokens, but the head drafts with the sampler's own noise (keyed).
+    for depth in (5, 7):
+        spec = SpecConfig(method="eagle", depth=depth, mode="reproducible")
+        gen = Generator(target, num_slots=min(32, len(eval_prompts)), eos_token_ids=eos, spec=spec,
+                        drafter=_primed(EagleDrafter(head, target), counts))  # fmt: skip
+        evals[f"t{temperature:g}_chain{depth}_keyed"] = round(
+            accept_length(_generate(gen, eval_prompts, sampled, f"eval sampled keyed {depth}")), 3
+        )
     summary = {
         "model": str(model_dir),
         "task": task,
@@ -154,6 +178,9 @@ def warmup(
         "sampled_tokens": sum(len(c.token_ids) for c in completions),
         "sample_s": round(gen_s, 1),
         "steps": steps,
+        "init_from": None if init_from is None else str(init_from),
+        "version": version,
+        "unroll": unroll,
         "train_s": round(train_s, 1),
         "loss_first": round(losses[0], 4),
         "loss_last": round(sum(losses[-10:]) / len(losses[-10:]), 4),
