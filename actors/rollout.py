@@ -17,7 +17,7 @@ whenever the actor goes idle and restored at start, so it carries across RL step
 Updates, applied between iterations:
 - `DrafterUpdate` (versioned, checksummed): the newest one is hot-swapped into the EAGLE drafter before
   the next iteration, mid-generation; drafts change, outputs do not. Once the version has moved `retune_drafter_versions` training steps
-  since the last time, the eagle arms' estimates are forgotten so the tuner retries them (not at every
+  since the last time, the eagle and hybrid arms' estimates are forgotten so the tuner retries them (not at every
   update: a retry costs a few iterations per bucket and arm, and ten steps rarely change the ranking).
 - `WeightUpdate` (bucketed, checksummed): buckets are staged until the version is complete, then applied
   when no request is in flight (a response is never produced by two policies) and acknowledged with
@@ -29,7 +29,7 @@ Non-obvious choices:
 - Tuner rewards come only from iterations with no prompt prefill in them: a prefill chunk's cost says
   nothing about the arm, and would penalise whichever arm was active when a new group arrived.
 - The EAGLE drafter is held from the start (warmed from `drafter`, or untrained until the first update
-  when hidden states go to drafter actors; without either, eagle arms are never available), so it
+  when hidden states go to drafter actors; without either, eagle and hybrid arms are never available), so it
   observes every commit and can draft for requests already in flight the moment it wins.
 """
 
@@ -124,15 +124,15 @@ class RolloutActor(Actor):
         )
         self.eagle: EagleDrafter | None = None
         # An EAGLE head is worth holding only if it starts trained or will be trained online.
-        if any(arm.method == "eagle" for arm in arms) and (cfg.drafter or cfg.hidden_to):
+        if any(arm.method in ("eagle", "hybrid") for arm in arms) and (cfg.drafter or cfg.hidden_to):
             self.eagle = self._make_eagle()
             self.generator.set_spec(
-                next(a for a in arms if a.method == "eagle").spec(cfg.spec_mode), self.eagle
+                next(a for a in arms if a.method in ("eagle", "hybrid")).spec(cfg.spec_mode), self.eagle
             )
             self.generator.set_spec(None)
         self._retuned_version = 0 if self.eagle is None else self.eagle.version
         self._pending_drafter: DrafterUpdate | None = None  # the newest update, swapped in before decoding
-        self.methods = {"off", "ngram", "self"} | ({"eagle"} if self.eagle is not None else set())
+        self.methods = {"off", "ngram", "self"} | ({"eagle", "hybrid"} if self.eagle is not None else set())
         self.policy_version = cfg.policy_version
         self._samples: dict[str, tuple[int, int]] = {}  # request id -> (group id, sample index)
         self._arm = "off"
@@ -230,6 +230,7 @@ class RolloutActor(Actor):
         if retune:
             # Only after a real change: every forget costs min_trials x hold iterations per bucket and arm.
             self.tuner.forget("eagle")
+            self.tuner.forget("hybrid")
             self._retuned_version = msg.version
         self.log.info("drafter_swapped", version=msg.version, retuned=retune)
 

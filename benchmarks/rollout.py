@@ -20,9 +20,10 @@ Modes (same prompts, same seeds):
 - plain: the tuner has one arm, "off".
 - ngram: arms off and n-gram chains: what a user without a drafter gets (the tuner switches n-gram off
   where it loses).
-- adaptive: off, n-gram and EAGLE arms. The EAGLE head starts warmed (`--drafter DIR`, by default a
-  cached `drafter warmup` of the model on the task, made on first use), keeps training online on the
-  rollouts' hidden states in idle device time, and hot-swaps into the still-decoding rollout.
+- adaptive: off, n-gram, EAGLE and hybrid (n-gram where it matches, else EAGLE) arms. The EAGLE head
+  starts warmed (`--drafter DIR`, by default a cached `drafter warmup` of the model on the task, made on
+  first use), keeps training online on the rollouts' hidden states in idle device time, and hot-swaps
+  into the still-decoding rollout.
 
 Steps: each mode runs `steps` RL steps (4), each on its own fresh prompts, the same for every mode. The
 first warms the tuner and starts the online drafter; the others are measured and summed, because one
@@ -74,9 +75,10 @@ DEVICES = 2
 BUCKETS = [1, 2, 3, 5, 9, 17]
 # Deep n-gram chains pay off in the tail, where a lone long response often repeats itself or a sibling.
 # EAGLE trees and depth 7 lost in every bucket here (1 CPU thread per device; see the README figures), and
-# every arm costs exploration, so the bench offers the arms that can win.
+# every arm costs exploration, so the bench offers the arms that can win. "hybrid" drafts with the n-gram
+# tables where they match and with the head elsewhere.
 NGRAM_ARMS = ["ngram:d3", "ngram:d5", "ngram:d8"]
-EAGLE_ARMS = ["eagle:d3", "eagle:d5"]
+EAGLE_ARMS = ["eagle:d3", "hybrid:d3", "hybrid:d5"]
 ARMS = {"plain": ["off"], "ngram": ["off", *NGRAM_ARMS], "adaptive": ["off", *NGRAM_ARMS, *EAGLE_ARMS]}
 PHASE_TIMEOUT_S = 3600.0
 

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from slipstream.engine.batch import BatchLayout
 from slipstream.engine.drafters.base import Draft, Drafter, DraftState, stack_chains
+from slipstream.engine.drafters.hybrid import HybridDrafter
 from slipstream.engine.drafters.ngram import NGramDrafter
 from slipstream.engine.drafters.oracle import OracleDrafter
 from slipstream.engine.kv_cache import KVCache
@@ -56,7 +57,7 @@ __all__ = [
     "verify_drafts",
 ]
 
-Method = Literal["off", "ngram", "self", "eagle"]
+Method = Literal["off", "ngram", "self", "eagle", "hybrid"]
 SpecMode = Literal["rejection", "reproducible"]
 
 
@@ -66,7 +67,8 @@ class SpecConfig:
 
     method: Method = "off"
     """"off" (plain decoding), "ngram" (prompt-group lookup), "self" (replay of recorded outputs: the
-    benchmark ceiling) or "eagle" (a trained draft head, passed in as the drafter)."""
+    benchmark ceiling), "eagle" (a trained draft head, passed in as the drafter) or "hybrid" (n-gram where
+    it has a match, else the EAGLE head: `drafters.hybrid`)."""
     depth: int = 4
     """Draft tokens per pass (chain) or tree depth."""
     topk: int = 1
@@ -78,8 +80,10 @@ class SpecConfig:
     decoding with the same seeds). Greedy rows are always an exact argmax match."""
 
     def __post_init__(self) -> None:
-        if self.method not in ("off", "ngram", "self", "eagle"):
-            raise ValueError(f"SpecConfig.method must be off, ngram, self or eagle, got {self.method!r}")
+        if self.method not in ("off", "ngram", "self", "eagle", "hybrid"):
+            raise ValueError(
+                f"SpecConfig.method must be off, ngram, self, eagle or hybrid, got {self.method!r}"
+            )
         for name, least in (("depth", 1), ("topk", 1), ("verify", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
@@ -199,7 +203,15 @@ class Speculator:
 
     def set(self, spec: SpecConfig | None, drafter: Drafter | None = None) -> None:
         spec = spec if spec is not None else SpecConfig()
-        if drafter is not None:
+        if spec.method == "hybrid":
+            # The hybrid drafts with the held n-gram and EAGLE drafters (a given drafter is the EAGLE head).
+            if drafter is not None:
+                self._hold("eagle", drafter)
+            if "eagle" not in self.drafters:
+                raise ValueError("SpecConfig.method 'hybrid' needs an EAGLE head: pass it as the drafter")
+            if "ngram" not in self.drafters:
+                self._hold("ngram", NGramDrafter())
+        elif drafter is not None:
             if not spec.enabled:
                 raise ValueError("a drafter needs a speculation method: pass spec=SpecConfig(method=...)")
             self._hold(spec.method, drafter)
@@ -217,7 +229,7 @@ class Speculator:
     def set_drafter(self, drafter: Drafter) -> None:
         if not self.config.enabled:
             raise ValueError("speculation is off: choose a method with set_spec(spec, drafter)")
-        self._hold(self.config.method, drafter)
+        self._hold("eagle" if self.config.method == "hybrid" else self.config.method, drafter)
 
     def _hold(self, method: str, drafter: Drafter) -> None:
         replaced = self.drafters.get(method)
@@ -249,7 +261,12 @@ class Speculator:
             state = states[i]
             keyed = spec.mode == "reproducible" or state.params.greedy
             asked_states.append(state if state.keyed == keyed else replace(state, keyed=keyed))
-        drafts = self.drafters[spec.method].propose(asked_states, spec.depth, spec.topk, spec.verify_budget)
+        drafter = (
+            HybridDrafter(self.drafters["ngram"], self.drafters["eagle"])
+            if spec.method == "hybrid"
+            else self.drafters[spec.method]
+        )
+        drafts = drafter.propose(asked_states, spec.depth, spec.topk, spec.verify_budget)
         if len(drafts) != len(asked):
             raise ValueError(f"drafter returned {len(drafts)} drafts for {len(asked)} requests")
         for i, draft in zip(asked, drafts, strict=True):

@@ -10,7 +10,7 @@ where every verified node costs compute), so each bucket of batch sizes is its o
 logs every `Decision` (`Decision.as_dict()`) and persists `state_dict()` across RL steps.
 
 Arm grammar (`TunerConfig.arms`): ``off`` or ``METHOD[:dD][kK][vV]``, the letters in that order. METHOD is
-ngram, eagle or self (the benchmark ceiling); D the draft depth (default 4), K the top-k (default 1 = a
+ngram, eagle, hybrid (n-gram where it matches, else EAGLE) or self (the benchmark ceiling); D the draft depth (default 4), K the top-k (default 1 = a
 chain, > 1 a tree), V the verify budget (default 0 = depth * topk), all as in `SpecConfig`. Names are kept
 canonical (``eagle:d4k1v0`` → ``eagle:d4``, ``ngram`` → ``ngram:d4``), so two spellings never split one
 arm's statistics. Examples: ``ngram:d3``, ``eagle:d6``, ``eagle:d4k4v16``.
@@ -75,7 +75,9 @@ __all__ = ["Arm", "Decision", "Tuner", "TunerConfig", "parse_arm"]
 Why = Literal["untried", "exploit", "explore", "forced", "hold"]
 Available = Callable[[str], bool] | Collection[str] | None
 
-_ARM = re.compile(r"(?P<method>ngram|eagle|self)(?::(?:d(?P<d>\d+))?(?:k(?P<k>\d+))?(?:v(?P<v>\d+))?)?")
+_ARM = re.compile(
+    r"(?P<method>ngram|eagle|hybrid|self)(?::(?:d(?P<d>\d+))?(?:k(?P<k>\d+))?(?:v(?P<v>\d+))?)?"
+)
 _STATE_VERSION = 1
 
 

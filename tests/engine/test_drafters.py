@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slipstream.engine.drafters import Draft, DraftState, NGramDrafter, OracleDrafter, stack_chains
+from slipstream.engine.drafters import (
+    Draft,
+    Drafter,
+    DraftState,
+    HybridDrafter,
+    NGramDrafter,
+    OracleDrafter,
+    stack_chains,
+)
 from slipstream.engine.sampling import SamplingParams, processed_probs, sample
 from slipstream.engine.speculative import verify_chain, verify_tree
 from slipstream.engine.tree import (
@@ -168,6 +176,28 @@ def test_ngram_proposes_a_siblings_continuation():
     # Another group does not see group 0.
     (draft,) = drafter.propose([state("d", 1, [7, 7, 1, 2], 2)], depth=3, topk=1, verify=8)
     assert len(draft) == 0
+
+
+class _Recording(Drafter):
+    """A stand-in head that drafts [99] and records which requests it was asked about."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def propose(self, states, depth, topk, verify):
+        self.asked += [s.request_id for s in states]
+        return [Draft.chain([99] * min(depth, verify)) for _ in states]
+
+
+def test_hybrid_asks_the_head_only_where_the_ngram_tables_have_no_match():
+    ngram, head = NGramDrafter(min_n=2, max_n=3), _Recording()
+    ngram.observe(state("a", 0, [*PROMPT, 1, 2, 3, 4, 5], 4))
+    hybrid = HybridDrafter(ngram, head)
+    drafts = hybrid.propose(
+        [state("b", 0, [*PROMPT, 9, 1, 2], 4), state("c", 0, [*PROMPT, 8, 8], 4)], depth=2, topk=1, verify=8
+    )
+    assert [d.tokens.tolist() for d in drafts] == [[3, 4], [99, 99]]
+    assert head.asked == ["c"]
 
 
 def test_ngram_no_match_is_no_proposal():

@@ -12,6 +12,7 @@ import json
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -461,6 +462,48 @@ def test_keyed_sampled_drafts_are_token_identical_to_plain(
     spec = SpecConfig(method="eagle", depth=3, topk=topk, verify=3 * topk, mode="reproducible")
     speculative = Generator(target, num_slots=3, max_len=96, token_budget=48, spec=spec, drafter=drafter)
     assert [c.token_ids for c in speculative.generate(requests)] == [c.token_ids for c in plain]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_hybrid_drafting_is_token_identical_to_plain(
+    make_checkpoint: Callable[..., Path], temperature: float
+) -> None:
+    """Method "hybrid" (n-gram where the group's tables match, else the head), in reproducible mode over GRPO
+    groups of 3 siblings: the output is exactly plain decoding's, and both drafters were asked."""
+    target = load_model(make_checkpoint("llama", seed=3), dtype=torch.float32)
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 160, (6,), generator=gen).tolist() for _ in range(2)]
+    requests = [
+        Request(
+            request_id=f"g{g}s{i}",
+            prompt_ids=prompts[g],
+            params=SamplingParams(temperature=temperature, seed=10 * g + i, max_tokens=40),
+            group_id=f"g{g}",
+        )
+        for g in range(2)
+        for i in range(3)
+    ]
+    plain = Generator(target, num_slots=4, max_len=96, token_budget=64).generate(requests)
+    drafter = EagleDrafter(make_head(target), target, num_slots=4, max_len=96, draft_vocab=12)
+    spec = SpecConfig(method="hybrid", depth=3, mode="reproducible")
+    hybrid = Generator(target, num_slots=4, max_len=96, token_budget=64, spec=spec, drafter=drafter)
+    drafted = Counter[str]()  # non-empty drafts per drafter
+
+    def counting(name: str, drafter: Any) -> None:
+        propose = drafter.propose
+
+        def wrapped(states, depth, topk, verify):  # type: ignore[no-untyped-def]
+            drafts = propose(states, depth, topk, verify)
+            drafted[name] += sum(len(d) > 0 for d in drafts)
+            return drafts
+
+        drafter.propose = wrapped
+
+    counting("ngram", hybrid.speculator.drafters["ngram"])
+    counting("eagle", drafter)
+    out = hybrid.generate(requests)
+    assert [c.token_ids for c in out] == [c.token_ids for c in plain]
+    assert drafted["ngram"] > 0 and drafted["eagle"] > 0, drafted
 
 
 def test_draft_vocabulary_restricts_proposals_to_frequent_observed_tokens(

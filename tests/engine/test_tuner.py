@@ -388,6 +388,7 @@ def test_default_config_is_valid_and_off_is_always_an_arm():
         ("eagle:d4k1v0", Arm("eagle:d4", "eagle", 4, 1, 0)),
         ("eagle:d6v3", Arm("eagle:d6v3", "eagle", 6, 1, 3)),
         ("self:d7", Arm("self:d7", "self", 7, 1, 0)),
+        ("hybrid:d5", Arm("hybrid:d5", "hybrid", 5, 1, 0)),
     ],
 )
 def test_arm_grammar_and_canonical_names(text, arm):

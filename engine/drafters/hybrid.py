@@ -1,0 +1,40 @@
+"""The "hybrid" drafter: per request, the n-gram draft where the group's tables hold a match, else the EAGLE
+head's.
+
+Why: in a GRPO rollout the two drafters are right in different places. Where a response repeats its prompt
+or a sibling (the common case in the tail, and in degenerate loops) an n-gram chain is long, free to make
+and mostly accepted; elsewhere it has nothing to offer, and a request without a draft decodes one token
+per pass. The head drafts everywhere, at a cost (a few ms per step on a CPU core) and with a shorter
+accept length than a good n-gram match. Asking the head only for the requests without a match gets both.
+
+It owns nothing: it drafts with the speculator's own n-gram and EAGLE drafters, which the speculator keeps
+informed (`observe`, `reset`) as it does every held drafter, so the hybrid's own hooks do nothing and no
+commit is seen twice. Drafts change speed only: verification makes every draft lossless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from slipstream.engine.drafters.base import Draft, Drafter, DraftState
+
+__all__ = ["HybridDrafter"]
+
+
+class HybridDrafter(Drafter):
+    """N-gram draft where one exists, the EAGLE head's elsewhere (see the module docstring)."""
+
+    name = "hybrid"
+    uses_hidden = True
+
+    def __init__(self, ngram: Drafter, eagle: Drafter) -> None:
+        self.ngram, self.eagle = ngram, eagle
+
+    def propose(self, states: Sequence[DraftState], depth: int, topk: int, verify: int) -> list[Draft]:
+        drafts = self.ngram.propose(states, depth, topk, verify)
+        missing = [i for i, draft in enumerate(drafts) if len(draft) == 0]
+        if missing:
+            heads = self.eagle.propose([states[i] for i in missing], depth, topk, verify)
+            for i, draft in zip(missing, heads, strict=True):
+                drafts[i] = draft
+        return drafts
