@@ -24,6 +24,7 @@ distribution, never of a sort order.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,7 @@ __all__ = [
     "STREAM_SAMPLE",
     "STREAM_TAIL",
     "SamplingParams",
+    "keyed_exponential",
     "keyed_pick",
     "keyed_rank",
     "keyed_uniform",
@@ -318,6 +320,27 @@ def race_sample(
         token = torch.searchsorted(inner_cdf, frac * inner_cdf[:, -1:], right=True).clamp_max(BLOCK - 1)
         winner[tail_rows] = (block * BLOCK + token)[:, 0]
     return winner
+
+
+_M64 = (1 << 64) - 1
+
+
+def _mix_int(z: int) -> int:
+    """`_mix` on a Python int (unsigned 64-bit arithmetic; the tensor version's signed wrap is the same)."""
+    z = ((z ^ (z >> 30)) * (_MIX1 & _M64)) & _M64
+    z = ((z ^ (z >> 27)) * (_MIX2 & _M64)) & _M64
+    return z ^ (z >> 31)
+
+
+def keyed_exponential(seed: int, position: int, token: int, stream: int = STREAM_SAMPLE) -> float:
+    """E_token ~ Exp(1) of the sampler's race at (seed, position): -log of the `keyed_uniform` draw for
+    `token`, in plain Python (for drafters that weigh a handful of candidates; no tensor overhead)."""
+    golden = _GOLDEN & _M64
+    k = _mix_int((seed * golden + 1) & _M64)
+    k = _mix_int((k + position * golden) & _M64)
+    k = _mix_int((k + (stream + 1) * golden) & _M64)
+    z = _mix_int((k + (token + 1) * golden) & _M64)
+    return -math.log(((z >> 11) + 0.5) * 2.0**-53)
 
 
 def keyed_pick(

@@ -11,6 +11,11 @@ occurrences are merged into a trie whose nodes count how many occurrences pass t
 the best `verify` trie nodes by count (ties: shallower, then more recent), at most `topk` children per
 node — so topk == 1 is the chain of the most frequent continuation and topk > 1 a small tree of the
 runners-up. Drafts are deterministic: draft_probs is None (a point mass).
+
+Keyed rows (`DraftState.keyed`: reproducible mode, T > 0) draft a chain that, where the continuations
+branch, takes the branch the sampler's own race picks with the counts as the distribution (`_keyed_chain`):
+the target draws its token with that same noise, so where siblings diverged the draft follows the draw,
+not just the majority.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from torch import Tensor
 
 from slipstream.engine.drafters.base import Draft, Drafter, DraftState
+from slipstream.engine.sampling import keyed_exponential
 
 __all__ = ["NGramDrafter"]
 
@@ -119,8 +125,34 @@ class NGramDrafter(Drafter):
             matches = group.index.get(tuple(doc[len(doc) - n :]))
             if matches:
                 conts = [group.docs[d][p : p + depth] for d, p in matches[-self.max_matches :]]
+                if topk == 1 and state.keyed and not state.params.greedy:
+                    return _keyed_chain(conts, min(depth, verify), state.params.seed, state.position)
                 return _trie_draft(conts, topk, verify)
         return Draft.empty()
+
+
+def _keyed_chain(continuations: list[list[int]], length: int, seed: int, position: int) -> Draft:
+    """A chain through the continuations' trie that, where they branch, follows the child the sampler's own
+    race would pick if the branch counts were the distribution: argmin E / count, with E the keyed noise
+    at that position (`sampling.keyed_exponential`). Siblings were sampled from the same policy at the same
+    temperature, so the counts estimate the distribution the target draws from, and the keyed choice
+    guesses the target's very draw where the most frequent branch would only be its likeliest one."""
+    tokens: list[int] = []
+    alive = continuations
+    for d in range(length):
+        counts: dict[int, int] = {}
+        for cont in alive:
+            if len(cont) > d:
+                counts[cont[d]] = counts.get(cont[d], 0) + 1
+        if not counts:
+            break
+        if len(counts) == 1:
+            (token,) = counts
+        else:
+            token = min(counts, key=lambda t: (keyed_exponential(seed, position + d, t) / counts[t], t))
+        tokens.append(token)
+        alive = [cont for cont in alive if len(cont) > d and cont[d] == token]
+    return Draft.chain(tokens)
 
 
 def _trie_draft(continuations: list[list[int]], topk: int, verify: int) -> Draft:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from slipstream.engine.drafters import (
     OracleDrafter,
     stack_chains,
 )
-from slipstream.engine.sampling import SamplingParams, processed_probs, sample
+from slipstream.engine.sampling import SamplingParams, keyed_exponential, processed_probs, sample
 from slipstream.engine.speculative import verify_chain, verify_tree
 from slipstream.engine.tree import (
     build_tree,
@@ -198,6 +200,31 @@ def test_hybrid_asks_the_head_only_where_the_ngram_tables_have_no_match():
     )
     assert [d.tokens.tolist() for d in drafts] == [[3, 4], [99, 99]]
     assert head.asked == ["c"]
+
+
+def test_ngram_keyed_chain_follows_the_race_where_siblings_diverge():
+    """Three siblings continued "1 2" with 3 (twice) and 4 (once). A keyed sampled row takes the branch
+    minimising E / count under its own noise at that position, so across seeds it follows 4 about a third of
+    the time (the counts' share), where the unkeyed chain always follows the majority."""
+    drafter = NGramDrafter(min_n=2, max_n=2)
+    for rid, cont in (("a", [3, 5]), ("b", [3, 5]), ("c", [4, 6])):
+        drafter.observe(state(rid, 0, [*PROMPT, 1, 2, *cont], 4))
+    picks = []
+    for seed in range(300):
+        params = SamplingParams(temperature=0.7, seed=seed)
+        query = replace(state(f"q{seed}", 0, [*PROMPT, 9, 1, 2], 4, params), keyed=True)
+        (draft,) = drafter.propose([query], depth=2, topk=1, verify=8)
+        first = (
+            3
+            if keyed_exponential(seed, query.position, 3) / 2 < keyed_exponential(seed, query.position, 4)
+            else 4
+        )
+        assert draft.tokens.tolist() == [first, 5 if first == 3 else 6]
+        picks.append(first)
+        drafter.reset(f"q{seed}")
+    assert 0.2 < picks.count(4) / len(picks) < 0.45
+    (draft,) = drafter.propose([state("u", 0, [*PROMPT, 9, 1, 2], 4)], depth=2, topk=1, verify=8)
+    assert draft.tokens.tolist() == [3, 5]
 
 
 def test_ngram_no_match_is_no_proposal():
