@@ -31,6 +31,7 @@ def test_bench_rollout_runs_all_modes_on_the_same_responses(tmp_path: Path) -> N
     )
 
     assert result["identical_outputs"] is True
+    assert result["differing_responses"] == {"plain": 0, "ngram": 0, "adaptive": 0}
     assert set(result["modes"]) == {"plain", "ngram", "adaptive"}
     for mode, figures in result["modes"].items():
         assert figures["tokens"] > 0 and figures["makespan_s"] > 0, mode
