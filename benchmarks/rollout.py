@@ -386,12 +386,12 @@ def run(
     if trace is not None:
         assert iterations is not None
         trace.write_text("".join(json.dumps(row) + "\n" for row in iterations))
-    result["identical_outputs"] = all(o == outputs[0] for o in outputs)
     # Responses (over all steps) that differ from the first mode's. Not always 0: see the module docstring.
     result["differing_responses"] = {
         mode: sum(a != b for step, ref in zip(o, outputs[0], strict=True) for a, b in _pairs(step, ref))
         for mode, o in zip(result["modes"], outputs, strict=True)
     }
+    result["identical_outputs"] = not any(result["differing_responses"].values())
     modes = result["modes"]
     if "plain" in modes:
         for mode, key in (("adaptive", "speedup"), ("ngram", "ngram_speedup")):

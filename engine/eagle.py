@@ -49,9 +49,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from slipstream.engine.config import ModelConfig
+from slipstream.engine.draft_vocab import DraftVocabulary, draft_logits
 from slipstream.engine.drafters.base import Draft, Drafter, DraftState
 from slipstream.engine.kv_cache import KVCache
-from slipstream.engine.model import DecoderLayer, Linear, Rotary, Transformer, _linear, _PackedWeight
+from slipstream.engine.model import DecoderLayer, Linear, Rotary, Transformer
 from slipstream.engine.sampling import keyed_pick, keyed_rank
 from slipstream.engine.tree import build_tree, tree_depths
 
@@ -76,15 +77,6 @@ def head_config(target: ModelConfig) -> ModelConfig:
 def target_features(target: Transformer, hidden: Tensor) -> Tensor:
     """EAGLE features [..., d] from the target's pre-norm last-layer states: its (frozen) final norm."""
     return target.final_norm(hidden)
-
-
-def draft_logits(target: Transformer, out: Tensor) -> Tensor:
-    """Logits [..., V] of head outputs [..., d] through the target's LM head alone (inference path)."""
-    out = out.to(target.lm_head_weight.dtype)
-    if target.lm_head is not None:
-        return target.lm_head(out)
-    # Tied head: reuse the target's prepacked copy of the embedding matrix rather than packing another.
-    return _linear(out, target.embed_tokens.weight, None, target._tied_head_pack)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
@@ -248,12 +240,9 @@ class _Node:
 class EagleDrafter(Drafter):
     """Runs an `EagleHead` against a target `Transformer`: per-request KV cache, chain and tree drafts.
 
-    Draft vocabulary: at small batch a draft step is a matrix-vector product, bound by reading the LM head
-    ([V, d]: 113 MB for SmolLM2 in fp32, 13 ms per step on one CPU core, as much as the rest of a chain).
-    Drafts are proposals, verified by the target over the full vocabulary, so restricting which tokens the
-    drafter may propose changes speed, never output. The drafter proposes among the `draft_vocab` most
-    frequent tokens it has observed (prompts and committed responses), re-chosen as counts move (EAGLE-3's
-    reduced draft vocabulary, learnt online instead of from a dataset).
+    Draft vocabulary (`draft_vocab.DraftVocabulary`): the drafter proposes among the `draft_vocab` most
+    frequent tokens it has observed (prompts and committed responses, plus `prime_counts` priors), which
+    makes a draft step at small batch several times cheaper; verification stays over the full vocabulary.
     """
 
     name = "eagle"
@@ -271,8 +260,6 @@ class EagleDrafter(Drafter):
         """num_slots: requests drafted at once; max_len: window pairs + draft nodes per request;
         draft_vocab: draft only among this many of the most frequent observed tokens (0: the full vocabulary;
         see the class notes)."""
-        if draft_vocab < 0:
-            raise ValueError(f"draft_vocab must be >= 0, got {draft_vocab}")
         if head.config.hidden_size != target.config.hidden_size:
             raise ValueError(
                 f"head hidden_size {head.config.hidden_size} != target hidden_size {target.config.hidden_size}"
@@ -285,11 +272,7 @@ class EagleDrafter(Drafter):
             head.config, num_slots=num_slots, max_len=max_len, dtype=weight.dtype, device=weight.device
         )
         self._requests: dict[Hashable, _Request] = {}
-        self.draft_vocab = draft_vocab
-        self._counts = [0] * target.config.vocab_size  # observed tokens, prompt and response
-        self._distinct = 0
-        self._counted_since = 0  # tokens counted since the draft vocabulary was last chosen
-        self._sub: tuple[Tensor, Tensor, _PackedWeight] | None = None  # (ids [U], head rows [U, d], pack)
+        self.vocab = DraftVocabulary(target, draft_vocab)
 
     # ----------------------------------------------------------------------------------------------
     # Weights
@@ -387,14 +370,14 @@ class EagleDrafter(Drafter):
         request = self._requests.get(state.request_id)
         if t == 0:
             return request  # no new states, so no position to check either
-        self._count(state.tokens[n - t :])  # the tokens these states sampled
+        self.vocab.count(state.tokens[n - t :])  # the tokens these states sampled
         if request is not None and first > request.start + request.num_features:
             # A gap: states for some committed tokens never arrived. Start a fresh window after it.
             self.reset(state.request_id)
             request = None
         if request is None:
             if first < state.prompt_len:  # first sight of this request: its prompt counts too
-                self._count(state.tokens[: state.prompt_len])
+                self.vocab.count(state.tokens[: state.prompt_len])
             start = max(state.prompt_len - 1, first, 0)
             if first + t <= start:
                 return None  # nothing at or after the window start yet
@@ -412,63 +395,21 @@ class EagleDrafter(Drafter):
     def prime_counts(self, counts: Mapping[int, int]) -> None:
         """Add prior token counts (token id → count), e.g. those of the head's training data, so the draft
         vocabulary holds the task's tokens before this drafter has observed them. Ids out of range raise."""
-        vocab = len(self._counts)
-        bad = [t for t in counts if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token counts: ids {bad[:5]} out of range for vocabulary {vocab}")
-        for token, n in counts.items():
-            if n > 0:
-                if not self._counts[token]:
-                    self._distinct += 1
-                self._counts[token] += int(n)
-        self._sub = None  # re-choose at the next draft
-
-    def _count(self, tokens: Sequence[int]) -> None:
-        counts = self._counts
-        for token in tokens:
-            if not counts[token]:
-                self._distinct += 1
-            counts[token] += 1
-        self._counted_since += len(tokens)
-
-    def _draft_logits(self, outs: Tensor) -> tuple[Tensor, Tensor | None]:
-        """(logits [..., U] of head outputs over the draft vocabulary, its ids [U]; None: all V ids)."""
-        vocab = len(self._counts)
-        if not self.draft_vocab or self.draft_vocab >= vocab or not self._distinct:
-            return draft_logits(self.target, outs), None
-        # Re-choose when enough has been counted, and while the vocabulary is not full, once the new
-        # tokens are 1/16 of it (each choice copies and repacks the rows: not on every new token).
-        held = 0 if self._sub is None else self._sub[0].numel()
-        if (
-            self._sub is None
-            or self._counted_since >= 256
-            or (held < self.draft_vocab and self._distinct >= held + max(1, held // 16))
-        ):
-            counts = torch.tensor(self._counts)
-            ids = counts.topk(min(self.draft_vocab, self._distinct)).indices.sort().values  # [U]
-            if self._sub is None or not torch.equal(ids, self._sub[0]):
-                weight = self.target.lm_head_weight
-                # A normal tensor, not an inference one: its prepacked copy is keyed by its version counter.
-                with torch.inference_mode(False):
-                    rows = weight.detach().index_select(0, ids.to(weight.device)).contiguous()  # [U, d]
-                self._sub = (ids.to(weight.device), rows, _PackedWeight())
-            self._counted_since = 0
-        ids, rows, pack = self._sub
-        return _linear(outs.to(rows.dtype), rows, None, pack), ids
+        self.vocab.prime(counts)
 
     def _draft_logprobs(self, outs: Tensor, scale: float) -> Tensor:
         """Log-probs [n, V] over the draft vocabulary (-inf elsewhere), for ranking tree candidates."""
-        logits, ids = self._draft_logits(outs)
+        logits, ids = self.vocab.logits(outs)
         logprobs = torch.log_softmax(logits.float() * scale, dim=-1)
         if ids is None:
             return logprobs
-        full = logprobs.new_full((logprobs.shape[0], len(self._counts)), float("-inf"))
+        full = logprobs.new_full((logprobs.shape[0], self.vocab.vocab_size), float("-inf"))
         return full.index_copy_(1, ids, logprobs)
 
     def _draft_pick(self, outs: Tensor, keys: _Keys | None, step: int) -> Tensor:
         """Each row's draft token [B] at `step` tokens past its pending one: the argmax, or for keyed
         sampling rows the draw made with the sampler's own noise at that position (`keyed_pick`)."""
-        logits, ids = self._draft_logits(outs)
+        logits, ids = self.vocab.logits(outs)
         if keys is None:
             best = logits.argmax(-1)
             return best if ids is None else ids[best]

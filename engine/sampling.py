@@ -343,6 +343,13 @@ def keyed_exponential(seed: int, position: int, token: int, stream: int = STREAM
     return -math.log(((z >> 11) + 0.5) * 2.0**-53)
 
 
+def _log_arrivals(seeds: Tensor, positions: Tensor, tokens: Tensor, log_q: Tensor) -> Tensor:
+    """log(E_i / q_i) [R, w] of `tokens` [R, w] in the sampler's race at each row's (seed, position), with
+    log_q [R, w] their draft log-weights up to a per-row constant (it does not change the order)."""
+    keys = _row_keys(seeds, positions, STREAM_SAMPLE)
+    return torch.log(-torch.log(_uniform_at(keys[:, None], tokens))) - log_q.double()
+
+
 def keyed_pick(
     logits: Tensor,
     temperature: Tensor,
@@ -370,10 +377,7 @@ def keyed_pick(
     scaled = logits * torch.where(greedy, 1.0, temperature.float()).reciprocal()[:, None]
     top, index = scaled.topk(min(width, scaled.shape[-1]), dim=-1)  # [R, w], descending
     tokens = index if ids is None else ids[index]
-    keys = _row_keys(seeds, positions, STREAM_SAMPLE)
-    # argmin_i E_i / q_i = argmin_i log E_i - log q_i; q's normaliser is the same for the whole row.
-    arrival = torch.log(-torch.log(_uniform_at(keys[:, None], tokens))) - top.double()
-    pick = torch.where(greedy, 0, arrival.argmin(-1))
+    pick = torch.where(greedy, 0, _log_arrivals(seeds, positions, tokens, top).argmin(-1))
     return tokens.gather(1, pick[:, None])[:, 0]
 
 
@@ -385,9 +389,7 @@ def keyed_rank(logprobs: Tensor, seeds: Tensor, positions: Tensor, width: int = 
     with the next arrivals, while keeping the draft's calibration of how far to trust a level. The rows
     are log-softmaxes at the sampling temperature; -inf entries stay -inf."""
     top, index = logprobs.topk(min(width, logprobs.shape[-1]), dim=-1)  # [R, w], descending
-    keys = _row_keys(seeds, positions, STREAM_SAMPLE)
-    arrival = torch.log(-torch.log(_uniform_at(keys[:, None], index))) - top.double()
-    arrival = arrival.masked_fill(top.isinf(), float("inf"))  # a -inf token never arrives
+    arrival = _log_arrivals(seeds, positions, index, top).masked_fill(top.isinf(), float("inf"))
     order = arrival.argsort(-1)  # [R, w]: by arrival
     return logprobs.scatter(1, index.gather(1, order), top)
 

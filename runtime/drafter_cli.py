@@ -74,11 +74,6 @@ def accept_length(completions: list[Completion]) -> float:
     return sum(len(c.token_ids) for c in completions) / max(passes, 1)
 
 
-def _primed(drafter: EagleDrafter, counts: Counter[int]) -> EagleDrafter:
-    drafter.prime_counts(counts)
-    return drafter
-
-
 def warmup(
     *,
     model: str,
@@ -124,7 +119,7 @@ def warmup(
     start_version = 0
     if init_from is not None:
         head, start_version = eagle_export.load_head(init_from, target)
-        head = head.float() if head.fc.weight.dtype != torch.float32 else head
+        head = head.float()
         prior.update(eagle_export.load_token_counts(init_from))
     else:
         head = EagleHead.for_target(target.config)
@@ -149,27 +144,25 @@ def warmup(
     evals: dict[str, float] = {}
     greedy = [SamplingParams(temperature=0.0, max_tokens=max_tokens) for _ in eval_prompts]
     sampled = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=10_000 + i) for i in range(len(eval_prompts))]  # fmt: skip
+
+    def evaluate(spec: SpecConfig, params: list[SamplingParams], label: str) -> float:
+        """Held-out accept length of the exported head (primed with the training counts) under `spec`."""
+        drafter = EagleDrafter(head, target)
+        drafter.prime_counts(counts)
+        gen = Generator(
+            target, num_slots=min(32, len(eval_prompts)), eos_token_ids=eos, spec=spec, drafter=drafter
+        )
+        return round(accept_length(_generate(gen, eval_prompts, params, label)), 3)
+
     for depth, topk, verify in EVAL_STRATEGIES:
         name = f"chain{depth}" if topk == 1 else f"tree{depth}x{topk}v{verify}"
         spec = SpecConfig(method="eagle", depth=depth, topk=topk, verify=verify)
-        gen = Generator(target, num_slots=min(32, len(eval_prompts)), eos_token_ids=eos, spec=spec,
-                        drafter=_primed(EagleDrafter(head, target), counts))  # fmt: skip
-        evals[f"greedy_{name}"] = round(
-            accept_length(_generate(gen, eval_prompts, greedy, f"eval {name}")), 3
-        )
-    gen = Generator(target, num_slots=min(32, len(eval_prompts)), eos_token_ids=eos,
-                    spec=SpecConfig(method="eagle", depth=5), drafter=_primed(EagleDrafter(head, target), counts))  # fmt: skip
-    evals[f"t{temperature:g}_chain5"] = round(
-        accept_length(_generate(gen, eval_prompts, sampled, "eval sampled")), 3
-    )
+        evals[f"greedy_{name}"] = evaluate(spec, greedy, f"eval {name}")
+    evals[f"t{temperature:g}_chain5"] = evaluate(SpecConfig(method="eagle", depth=5), sampled, "eval sampled")
     # Reproducible mode: the same sampled tokens, but the head drafts with the sampler's own noise (keyed).
     for depth in (5, 7):
         spec = SpecConfig(method="eagle", depth=depth, mode="reproducible")
-        gen = Generator(target, num_slots=min(32, len(eval_prompts)), eos_token_ids=eos, spec=spec,
-                        drafter=_primed(EagleDrafter(head, target), counts))  # fmt: skip
-        evals[f"t{temperature:g}_chain{depth}_keyed"] = round(
-            accept_length(_generate(gen, eval_prompts, sampled, f"eval sampled keyed {depth}")), 3
-        )
+        evals[f"t{temperature:g}_chain{depth}_keyed"] = evaluate(spec, sampled, f"eval sampled keyed {depth}")
     summary = {
         "model": str(model_dir),
         "task": task,

@@ -379,9 +379,9 @@ def test_exported_token_counts_prime_the_draft_vocabulary(target: Transformer, t
         "counts": [40, 40, 3, 1],
     }
     drafter = load(out, target, num_slots=2, max_len=64, draft_vocab=3)
-    assert [drafter._counts[t] for t in (5, 9, 17, 100, 6)] == [40, 40, 3, 1, 0]
+    assert [drafter.vocab.counts[t] for t in (5, 9, 17, 100, 6)] == [40, 40, 3, 1, 0]
     # Before observing anything, the draft vocabulary is the three most frequent training tokens.
-    _, ids = drafter._draft_logits(
+    _, ids = drafter.vocab.logits(
         torch.zeros(1, target.config.hidden_size, dtype=target.lm_head_weight.dtype)
     )
     assert ids is not None and ids.tolist() == [5, 9, 17]
@@ -438,7 +438,7 @@ def test_generator_with_eagle_drafter_is_lossless(
     assert [c.token_ids for c in speculative.generate(requests)] == [c.token_ids for c in plain]
     assert drafter.cache.num_free_slots == 3  # every finished request was reset
     if draft_vocab:
-        assert drafter._sub is not None and drafter._sub[0].numel() == draft_vocab
+        assert drafter.vocab.ids is not None and drafter.vocab.ids.numel() == draft_vocab
 
 
 @pytest.mark.parametrize("topk", [1, 2])
@@ -518,6 +518,6 @@ def test_draft_vocabulary_restricts_proposals_to_frequent_observed_tokens(
         drafter.observe(state(c, j, c.hidden[j : j + 1]))
         counts.update([c.token_ids[j]])
         chain = drafter.propose([state(c, j, c.hidden[:0])], depth=3, topk=1, verify=3)[0]
-        assert set(chain.tokens.tolist()) <= set(drafter._sub[0].tolist())
-        assert drafter._sub[0].numel() == min(8, len(counts))
-    assert all(counts[t] for t in drafter._sub[0].tolist())  # only tokens it has seen
+        assert set(chain.tokens.tolist()) <= set(drafter.vocab.ids.tolist())
+        assert drafter.vocab.ids.numel() == min(8, len(counts))
+    assert all(counts[t] for t in drafter.vocab.ids.tolist())  # only tokens it has seen

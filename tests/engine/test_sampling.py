@@ -14,8 +14,10 @@ import torch
 
 from slipstream.engine.sampling import (
     HEAD_MIN_PROB,
+    STREAM_SAMPLE,
     SamplingParams,
     _argmax,
+    keyed_exponential,
     keyed_pick,
     keyed_rank,
     keyed_uniform,
@@ -296,3 +298,13 @@ def test_keyed_rank_puts_the_keyed_draw_first_and_keeps_the_values():
     assert torch.equal(ranked.argmax(-1), pick)
     assert torch.equal(ranked.sort(-1).values, logprobs.sort(-1).values)  # the same values, re-dealt
     assert (ranked[:, 500:] == float("-inf")).all()
+
+
+def test_keyed_exponential_is_the_tensor_race_noise():
+    """The plain-Python noise (for drafters weighing a few candidates) is -log of `keyed_uniform`, bit for bit."""
+    seeds = [0, 5, -3, 2**40 + 7]
+    for seed in seeds:
+        for position in (0, 17, 1000):
+            u = keyed_uniform(torch.tensor([seed]), torch.tensor([position]), STREAM_SAMPLE, 300)[0]
+            for token in (0, 1, 123, 299):
+                assert keyed_exponential(seed, position, token) == -math.log(u[token].item())

@@ -1,0 +1,101 @@
+"""The draft vocabulary of an EAGLE drafter: the tokens it may propose, and its logits over them.
+
+At small batch a draft step is a matrix-vector product bound by reading the LM head ([V, d]: 113 MB for
+SmolLM2 in fp32, 13 ms per step on one CPU core, as much as the rest of a chain). Drafts are proposals,
+verified by the target over the full vocabulary, so restricting which tokens a drafter may propose changes
+speed, never output. `DraftVocabulary` keeps the `size` most frequent tokens counted so far (prompts and
+committed responses, plus optional priors such as the head's training data) and a packed copy of their LM
+head rows, re-chosen as the counts move: EAGLE-3's reduced draft vocabulary, learnt online.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import Tensor
+
+from slipstream.engine.model import Transformer, _linear, _PackedWeight
+
+__all__ = ["DraftVocabulary", "draft_logits"]
+
+RECHOOSE_EVERY = 256
+"""Counted tokens after which the vocabulary is re-chosen (each choice copies and repacks its rows)."""
+
+
+def draft_logits(target: Transformer, out: Tensor) -> Tensor:
+    """Logits [..., V] of head outputs [..., d] through the target's LM head alone (inference path)."""
+    out = out.to(target.lm_head_weight.dtype)
+    if target.lm_head is not None:
+        return target.lm_head(out)
+    # Tied head: reuse the target's prepacked copy of the embedding matrix rather than packing another.
+    return _linear(out, target.embed_tokens.weight, None, target._tied_head_pack)
+
+
+class DraftVocabulary:
+    """Token counts and the `size` most frequent tokens' LM head rows (size 0: the full vocabulary)."""
+
+    def __init__(self, target: Transformer, size: int) -> None:
+        if size < 0:
+            raise ValueError(f"draft_vocab must be >= 0, got {size}")
+        self.target = target
+        self.size = size
+        self.counts = [0] * target.config.vocab_size
+        """Per token id: how often it was counted."""
+        self._distinct = 0
+        self._counted_since = 0  # tokens counted since the vocabulary was last chosen
+        self._held: tuple[Tensor, Tensor, _PackedWeight] | None = None  # (ids [U], head rows [U, d], pack)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.counts)
+
+    @property
+    def ids(self) -> Tensor | None:
+        """The ids [U] (sorted) drafts are restricted to now, or None before the first choice."""
+        return None if self._held is None else self._held[0]
+
+    def count(self, tokens: Iterable[int]) -> None:
+        """Count observed tokens (ids known to be in range)."""
+        for token in tokens:
+            self._add(token, 1)
+
+    def prime(self, counts: Mapping[int, int]) -> None:
+        """Add prior counts (token id → count); the vocabulary is re-chosen at the next draft. Ids out of
+        range raise."""
+        bad = [t for t in counts if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token counts: ids {bad[:5]} out of range for vocabulary {self.vocab_size}")
+        for token, n in counts.items():
+            if n > 0:
+                self._add(token, int(n))
+        self._held = None
+
+    def _add(self, token: int, n: int) -> None:
+        if not self.counts[token]:
+            self._distinct += 1
+        self.counts[token] += n
+        self._counted_since += n
+
+    def logits(self, outs: Tensor) -> tuple[Tensor, Tensor | None]:
+        """(logits [..., U] of head outputs over the draft vocabulary, its ids [U]; None: all V ids)."""
+        if not self.size or self.size >= self.vocab_size or not self._distinct:
+            return draft_logits(self.target, outs), None
+        # Re-choose when enough has been counted, and while the vocabulary is not full, once the new
+        # tokens are 1/16 of it (not on every new token).
+        held = 0 if self._held is None else self._held[0].numel()
+        if (
+            self._held is None
+            or self._counted_since >= RECHOOSE_EVERY
+            or (held < self.size and self._distinct >= held + max(1, held // 16))
+        ):
+            ids = torch.tensor(self.counts).topk(min(self.size, self._distinct)).indices.sort().values  # [U]
+            if self._held is None or not torch.equal(ids, self._held[0]):
+                weight = self.target.lm_head_weight
+                # A normal tensor, not an inference one: its prepacked copy is keyed by its version counter.
+                with torch.inference_mode(False):
+                    rows = weight.detach().index_select(0, ids.to(weight.device)).contiguous()  # [U, d]
+                self._held = (ids.to(weight.device), rows, _PackedWeight())
+            self._counted_since = 0
+        ids, rows, pack = self._held
+        return _linear(outs.to(rows.dtype), rows, None, pack), ids
