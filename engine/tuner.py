@@ -3,9 +3,10 @@
 Each decode iteration the caller (the rollout actor) asks `Tuner.choose(batch_size)` for an arm — a
 drafter kind, depth, top-k and verify budget — runs the iteration with `tuner.arm(name).spec(mode)` through
 `Generator.set_spec`, and feeds back `Tuner.record(batch_size, arm, committed_tokens, seconds)`. The reward
-is committed tokens per second of that iteration, per sequence of the batch (see below). What pays off depends mostly on the live batch size (a
-deep draft wins at batch 1, where a verify pass costs little more than a plain one, and loses at batch 32,
-where every verified node costs compute), so each bucket of batch sizes is its own bandit with several arms.
+is the iteration's committed tokens per second, as a speedup over plain decoding at the same batch size
+(see below). What pays off depends mostly on the live batch size (a deep draft wins at batch 1, where a
+verify pass costs little more than a plain one, and loses at batch 32, where every verified node costs
+compute), so each bucket of batch sizes is its own bandit with several arms.
 "off" is an arm in every bucket, so speculation switches itself off where it loses. Pure Python: the caller
 logs every `Decision` (`Decision.as_dict()`) and persists `state_dict()` across RL steps.
 
@@ -15,14 +16,21 @@ chain, > 1 a tree), V the verify budget (default 0 = depth * topk), all as in `S
 canonical (``eagle:d4k1v0`` → ``eagle:d4``, ``ngram`` → ``ngram:d4``), so two spellings never split one
 arm's statistics. Examples: ``ngram:d3``, ``eagle:d6``, ``eagle:d4k4v16``.
 
-Why per sequence: a bucket spans several batch sizes (9-16), and at a fixed arm throughput grows with the
-batch (SmolLM2, one CPU thread: plain decoding makes ~110 tokens/s at batch 9 and ~190 at 16), while the
-batch shrinks over a rollout as responses finish. Raw tokens/s then compares arms measured at different
-moments by their batch sizes more than by their merit: in `bench rollout` an n-gram arm sampled at batch
-15 out-scored "off" sampled at batch 11 (131 vs 135 tokens/s, a near tie) although at equal batch it was
-25% slower, and the tuner spent a third of that bucket's iterations on it. Per sequence, plain decoding
-varies by ~15% across the bucket, and the arms order correctly. At one batch size the two rewards are
-proportional, so nothing else changes.
+Why the reward is a speedup over plain decoding at the same batch size: a bucket spans several batch
+sizes (9-16), the batch shrinks over a rollout as responses finish, and an iteration's cost depends on its
+batch. Raw tokens/s grows with the batch: in `bench rollout` an n-gram arm sampled at batch 15 out-scored
+"off" sampled at batch 11 although at equal batch it was 25% slower. Tokens/s per sequence errs the other
+way wherever an iteration costs less at a smaller batch (SmolLM2 on one CPU thread: plain decoding takes
+~45 ms at batch 5 and ~55 ms at batch 8): an EAGLE chain measured at batch 5 out-scored "off" measured at
+batch 8 in the 5-8 bucket, where at equal batch it ran at 0.7x, and the tuner spent 6.6 s of that bucket
+on it. So the tuner keeps a cost model of plain decoding, the median seconds of recent "off" iterations per
+batch size (interpolated between measured sizes, extrapolated with the least-squares slope, constant from
+one size), and an arm's reward is the time plain decoding would take to commit the same tokens at the
+same batch (committed / batch x plain(batch)) over the time the arm took. Samples keep their tokens per
+sequence, seconds and mean batch size, and are rescored whenever the plain cost model changes, so an arm
+measured before "off" was timed at its batch size is judged by the model as it is now. Until plain
+decoding has been timed at all the reward is tokens/s per sequence; with one timed batch size the two
+rewards order arms alike.
 
 Policy, per bucket, and the non-obvious choices (each measured on the synthetic cost model of
 tests/engine/test_tuner.py, 200 seeds):
@@ -58,6 +66,7 @@ tests/engine/test_tuner.py, 200 seeds):
 
 from __future__ import annotations
 
+import bisect
 import random
 import re
 import statistics
@@ -72,13 +81,17 @@ from slipstream.engine.speculator import SpecConfig, SpecMode
 
 __all__ = ["Arm", "Decision", "Tuner", "TunerConfig", "parse_arm"]
 
+Sample = tuple[float, float, float]
+"""One reward sample: committed tokens per sequence, seconds, mean batch size (pooled over `hold` iterations)."""
 Why = Literal["untried", "exploit", "explore", "forced", "hold"]
 Available = Callable[[str], bool] | Collection[str] | None
 
 _ARM = re.compile(
     r"(?P<method>ngram|eagle|hybrid|self)(?::(?:d(?P<d>\d+))?(?:k(?P<k>\d+))?(?:v(?P<v>\d+))?)?"
 )
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+PLAIN_WINDOW = 8
+"""Recent "off" iteration times kept per batch size for the plain cost model."""
 
 
 @dataclass(frozen=True)
@@ -201,7 +214,8 @@ class Decision:
     """untried (cold start), exploit (best median), explore (epsilon), forced (only "off" is available),
     hold (kept from this bucket's previous decision, `TunerConfig.hold`)."""
     estimate: float | None
-    """The arm's median reward in this bucket (tokens/s) before this decision; None without rewards."""
+    """The arm's median reward in this bucket before this decision (speedup over plain decoding; tokens/s per
+    sequence before plain decoding was timed); None without rewards."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -217,16 +231,19 @@ class Tuner:
         self.edges: tuple[int, ...] = tuple(self.config.buckets)
         self._index = {arm.name: i for i, arm in enumerate(self.arms)}
         nb, na = len(self.edges), len(self.arms)
-        # [bucket][arm] → the latest reward samples: (committed tokens per sequence, seconds), each pooled over
-        # `hold` iterations
-        self._windows: list[list[deque[tuple[float, float]]]] = [
+        # [bucket][arm] → the latest reward samples: (committed tokens per sequence, seconds, mean batch size),
+        # each pooled over `hold` iterations
+        self._windows: list[list[deque[Sample]]] = [
             [deque(maxlen=self.config.window) for _ in range(na)] for _ in range(nb)
         ]
         self._trials = [[0] * na for _ in range(nb)]  # lifetime samples, for the summary
         self._attempt = [[-1] * na for _ in range(nb)]  # decision count of the latest exploration attempt
         self._hold: list[tuple[int, int] | None] = [None] * nb  # (arm, decisions still held)
-        # [bucket][arm] → [committed, seconds, iterations] pooled so far towards the next reward sample
-        self._pending = [[[0.0, 0.0, 0] for _ in range(na)] for _ in range(nb)]
+        # [bucket][arm] → [committed per sequence, seconds, iterations, batch sizes summed] pooled so far
+        # towards the next reward sample
+        self._pending = [[[0.0, 0.0, 0, 0] for _ in range(na)] for _ in range(nb)]
+        self._plain: dict[int, deque[float]] = {}  # batch size → recent seconds of "off" iterations
+        self._plain_fit: _PlainCost | None = None  # built from _plain when first needed after a change
         self.decisions = 0
         self._rng = random.Random(self.config.seed)
 
@@ -288,7 +305,7 @@ class Tuner:
             prior = self._prior(b)
             i, why = min(untried, key=lambda i: (len(windows[i]), -prior[i], i)), "untried"
         else:
-            best = max(candidates, key=lambda i: (_median_reward(windows[i]), -i))
+            best = max(candidates, key=lambda i: (self._median_reward(windows[i]), -i))
             i, why = best, "exploit"
             if self._rng.random() < self.config.epsilon:
                 # Fewest samples first (the least-measured estimate is the likeliest to be wrong), then in turn.
@@ -311,7 +328,7 @@ class Tuner:
 
     def _decision(self, batch_size: int, b: int, i: int, why: Why) -> Decision:
         window = self._windows[b][i]
-        estimate = _median_reward(window) if window else None
+        estimate = self._median_reward(window) if window else None
         return Decision(batch_size, b, self.label(b), self.arms[i].name, why, estimate)
 
     def _prior(self, b: int) -> list[float]:
@@ -322,28 +339,49 @@ class Tuner:
         for i in range(len(self.arms)):
             for o in nearest:
                 if self._windows[o][i]:
-                    top = max(_median_reward(w) for w in self._windows[o] if w)
-                    prior[i] = _median_reward(self._windows[o][i]) / top if top > 0 else 1.0
+                    top = max(self._median_reward(w) for w in self._windows[o] if w)
+                    prior[i] = self._median_reward(self._windows[o][i]) / top if top > 0 else 1.0
                     break
         return prior
 
     def record(self, batch_size: int, arm: str, committed_tokens: float, seconds: float) -> None:
-        """Feed back one iteration run with `arm` at `batch_size` (reward: committed_tokens / batch_size /
-        seconds).
+        """Feed back one iteration run with `arm` at `batch_size` (the reward: its speedup over plain decoding
+        at that batch size, see the module docstring; "off" iterations also time plain decoding).
         An iteration with seconds <= 0 (a clock that did not move) tells nothing and is ignored."""
         b, i = self.bucket(batch_size), self._arm_index(arm)
         if not committed_tokens >= 0:
             raise ValueError(f"committed_tokens must be >= 0, got {committed_tokens!r}")
         if not seconds > 0:
             return
+        if self.arms[i] is OFF:
+            self._plain.setdefault(batch_size, deque(maxlen=PLAIN_WINDOW)).append(float(seconds))
+            self._plain_fit = None
         pending = self._pending[b][i]
         pending[0] += committed_tokens / batch_size  # per sequence: see the module docstring
         pending[1] += seconds
         pending[2] += 1
+        pending[3] += batch_size
         if pending[2] >= self.config.hold:
-            self._windows[b][i].append((float(pending[0]), float(pending[1])))
+            self._windows[b][i].append((float(pending[0]), float(pending[1]), pending[3] / pending[2]))
             self._trials[b][i] += 1
-            self._pending[b][i] = [0.0, 0.0, 0]
+            self._pending[b][i] = [0.0, 0.0, 0, 0]
+
+    def plain_seconds(self, batch_size: float) -> float | None:
+        """The plain cost model: seconds of one "off" iteration at `batch_size` (None before any was timed)."""
+        plain = self._plain_cost()
+        return None if plain is None else plain(batch_size)
+
+    def _plain_cost(self) -> _PlainCost | None:
+        if self._plain_fit is None and self._plain:
+            self._plain_fit = _PlainCost({b: statistics.median(s) for b, s in self._plain.items()})
+        return self._plain_fit
+
+    def _median_reward(self, window: Iterable[Sample]) -> float:
+        """Median reward of a window's samples under the current plain cost model (module docstring)."""
+        plain = self._plain_cost()
+        if plain is None:
+            return statistics.median(c / s for c, s, _ in window)
+        return statistics.median(c * plain(batch) / s for c, s, batch in window)
 
     def forget(self, method: str) -> int:
         """Empty the windows of `method`'s arms in every bucket (a new drafter version made their rewards
@@ -358,22 +396,23 @@ class Tuner:
         for pending in self._pending:
             for arm, p in zip(self.arms, pending, strict=True):
                 if arm.method == method:
-                    p[:] = [0.0, 0.0, 0]
+                    p[:] = [0.0, 0.0, 0, 0]
         return cleared
 
     def best(self, batch_size: int, available: Available = None) -> str | None:
         """The arm the tuner would exploit at this batch size (no side effects); None without rewards."""
         windows = self._windows[self.bucket(batch_size)]
-        scored = [(_median_reward(windows[i]), -i) for i in self._candidates(available) if windows[i]]
+        scored = [(self._median_reward(windows[i]), -i) for i in self._candidates(available) if windows[i]]
         return self.arms[-max(scored)[1]].name if scored else None
 
     def estimate(self, batch_size: int, arm: str) -> float | None:
-        """Median reward (tokens/s per sequence) of `arm` in the bucket of `batch_size`; None without rewards."""
+        """Median reward of `arm` in the bucket of `batch_size` (speedup over plain decoding; tokens/s per
+        sequence before plain decoding was timed); None without rewards."""
         window = self._windows[self.bucket(batch_size)][self._arm_index(arm)]
-        return _median_reward(window) if window else None
+        return self._median_reward(window) if window else None
 
     def summary(self) -> list[dict[str, Any]]:
-        """Per bucket: the best arm and its median reward, and per arm its median reward (tokens/s), the
+        """Per bucket: the best arm and its median reward, and per arm its median reward (as `estimate`), the
         median seconds of one sample (`hold` iterations) and its lifetime number of samples (for logs and
         bench JSON)."""
         out = []
@@ -381,7 +420,7 @@ class Tuner:
             best = self.best(self.edges[b])
             arms = {
                 arm.name: {
-                    "median": _median_reward(w) if w else None,
+                    "median": self._median_reward(w) if w else None,
                     "seconds": _median_seconds(w) if w else None,
                     "trials": self._trials[b][i],
                 }
@@ -406,6 +445,7 @@ class Tuner:
             "attempt": [list(t) for t in self._attempt],
             "hold": [list(h) if h is not None else None for h in self._hold],
             "pending": [[list(p) for p in pending] for pending in self._pending],
+            "plain": [[b, list(s)] for b, s in sorted(self._plain.items())],
             "decisions": self.decisions,
             "rng": [version, list(internal), gauss],
         }
@@ -414,8 +454,9 @@ class Tuner:
         """Restore `state_dict()` output (also after a JSON round trip). Buckets and arms must match this
         tuner's; epsilon, min_trials and hold may differ (the new values apply from now on), and a shorter
         window keeps the newest iterations."""
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"tuner state version {state.get('version')!r}, expected {_STATE_VERSION}")
+        version = state.get("version")
+        if version not in (1, _STATE_VERSION):
+            raise ValueError(f"tuner state version {version!r}, expected {_STATE_VERSION} (or 1)")
         if list(state["buckets"]) != list(self.edges):
             raise ValueError(
                 f"tuner state buckets {state['buckets']} differ from TunerConfig.buckets {list(self.edges)}"
@@ -424,16 +465,25 @@ class Tuner:
         if list(state["arms"]) != names:
             raise ValueError(f"tuner state arms {state['arms']} differ from this tuner's arms {names}")
         window = self.config.window
+        # Version 1 kept no batch sizes: its samples count as taken at their bucket's lower edge.
         self._windows = [
-            [deque(((float(c), float(s)) for c, s in w), maxlen=window) for w in windows]
-            for windows in state["windows"]
+            [
+                deque(((float(c), float(s), float(x[0] if x else edge)) for c, s, *x in w), maxlen=window)
+                for w in windows
+            ]
+            for edge, windows in zip(self.edges, state["windows"], strict=True)
         ]
         self._trials = [[int(n) for n in t] for t in state["trials"]]
         self._attempt = [[int(n) for n in t] for t in state["attempt"]]
         self._hold = [(int(h[0]), int(h[1])) if h is not None else None for h in state["hold"]]
         self._pending = [
-            [[float(c), float(s), int(n)] for c, s, n in pending] for pending in state["pending"]
+            [[float(c), float(s), int(n), int(x[0] if x else n * edge)] for c, s, n, *x in pending]
+            for edge, pending in zip(self.edges, state["pending"], strict=True)
         ]
+        self._plain = {
+            int(b): deque((float(x) for x in s), maxlen=PLAIN_WINDOW) for b, s in state.get("plain", [])
+        }
+        self._plain_fit = None
         self.decisions = int(state["decisions"])
         version, internal, gauss = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss))
@@ -443,9 +493,30 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _median_reward(window: Iterable[tuple[float, float]]) -> float:
-    return statistics.median(c / s for c, s in window)
+def _median_seconds(window: Iterable[Sample]) -> float:
+    return statistics.median(s for _, s, _ in window)
 
 
-def _median_seconds(window: Iterable[tuple[float, float]]) -> float:
-    return statistics.median(s for _, s in window)
+class _PlainCost:
+    """Seconds of one plain iteration as a function of the batch size, from per-size medians: linear between
+    measured sizes, the least-squares slope (clamped at >= 0) beyond them, constant from a single size."""
+
+    def __init__(self, medians: dict[int, float]) -> None:
+        self.sizes = sorted(medians)
+        self.seconds = [medians[b] for b in self.sizes]
+        n = len(self.sizes)
+        mean_b, mean_s = sum(self.sizes) / n, sum(self.seconds) / n
+        spread = sum((b - mean_b) ** 2 for b in self.sizes)
+        covariance = sum((b - mean_b) * (t - mean_s) for b, t in zip(self.sizes, self.seconds, strict=True))
+        self.slope = max(0.0, covariance / spread) if spread else 0.0
+
+    def __call__(self, batch: float) -> float:
+        sizes, seconds = self.sizes, self.seconds
+        if batch <= sizes[0]:
+            # Below the smallest timed size, never less than half its time: a pass has a fixed cost.
+            return max(seconds[0] - self.slope * (sizes[0] - batch), seconds[0] / 2)
+        if batch >= sizes[-1]:
+            return seconds[-1] + self.slope * (batch - sizes[-1])
+        j = bisect.bisect_right(sizes, batch)
+        lo, hi = sizes[j - 1], sizes[j]
+        return seconds[j - 1] + (seconds[j] - seconds[j - 1]) * (batch - lo) / (hi - lo)

@@ -210,6 +210,55 @@ def test_arms_measured_at_different_batch_sizes_of_one_bucket_compare_per_sequen
     assert tuner.best(12) == "off"
 
 
+def test_arms_measured_at_different_batch_sizes_compare_by_speedup_over_plain():
+    """Bucket 5-8 on a CPU, where an iteration costs less at a smaller batch: plain decoding takes
+    20 + 5b ms, and ngram commits 1.2b tokens in 1.3x that, a 0.92x speedup at every batch size. Adversarial
+    schedule: ngram is only measured at batch 5, "off" in this bucket only at batch 8. Per sequence, ngram
+    would win (1.2 / 0.0585 = 20.5 against 1 / 0.060 = 16.7); against the plain cost model, timed at the
+    batch sizes "off" ran at anywhere in the rollout, it loses (0.92 against 1.0)."""
+
+    def plain(b: int) -> float:
+        return 0.020 + 0.005 * b
+
+    tuner = Tuner(TunerConfig(buckets=[1, 2, 3, 5, 9, 17], arms=["off", "ngram:d3"], hold=1))
+    for b in (1, 2, 3, 4, 12, 16):  # plain decoding timed in other buckets
+        tuner.record(b, "off", b, plain(b))
+    for _ in range(8):
+        tuner.record(5, "ngram:d3", 1.2 * 5, 1.3 * plain(5))
+        tuner.record(8, "off", 8, plain(8))
+    assert tuner.best(6) == "off"
+    assert tuner.estimate(6, "ngram:d3") == pytest.approx(1.2 / 1.3)
+    assert tuner.estimate(6, "off") == pytest.approx(1.0)
+    assert tuner.plain_seconds(5) == pytest.approx(plain(5))  # interpolated between batch 4 and 8
+    # Without plain decoding timed at other sizes the reward is per sequence, and this schedule fools it.
+    blind = Tuner(TunerConfig(buckets=[1, 2, 3, 5, 9, 17], arms=["off", "ngram:d3"], hold=1))
+    for _ in range(8):
+        blind.record(5, "ngram:d3", 1.2 * 5, 1.3 * plain(5))
+        blind.record(8, "off", 8, plain(8))
+    assert blind.best(6) == "ngram:d3"
+
+
+def test_plain_cost_model_interpolates_and_extrapolates_with_a_non_negative_slope():
+    tuner = Tuner(TunerConfig(arms=["ngram:d3"], hold=1))
+    assert tuner.plain_seconds(4) is None
+    tuner.record(4, "off", 4, 0.040)
+    assert tuner.plain_seconds(1) == tuner.plain_seconds(16) == pytest.approx(0.040)  # one size: constant
+    for seconds in (0.060, 0.062, 0.500):  # a median per size: one stray iteration does not move it
+        tuner.record(8, "off", 8, seconds)
+    assert tuner.plain_seconds(8) == pytest.approx(0.062)
+    assert tuner.plain_seconds(6) == pytest.approx(0.051)
+    assert tuner.plain_seconds(12) == pytest.approx(0.062 + 4 * 0.0055)  # the least-squares slope
+    assert tuner.plain_seconds(1) == pytest.approx(0.040 - 3 * 0.0055)
+    tuner.record(2, "off", 2, 0.090)  # noise that makes the fitted slope negative: held flat outside
+    assert tuner.plain_seconds(20) == pytest.approx(0.062)
+    tuner.record(1, "ngram:d3", 3, 0.045)
+    assert tuner.plain_seconds(1) == pytest.approx(0.090)  # only "off" iterations time plain decoding
+    steep = Tuner(TunerConfig(arms=["ngram:d3"], hold=1))
+    steep.record(3, "off", 3, 0.010)
+    steep.record(11, "off", 11, 0.090)
+    assert steep.plain_seconds(1) == pytest.approx(0.005)  # floored at half the smallest size's time
+
+
 def test_exploration_is_rationed_by_time_not_by_iterations():
     # At batch 32 every speculative arm takes 4-15x as long per iteration as plain decoding, so its turn
     # to be explored is taken with probability 1/k: far fewer explorations than epsilon of the decisions.
@@ -318,6 +367,24 @@ def test_load_refuses_state_of_other_buckets_or_arms():
         Tuner(TunerConfig(arms=["ngram:d4"])).load_state_dict(state)
     with pytest.raises(ValueError, match="version"):
         Tuner(TunerConfig(arms=["ngram:d3"])).load_state_dict(state | {"version": 0})
+
+
+def test_version_1_state_loads_with_samples_at_their_bucket_edge():
+    tuner = Tuner(TunerConfig(arms=["ngram:d3"], hold=2))
+    tuner.record(5, "ngram:d3", 10, 0.5)
+    state = json.loads(json.dumps(tuner.state_dict()))
+    state["version"] = 1
+    del state["plain"]
+    state["windows"][3][1] = [[3.0, 1.0]]  # version 1: (tokens per sequence, seconds)
+    state["pending"] = [[p[:3] for p in pending] for pending in state["pending"]]
+    restored = Tuner(TunerConfig(arms=["ngram:d3"], hold=2))
+    restored.load_state_dict(state)
+    assert restored.estimate(5, "ngram:d3") == 3.0
+    restored.record(5, "off", 5, 0.25)
+    restored.record(5, "off", 5, 0.25)
+    assert restored.state_dict()["windows"][3][1] == [[3.0, 1.0, 5.0]]
+    restored.record(5, "ngram:d3", 10, 0.5)  # completes the restored pending sample: 2 iterations at 5
+    assert restored.state_dict()["windows"][3][1][-1] == [4.0, 1.0, 5.0]
 
 
 def test_state_loads_into_a_shorter_window_keeping_the_newest_samples():
