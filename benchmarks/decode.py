@@ -9,7 +9,7 @@ Workload (DESIGN §11): B prompts of exactly `prompt_tokens` (64) tokens of real
 reasoning-gym questions (basic_arithmetic, chain_sum, simple_equations, lcm) when the package imports,
 else built-in arithmetic word problems, each followed by a "think step by step" instruction, through the
 chat template and cut to length inside the user turn — then `max_tokens` (256) new tokens at temperature
-1, request i seeded i. A model directory without a tokenizer gets seeded random prompt ids instead (the
+1 (`--temperature`), request i seeded i. A model directory without a tokenizer gets seeded random prompt ids instead (the
 JSON says which). EOS is ignored, so every config decodes exactly B × max_tokens tokens and tokens/s
 compare like with like.
 
@@ -192,13 +192,13 @@ class _Tally:
         self.accepted += completion.accepted
 
 
-def _requests(prompts: Sequence[list[int]], max_tokens: int) -> list[Request]:
+def _requests(prompts: Sequence[list[int]], max_tokens: int, temperature: float = 1.0) -> list[Request]:
     # Seed i for prompt i whatever the batch: the recording run and every config see the same requests.
     return [
         Request(
             request_id=f"p{i}",
             prompt_ids=ids,
-            params=SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens),
+            params=SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens),
         )
         for i, ids in enumerate(prompts)
     ]
@@ -267,9 +267,13 @@ def run(
     arms: Sequence[Arm] = ARMS,
     log: bool = True,
     drafter: Path | None = None,
+    temperature: float = 1.0,
 ) -> dict[str, Any]:
     """Run the benchmark; returns the JSON-ready result (see the module docstring). drafter: an exported
-    EAGLE head; its rows (`EAGLE_ARMS`) are added to `arms`."""
+    EAGLE head; its rows (`EAGLE_ARMS`) are added to `arms`. temperature: of every request (> 0: the
+    oracle rows need a sampled, keyed run to replay; a head trained at T = 0.7 is best measured there)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     if not batches or min(batches) < 1:
         raise ValueError(f"batches must be positive, got {list(batches)}")
     for name, value in (("max_tokens", max_tokens), ("repeats", repeats), ("prompt_tokens", prompt_tokens)):
@@ -297,7 +301,7 @@ def run(
     say(f"{name}, {torch.get_num_threads()} threads, prompts from {source}")
     rows: list[dict[str, Any]] = []
     for batch in batches:
-        requests = _requests(prompts[:batch], max_tokens)
+        requests = _requests(prompts[:batch], max_tokens, temperature)
         t0 = time.perf_counter()
         recorded = _record(target, requests)
         say(f"batch {batch}: recorded the plain run for self-draft in {time.perf_counter() - t0:.1f} s")
@@ -339,7 +343,7 @@ def run(
         "batches": list(batches),
         "prompt_tokens": prompt_tokens,
         "max_tokens": max_tokens,
-        "temperature": 1.0,
+        "temperature": temperature,
         "repeats": repeats,
         "prompt_source": source,
         "ignore_eos": True,
@@ -373,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help=f"model directory or name (default {DEFAULT_MODEL})")
     p.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)), help="comma-separated")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", action="store_true")
@@ -383,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.max_tokens,
         repeats=args.repeats,
         threads=args.threads,
+        temperature=args.temperature,
     )
     print(json.dumps(result) if args.json else render(result))
     return 0

@@ -68,7 +68,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             prompts=args.prompts,
             samples=args.samples,
             max_tokens=args.max_tokens if args.max_tokens is not None else 512,
-            temperature=args.temperature,
+            temperature=args.temperature if args.temperature is not None else 0.7,
             seed=args.seed,
             steps=args.steps,
             modes=tuple(args.modes.split(",")),
@@ -87,6 +87,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             threads=args.threads,
             drafter=args.drafter,
+            temperature=args.temperature if args.temperature is not None else 1.0,
         )
         print(json.dumps(result) if args.json else decode.render(result))
         return 0
@@ -246,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--task", default="basic_arithmetic", help="rollout: reasoning-gym task")
     s.add_argument("--prompts", type=int, default=8, help="rollout: prompts (GRPO groups)")
     s.add_argument("--samples", type=int, default=4, help="rollout: responses per prompt (G)")
-    s.add_argument("--temperature", type=float, default=0.7, help="rollout: sampling temperature")
+    s.add_argument(
+        "--temperature", type=float, default=None, help="decode, rollout: sampling temperature (1.0, 0.7)"
+    )
     s.add_argument("--seed", type=int, default=0, help="rollout: prompt and sampling seed")
     s.add_argument(
         "--steps", type=int, default=4, help="rollout: RL steps per mode; all but the first are measured"
