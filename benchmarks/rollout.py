@@ -42,8 +42,11 @@ noise by which plain decoding at batch 1 and batch 16 differ); bitwise batch inv
 idle_device_s (device-seconds between a rollout going idle and the end of its step), reclaimed_share
 (drafter training seconds inside those leases / idle_device_s), step_makespans_s (every step); and, for
 the last step, accept_length per batch-size bucket (committed tokens per sequence-iteration), arms chosen
-per bucket and decode_s (device-seconds of decode iterations per bucket). Top level: speedup = plain
-makespan / adaptive makespan, ngram_speedup = plain / ngram, each also per step. `--trace FILE` writes
+per bucket and decode_s (device-seconds of decode iterations per bucket); over the measured steps,
+bucket_device_share (each bucket's share of the decode device-seconds) and bucket_tokens_per_s. Top
+level: speedup = plain makespan / adaptive makespan, ngram_speedup = plain / ngram, each also per step
+and per bucket (`speedup_per_bucket`: the mode's bucket tokens/s over plain's; with plain's
+bucket_device_share it bounds what the makespan can gain). `--trace FILE` writes
 every decode iteration (rank, batch size, arm, drafted, accepted, committed, seconds) as JSON lines.
 """
 
@@ -285,6 +288,8 @@ async def _coordinate(
         },
         "arms": {_BUCKETING.label(b): dict(arms[b]) for b in sorted(arms)},
         "decode_s": {_BUCKETING.label(b): round(bucket_s[b], 2) for b in sorted(bucket_s)},
+        "_bucket_s": {_BUCKETING.label(b): bucket_s[b] for b in bucket_s},
+        "_bucket_tokens": {_BUCKETING.label(b): committed[b] for b in committed},
         "idle_device_s": round(idle_device_s, 3),
         "reclaimed_s": round(reclaimed_s, 3),
         "reclaimed_share": round(min(reclaimed_s / idle_device_s, 1.0), 3) if idle_device_s > 0 else 0.0,
@@ -406,6 +411,14 @@ def run(
                     )
                 ]
                 result[f"{key}_per_step"] = per_step
+                # Per bucket: this mode's tokens/s over plain's there. Where plain spends most of its time
+                # bounds the makespan speedup (see the README).
+                plain_rates, rates = modes["plain"]["bucket_tokens_per_s"], modes[mode]["bucket_tokens_per_s"]
+                result[f"{key}_per_bucket"] = {
+                    label: round(rates[label] / plain_rates[label], 3)
+                    for label in plain_rates
+                    if label in rates
+                }
     return result
 
 
@@ -415,9 +428,20 @@ def _pairs(a: dict[Any, list[int]], b: dict[Any, list[int]]) -> list[tuple[list[
 
 def _measured(figures: list[dict[str, Any]]) -> dict[str, Any]:
     """A mode's figures over its measured steps: every step but the first (which warms the tuner and starts
-    the drafter's online training), or the only one. Times and tokens are totals over those steps; the
-    per-bucket figures (accept_length, arms, decode_s) and finish reasons are the last step's."""
+    the drafter's online training), or the only one. Times and tokens are totals over those steps, and so
+    are bucket_device_share and bucket_tokens_per_s; the other per-bucket figures (accept_length, arms,
+    decode_s) and finish reasons are the last step's."""
     measured = figures[1:] or figures
+    bucket_s: dict[str, float] = defaultdict(float)
+    bucket_tokens: dict[str, int] = defaultdict(int)
+    for f in figures:
+        step_s, step_tokens = f.pop("_bucket_s"), f.pop("_bucket_tokens")
+        if any(f is m for m in measured):
+            for label, seconds in step_s.items():
+                bucket_s[label] += seconds
+                bucket_tokens[label] += step_tokens[label]
+    labels = sorted(bucket_s, key=lambda label: int(label.split("-")[0].rstrip("+")))
+    total_s = sum(bucket_s.values())
     makespan = sum(f["makespan_s"] for f in measured)
     tokens = sum(f["tokens"] for f in measured)
     idle = sum(f["idle_device_s"] for f in measured)
@@ -433,6 +457,9 @@ def _measured(figures: list[dict[str, Any]]) -> dict[str, Any]:
         "reclaimed_share": round(min(reclaimed / idle, 1.0), 3) if idle > 0 else 0.0,
         "preempt_ms": [x for f in measured for x in f["preempt_ms"]],
         "step_makespans_s": [f["makespan_s"] for f in figures],
+        # Over the measured steps: where the device time went, and how fast each batch-size bucket decoded.
+        "bucket_device_share": {label: round(bucket_s[label] / total_s, 3) for label in labels},
+        "bucket_tokens_per_s": {label: round(bucket_tokens[label] / bucket_s[label], 2) for label in labels},
     }
 
 

@@ -47,12 +47,17 @@ def test_bench_rollout_runs_all_modes_on_the_same_responses(tmp_path: Path) -> N
         assert figures["measured_steps"] == 2 and len(figures["step_makespans_s"]) == 3
         assert figures["makespan_s"] == pytest.approx(sum(figures["step_makespans_s"][1:]), abs=2e-3)
         assert sum(figures["decode_s"].values()) > 0
+        assert sum(figures["bucket_device_share"].values()) == pytest.approx(1.0, abs=0.01)
+        assert set(figures["bucket_tokens_per_s"]) == set(figures["bucket_device_share"])
+        assert all(rate > 0 for rate in figures["bucket_tokens_per_s"].values())
     assert {arm for arms in result["modes"]["plain"]["arms"].values() for arm in arms} == {"off"}
     adaptive = result["modes"]["adaptive"]
     # The rank that drains first gets a lease, which the end of the phase preempts.
     assert len(adaptive["preempt_ms"]) >= 1
     assert result["speedup"] > 0 and result["ngram_speedup"] > 0
     assert len(result["speedup_per_step"]) == 3
+    assert set(result["speedup_per_bucket"]) <= set(result["modes"]["plain"]["bucket_tokens_per_s"])
+    assert all(ratio > 0 for ratio in result["ngram_speedup_per_bucket"].values())
     # The trace holds every decode iteration of every mode and step, each with its arm and timing.
     rows = [json.loads(line) for line in trace.read_text().splitlines()]
     assert {row["mode"] for row in rows} == {"plain", "ngram", "adaptive"}
