@@ -288,8 +288,8 @@ async def _coordinate(
         },
         "arms": {_BUCKETING.label(b): dict(arms[b]) for b in sorted(arms)},
         "decode_s": {_BUCKETING.label(b): round(bucket_s[b], 2) for b in sorted(bucket_s)},
-        "_bucket_s": {_BUCKETING.label(b): bucket_s[b] for b in bucket_s},
-        "_bucket_tokens": {_BUCKETING.label(b): committed[b] for b in committed},
+        "_bucket_s": dict(bucket_s),  # by bucket index, for the totals over the measured steps
+        "_bucket_tokens": dict(committed),
         "idle_device_s": round(idle_device_s, 3),
         "reclaimed_s": round(reclaimed_s, 3),
         "reclaimed_share": round(min(reclaimed_s / idle_device_s, 1.0), 3) if idle_device_s > 0 else 0.0,
@@ -431,16 +431,14 @@ def _measured(figures: list[dict[str, Any]]) -> dict[str, Any]:
     the drafter's online training), or the only one. Times and tokens are totals over those steps, and so
     are bucket_device_share and bucket_tokens_per_s; the other per-bucket figures (accept_length, arms,
     decode_s) and finish reasons are the last step's."""
+    buckets = [(f.pop("_bucket_s"), f.pop("_bucket_tokens")) for f in figures]
     measured = figures[1:] or figures
-    bucket_s: dict[str, float] = defaultdict(float)
-    bucket_tokens: dict[str, int] = defaultdict(int)
-    for f in figures:
-        step_s, step_tokens = f.pop("_bucket_s"), f.pop("_bucket_tokens")
-        if any(f is m for m in measured):
-            for label, seconds in step_s.items():
-                bucket_s[label] += seconds
-                bucket_tokens[label] += step_tokens[label]
-    labels = sorted(bucket_s, key=lambda label: int(label.split("-")[0].rstrip("+")))
+    bucket_s: dict[int, float] = defaultdict(float)
+    bucket_tokens: dict[int, int] = defaultdict(int)
+    for step_s, step_tokens in buckets[1:] or buckets:
+        for b, seconds in step_s.items():
+            bucket_s[b] += seconds
+            bucket_tokens[b] += step_tokens[b]
     total_s = sum(bucket_s.values())
     makespan = sum(f["makespan_s"] for f in measured)
     tokens = sum(f["tokens"] for f in measured)
@@ -458,8 +456,12 @@ def _measured(figures: list[dict[str, Any]]) -> dict[str, Any]:
         "preempt_ms": [x for f in measured for x in f["preempt_ms"]],
         "step_makespans_s": [f["makespan_s"] for f in figures],
         # Over the measured steps: where the device time went, and how fast each batch-size bucket decoded.
-        "bucket_device_share": {label: round(bucket_s[label] / total_s, 3) for label in labels},
-        "bucket_tokens_per_s": {label: round(bucket_tokens[label] / bucket_s[label], 2) for label in labels},
+        "bucket_device_share": {
+            _BUCKETING.label(b): round(bucket_s[b] / total_s, 3) for b in sorted(bucket_s)
+        },
+        "bucket_tokens_per_s": {
+            _BUCKETING.label(b): round(bucket_tokens[b] / bucket_s[b], 2) for b in sorted(bucket_s)
+        },
     }
 
 

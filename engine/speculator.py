@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -80,9 +80,9 @@ class SpecConfig:
     decoding with the same seeds). Greedy rows are always an exact argmax match."""
 
     def __post_init__(self) -> None:
-        if self.method not in ("off", "ngram", "self", "eagle", "hybrid"):
+        if self.method not in get_args(Method):
             raise ValueError(
-                f"SpecConfig.method must be off, ngram, self, eagle or hybrid, got {self.method!r}"
+                f"SpecConfig.method must be one of {', '.join(get_args(Method))}, got {self.method!r}"
             )
         for name, least in (("depth", 1), ("topk", 1), ("verify", 0)):
             value = getattr(self, name)

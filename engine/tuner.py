@@ -241,7 +241,7 @@ class Tuner:
         self._hold: list[tuple[int, int] | None] = [None] * nb  # (arm, decisions still held)
         # [bucket][arm] → [committed per sequence, seconds, iterations, batch sizes summed] pooled so far
         # towards the next reward sample
-        self._pending = [[[0.0, 0.0, 0, 0] for _ in range(na)] for _ in range(nb)]
+        self._pending = [[_no_pending() for _ in range(na)] for _ in range(nb)]
         self._plain: dict[int, deque[float]] = {}  # batch size → recent seconds of "off" iterations
         self._plain_fit: _PlainCost | None = None  # built from _plain when first needed after a change
         self.decisions = 0
@@ -364,7 +364,7 @@ class Tuner:
         if pending[2] >= self.config.hold:
             self._windows[b][i].append((float(pending[0]), float(pending[1]), pending[3] / pending[2]))
             self._trials[b][i] += 1
-            self._pending[b][i] = [0.0, 0.0, 0, 0]
+            self._pending[b][i] = _no_pending()
 
     def plain_seconds(self, batch_size: float) -> float | None:
         """The plain cost model: seconds of one "off" iteration at `batch_size` (None before any was timed)."""
@@ -396,7 +396,7 @@ class Tuner:
         for pending in self._pending:
             for arm, p in zip(self.arms, pending, strict=True):
                 if arm.method == method:
-                    p[:] = [0.0, 0.0, 0, 0]
+                    p[:] = _no_pending()
         return cleared
 
     def best(self, batch_size: int, available: Available = None) -> str | None:
@@ -491,6 +491,11 @@ class Tuner:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _no_pending() -> list[float]:
+    """An empty pooled sample: [committed per sequence, seconds, iterations, batch sizes summed]."""
+    return [0.0, 0.0, 0, 0]
 
 
 def _median_seconds(window: Iterable[Sample]) -> float:
