@@ -51,7 +51,6 @@ account the idle device-seconds it reclaimed.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import queue
 import threading
@@ -70,18 +69,9 @@ from slipstream.engine.weights import load_model
 from slipstream.protocols.control import Lease, Preempt, Released, Status
 from slipstream.protocols.drafter import DrafterDelta, DrafterStats, DrafterUpdate, HiddenStates
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
-from slipstream.runtime.codec import tensor_bytes
+from slipstream.runtime.codec import checksum
 
 OWNER = "drafter:0"  # the rank that owns the one drafter of a run
-
-
-def weights_checksum(names: list[str], tensors: list[torch.Tensor]) -> str:
-    """sha256 over names and raw tensor bytes, in order (what the receiver recomputes)."""
-    h = hashlib.sha256()
-    for name, t in zip(names, tensors, strict=True):
-        h.update(name.encode())
-        h.update(tensor_bytes(t).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _crossed(last: int, now: int, every: int) -> bool:
@@ -234,7 +224,7 @@ class DrafterActor(Actor):
             self.log.warning("update_ignored", sender=sender, version=msg.version, why="not from the owner")
             return
         why = self._check_weights(list(msg.names), list(msg.tensors))
-        if why is None and weights_checksum(list(msg.names), list(msg.tensors)) != msg.checksum:
+        if why is None and checksum(msg.names, msg.tensors) != msg.checksum:
             why = "checksum mismatch"
         if why is not None:
             self.log.error("update_refused", version=msg.version, why=why)
@@ -254,8 +244,8 @@ class DrafterActor(Actor):
         self.version = msg.version
         if exact:
             # Computed from this rank's own weights, so the coordinator can see the ranks agree bitwise.
-            checksum = weights_checksum(self._names, [weights[n] for n in self._names])
-            fields = {"rank": self.rank, "version": self.version, "checksum": checksum}
+            digest = checksum(self._names, [weights[n] for n in self._names])
+            fields = {"rank": self.rank, "version": self.version, "checksum": digest}
             self.send(COORDINATOR, Status(topic="drafter_synced", fields=fields))
         self.log.info("adopted", version=msg.version, exact=exact, unsent_steps=self._unsent_steps)
 
@@ -316,7 +306,7 @@ class DrafterActor(Actor):
             policy_version=0,
             names=list(self._names),
             tensors=tensors,
-            checksum=weights_checksum(self._names, tensors),
+            checksum=checksum(self._names, tensors),
         )
 
     def _share(self, *, group_now: bool = False, publish_now: bool = False) -> None:

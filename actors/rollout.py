@@ -35,7 +35,6 @@ Non-obvious choices:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -45,7 +44,6 @@ from typing import Literal
 import msgspec
 import torch
 
-from slipstream.actors.drafter import weights_checksum
 from slipstream.engine import eagle_export, hub
 from slipstream.engine.buffer import completion_window
 from slipstream.engine.eagle import EagleDrafter, EagleHead
@@ -59,7 +57,7 @@ from slipstream.protocols.learner import WeightAck, WeightUpdate
 from slipstream.protocols.rollout import Completion as CompletionMsg
 from slipstream.protocols.rollout import GenerateRequest, IterationStats
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
-from slipstream.runtime.codec import tensor_bytes
+from slipstream.runtime.codec import checksum
 
 SEED_BITS = 20  # sample index bits in a sample's seed: up to ~1M samples per prompt
 
@@ -69,14 +67,6 @@ def sample_seed(seed: int, index: int) -> int:
     if not 0 <= index < 1 << SEED_BITS:
         raise ValueError(f"sample index must be in [0, 2**{SEED_BITS}), got {index}")
     return ((seed << SEED_BITS) | index) & ((1 << 63) - 1)
-
-
-def weights_digest(tensors: list[torch.Tensor]) -> str:
-    """sha256 over the raw bytes of `tensors`, in order (`WeightUpdate.checksum`)."""
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(tensor_bytes(t).numpy().tobytes())
-    return h.hexdigest()
 
 
 class RolloutActor(Actor):
@@ -217,7 +207,7 @@ class RolloutActor(Actor):
     def _swap_drafter(self) -> None:
         msg, self._pending_drafter = self._pending_drafter, None
         assert msg is not None and self.eagle is not None
-        if weights_checksum(list(msg.names), list(msg.tensors)) != msg.checksum:
+        if len(msg.names) != len(msg.tensors) or checksum(msg.names, msg.tensors) != msg.checksum:
             self.log.error("drafter_update_refused", version=msg.version, why="checksum mismatch")
             return
         try:
@@ -275,7 +265,7 @@ class RolloutActor(Actor):
                 return f"unknown parameter {name!r}"
             if tuple(tensor.shape) != tuple(param.shape) or tensor.dtype != param.dtype:
                 return f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, expected {tuple(param.shape)} {param.dtype}"
-        if weights_digest(list(msg.tensors)) != msg.checksum:
+        if checksum(msg.names, msg.tensors) != msg.checksum:
             return f"bucket {msg.bucket}: checksum mismatch"
         return None
 
@@ -394,4 +384,4 @@ class RolloutActor(Actor):
             self.log.warning("tuner_save_failed", error=str(exc))
 
 
-__all__ = ["RolloutActor", "sample_seed", "weights_digest"]
+__all__ = ["RolloutActor", "sample_seed"]

@@ -50,13 +50,15 @@ from typing import Any
 
 import torch
 
-from slipstream.engine import hub
+from slipstream.engine import eagle_export, hub
+from slipstream.engine.drafters import Drafter, NGramDrafter, OracleDrafter
 from slipstream.engine.generator import Completion, Generator, Request
 from slipstream.engine.model import Transformer
 from slipstream.engine.sampling import SamplingParams
+from slipstream.engine.speculator import SpecConfig
 from slipstream.engine.tokenizer import Tokenizer
 from slipstream.engine.weights import load_model
-from slipstream.runtime.generate import make_drafter, make_generator, spec_config
+from slipstream.tasks.datasets import reasoning_gym_rows
 
 __all__ = ["ARMS", "EAGLE_ARMS", "Arm", "bench_prompts", "main", "render", "run"]
 
@@ -110,7 +112,7 @@ EAGLE_ARMS = (Arm("eagle", 3, 1, 3), Arm("eagle", 5, 1, 5), Arm("eagle", 7, 1, 7
 def _questions(count: int, seed: int) -> tuple[list[tuple[str, str]], str]:
     """About `count` (source, question) pairs per task, interleaved, and the family they come from."""
     try:
-        import reasoning_gym
+        import reasoning_gym  # noqa: F401  (the fallback below runs without it)
     except ImportError:
         rng = random.Random(seed)
         templates = (
@@ -130,10 +132,7 @@ def _questions(count: int, seed: int) -> tuple[list[tuple[str, str]], str]:
         ], "builtin arithmetic word problems"
     # Tasks whose questions mostly fit the ~30 tokens a 64-token chat prompt leaves for the user turn.
     tasks = ("basic_arithmetic", "chain_sum", "simple_equations", "lcm")
-    per_task = [
-        [(t, str(item["question"])) for item in reasoning_gym.create_dataset(t, size=count, seed=seed)]
-        for t in tasks
-    ]
+    per_task = [[(t, row.question) for row in reasoning_gym_rows(t, count, seed)] for t in tasks]
     return [q for group in zip(*per_task, strict=True) for q in group], "reasoning-gym"
 
 
@@ -211,11 +210,18 @@ def _generator(
     recorded: dict[str, list[int]],
     drafter_dir: Path | None = None,
 ) -> Generator:
-    spec = spec_config(
-        arm.spec, depth=arm.depth, topk=arm.topk, verify=arm.verify, reproducible=arm.mode == "reproducible"
-    )
-    drafter = make_drafter(arm.spec, recorded, drafter_dir=drafter_dir, target=model)
-    return make_generator(model, requests, spec=spec, drafter=drafter, eos_token_ids=())
+    if arm.spec == "off":
+        return Generator.for_requests(model, requests, eos_token_ids=())
+    spec = SpecConfig(method=arm.spec, depth=arm.depth, topk=arm.topk, verify=arm.verify, mode=arm.mode)  # type: ignore[arg-type]
+    drafter: Drafter
+    if arm.spec == "eagle":
+        assert drafter_dir is not None
+        drafter = eagle_export.load(drafter_dir, model)
+    elif arm.spec == "self":
+        drafter = OracleDrafter(recorded)
+    else:
+        drafter = NGramDrafter()
+    return Generator.for_requests(model, requests, spec=spec, drafter=drafter, eos_token_ids=())
 
 
 def _round(
@@ -252,7 +258,7 @@ def _round(
 
 def _record(model: Transformer, requests: list[Request]) -> dict[str, list[int]]:
     """Plain outputs (prompt + response) by request id, for the self-draft oracle; also the warm-up."""
-    gen = make_generator(model, requests, eos_token_ids=())
+    gen = Generator.for_requests(model, requests, eos_token_ids=())
     return {c.request_id: [*c.prompt_ids, *c.token_ids] for c in gen.generate(requests)}
 
 

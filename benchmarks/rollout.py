@@ -70,10 +70,14 @@ import uvloop
 from slipstream.engine import hub
 from slipstream.engine.tokenizer import Tokenizer
 from slipstream.engine.tuner import Tuner, TunerConfig
+from slipstream.engine.warmup import warmup
+from slipstream.engine.weights import load_model
 from slipstream.protocols.control import Idle, Lease, Preempt, Released
 from slipstream.protocols.drafter import DrafterStats
 from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats, SamplingSpec
+from slipstream.runtime.progress import bar
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
+from slipstream.tasks.datasets import task_prompts
 
 __all__ = ["MODES", "main", "render", "run"]
 
@@ -322,8 +326,6 @@ def run(
         raise ValueError(f"steps must be >= 1, got {steps}")
     model = model or DEFAULT_MODEL
     model_dir = hub.resolve(model)
-    from slipstream.runtime.drafter_cli import task_prompts, warmup
-
     if (model_dir / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_dir(model_dir)
         # A new batch of questions per RL step: consecutive chunks of one dataset. (reasoning-gym keys item i
@@ -348,9 +350,11 @@ def run(
                 f"bench rollout: no warmed drafter at {drafter}; running drafter warmup first (~30 min)",
                 file=sys.stderr,
             )
+            # Its own 384 + 16 questions: a dataset 1000 seeds on, disjoint from the bench's.
+            held = task_prompts(task, 384 + 16, seed + 1000, tokenizer)
             warmed = warmup(
-                model=model, task=task, steps=warmup_steps, out=drafter, samples=384, max_tokens=256,
-                temperature=temperature, seed=seed + 1000,
+                load_model(model_dir), held[:384], held[384:], eos=stop_ids, steps=warmup_steps, out=drafter,
+                max_tokens=256, temperature=temperature, seed=seed + 1000, progress=bar,
             )  # fmt: skip
     result: dict[str, Any] = {
         "model": str(model_dir),

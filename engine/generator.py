@@ -24,7 +24,7 @@ learn to emit it), "length" (max_tokens reached, or prompt + response filled the
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -56,6 +56,7 @@ __all__ = [
     "StepOutput",
     "TreeScores",
     "VerifyTree",
+    "run_requests",
     "score_tree",
     "score_trees",
 ]
@@ -360,14 +361,39 @@ class Generator:
         """Run `requests` to completion (the generator must be idle); completions in request order."""
         if self.has_unfinished():
             raise RuntimeError("generate() needs an idle generator; drive step() yourself to mix workloads")
-        for request in requests:
-            self.add(request)
-        done: dict[str, Completion] = {}
-        while self.has_unfinished():
-            for output in self.step():
-                if output.completion is not None:
-                    done[output.request_id] = output.completion
-        return [done[request.request_id] for request in requests]
+        return run_requests(self, requests)
+
+    @classmethod
+    def for_requests(
+        cls,
+        model: Transformer,
+        requests: Sequence[Request],
+        *,
+        max_batch: int = 32,
+        spec: SpecConfig | None = None,
+        drafter: Drafter | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        return_hidden: bool = False,
+    ) -> Generator:
+        """A generator sized for `requests`: the KV cache is paid up front, so slots and length fit the job.
+
+        eos_token_ids: stop ids for every request (None: the model config's; () decodes to max_tokens).
+        """
+        num_slots = max(1, min(max_batch, len(requests)))
+        longest = max(len(r.prompt_ids) + r.params.max_tokens for r in requests)
+        # Room for one verify pass's nodes past the last committed token before they are rolled back.
+        slack = 0 if spec is None else spec.verify_budget + 2
+        return cls(
+            model,
+            num_slots=num_slots,
+            max_len=min(longest + slack, model.config.max_position_embeddings),
+            # Every sequence's full verify tree fits in one pass, with room left for prefill chunks.
+            token_budget=max(512, num_slots * (1 + (0 if spec is None else spec.verify_budget)) + 64),
+            eos_token_ids=eos_token_ids,
+            return_hidden=return_hidden,
+            spec=spec,
+            drafter=drafter,
+        )
 
     def _forward(self, input_ids: list[int], layout: BatchLayout) -> tuple[Tensor, Tensor]:
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.cache.device)
@@ -501,3 +527,34 @@ class Generator:
 def _group_key(request: Request) -> Hashable:
     """Drafters share state per prompt group; a request without a group is its own."""
     return request.group_id if request.group_id is not None else ("request", request.request_id)
+
+
+def run_requests(
+    generator: Generator,
+    requests: Sequence[Request],
+    *,
+    on_done: Callable[[int, Completion], None] | None = None,
+    on_tokens: Callable[[int], None] | None = None,
+) -> list[Completion]:
+    """Drive `generator` over `requests`; completions in request order.
+
+    `on_done(i, completion)` is called in request order, as soon as request i and all before it are done;
+    `on_tokens(n)` after each iteration with the tokens it produced (for progress).
+    """
+    for request in requests:  # all added first: a bad prompt fails before anything is produced
+        generator.add(request)
+    index = {r.request_id: i for i, r in enumerate(requests)}
+    done: dict[int, Completion] = {}
+    next_out = 0
+    while generator.has_unfinished():
+        outputs = generator.step()
+        if on_tokens is not None:
+            on_tokens(sum(len(o.token_ids) for o in outputs))
+        for output in outputs:
+            if output.completion is not None:
+                done[index[output.request_id]] = output.completion
+        while next_out in done:
+            if on_done is not None:
+                on_done(next_out, done[next_out])
+            next_out += 1
+    return [done[i] for i in range(len(requests))]

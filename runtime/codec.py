@@ -21,6 +21,7 @@ A `Codec` keeps per-call scratch state, so it belongs to one thread (as its sock
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterable, Sequence
 from types import ModuleType
@@ -82,6 +83,18 @@ def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         t = t.contiguous()
     return t.reshape(-1).view(torch.uint8)
+
+
+def checksum(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> str:
+    """sha256 over each name and its tensor's raw bytes, in order: what weight and drafter updates carry
+    and the receiver recomputes before applying anything."""
+    if len(names) != len(tensors):
+        raise ValueError(f"checksum: {len(names)} names for {len(tensors)} tensors")
+    h = hashlib.sha256()
+    for name, t in zip(names, tensors, strict=True):
+        h.update(name.encode())
+        h.update(tensor_bytes(t).numpy().tobytes())
+    return h.hexdigest()
 
 
 class Codec:

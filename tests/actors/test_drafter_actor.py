@@ -11,10 +11,9 @@ import torch
 import uvloop
 import zmq
 
-from slipstream.actors.drafter import weights_checksum
 from slipstream.protocols.control import Lease, Preempt, Released, Status
 from slipstream.protocols.drafter import DrafterUpdate, HiddenStates
-from slipstream.runtime.codec import Codec
+from slipstream.runtime.codec import Codec, checksum
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
 from tests.engine.conftest import build_checkpoint
 
@@ -129,12 +128,12 @@ def test_sigkilled_drafter_restarts_from_its_last_checkpoint(tmp_path: Path) -> 
     before = published[restored.version]
     assert restored.names == before.names
     assert all(torch.equal(a, b) for a, b in zip(restored.tensors, before.tensors, strict=True))
-    assert restored.checksum == before.checksum == weights_checksum(restored.names, restored.tensors)
+    assert restored.checksum == before.checksum == checksum(restored.names, restored.tensors)
 
     # The run's drafter is a deployment asset: export it and reload it into the engine, unchanged.
+    from slipstream.cli.drafter import export_run
     from slipstream.engine import eagle_export
     from slipstream.engine.weights import load_model
-    from slipstream.runtime.drafter_cli import export_run
 
     info = export_run(run_dir, model=str(model), out=tmp_path / "exported")
     assert info["version"] == restored.version

@@ -19,10 +19,11 @@ import pytest
 import torch
 import uvloop
 
-from slipstream.actors.drafter import OWNER, DrafterActor, weights_checksum
+from slipstream.actors.drafter import OWNER, DrafterActor
 from slipstream.protocols.control import Lease, Preempt, Released, Status
 from slipstream.protocols.drafter import DrafterDelta, DrafterStats, DrafterUpdate
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
+from slipstream.runtime.codec import checksum
 from slipstream.runtime.inbox import Inbox
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
 from tests.actors.test_drafter_actor import HEARTBEAT_S, drafter_spec, feed, wait_for
@@ -90,7 +91,7 @@ def test_two_leased_ranks_train_one_drafter(tmp_path: Path) -> None:
     synced = last_synced(seen, rank=1)
     # One drafter: rank 1 ends on the owner's final weights, bitwise.
     assert synced.fields["version"] == final.version
-    assert synced.fields["checksum"] == final.checksum == weights_checksum(final.names, final.tensors)
+    assert synced.fields["checksum"] == final.checksum == checksum(final.names, final.tensors)
     # Every step either rank trained is folded in once: version = owner's steps + rank 1's steps.
     steps = {m.rank: m.steps for m in seen if isinstance(m, DrafterStats)}
     assert final.version == steps[0] + steps[1] and steps[0] > 0 and steps[1] >= 30
@@ -175,9 +176,7 @@ class FakeRank(Actor):
         self._send(steps=0, names=names, tensors=good)
         self._send(steps=3, names=names, tensors=good)
         expected = [self.global_weights[n] + 1e-3 for n in names]  # the owner is dormant: n = 1
-        self.send(
-            COORDINATOR, Status(topic="fake_sent", fields={"checksum": weights_checksum(names, expected)})
-        )
+        self.send(COORDINATOR, Status(topic="fake_sent", fields={"checksum": checksum(names, expected)}))
 
 
 @pytest.mark.timeout(120)

@@ -18,7 +18,7 @@ import pytest
 import torch
 import uvloop
 
-from slipstream.actors.rollout import RolloutActor, weights_digest
+from slipstream.actors.rollout import RolloutActor
 from slipstream.engine.sampling import SamplingParams
 from slipstream.engine.speculator import SpecConfig
 from slipstream.engine.weights import load_model
@@ -27,7 +27,7 @@ from slipstream.protocols.control import Idle, Lease
 from slipstream.protocols.drafter import DrafterUpdate, HiddenStates
 from slipstream.protocols.learner import WeightAck, WeightUpdate
 from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats, SamplingSpec
-from slipstream.runtime.codec import Codec
+from slipstream.runtime.codec import Codec, checksum
 from slipstream.runtime.inbox import Inbox
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
 from tests.engine.conftest import build_checkpoint
@@ -192,7 +192,7 @@ def test_weight_update_is_staged_until_drained_then_applied_and_acked(tiny: Path
     for bucket, (name, tensor) in enumerate(zip(names, new, strict=True)):
         actor.on_weights(
             WeightUpdate(version=1, bucket=bucket, num_buckets=2, names=[name], tensors=[tensor],
-                         checksum=weights_digest([tensor])),
+                         checksum=checksum([name], [tensor])),
             "learner:0",
         )  # fmt: skip
     assert actor.policy_version == 0  # a response is never produced by two policies

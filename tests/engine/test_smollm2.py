@@ -17,10 +17,10 @@ import torch
 
 from slipstream.engine import hub
 from slipstream.engine.generator import Generator, Request
-from slipstream.engine.prompts import read_prompts
 from slipstream.engine.sampling import SamplingParams
 from slipstream.engine.tokenizer import Tokenizer
 from slipstream.engine.weights import load_model
+from slipstream.tasks.prompts import read_prompts
 
 pytestmark = pytest.mark.timeout(300)  # a first pull on a cold cache converts the model
 

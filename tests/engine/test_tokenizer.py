@@ -1,4 +1,4 @@
-"""Tests for engine/tokenizer.py and engine/prompts.py against the converted SmolLM2 (one pull per
+"""Tests for engine/tokenizer.py and tasks/prompts.py against the converted SmolLM2 (one pull per
 session, ~30 s), with transformers' AutoTokenizer as the reference for ids and chat formatting.
 """
 
@@ -14,8 +14,8 @@ import pytest
 from tokenizers import Tokenizer as Backend
 
 from slipstream.engine import hub
-from slipstream.engine.prompts import PromptSpec, read_prompts
 from slipstream.engine.tokenizer import Tokenizer
+from slipstream.tasks.prompts import PromptSpec, read_prompts
 
 TEXTS = [
     "Hello world",

@@ -12,9 +12,10 @@ import torch
 import uvloop
 import zmq
 
+from slipstream.cli import smoke
 from slipstream.protocols.control import Status
 from slipstream.protocols.drafter import HiddenStates
-from slipstream.runtime import logs, smoke
+from slipstream.runtime import logs
 from slipstream.runtime.codec import Codec
 from slipstream.runtime.supervisor import ActorSpec, Supervisor, SupervisorError
 
@@ -74,7 +75,7 @@ def test_hung_actor_is_declared_dead_after_missed_heartbeats(tmp_path: Path) -> 
     async def main() -> None:
         sup = Supervisor(tmp_path, heartbeat_s=HEARTBEAT_S)
         try:
-            await sup.start([ActorSpec(actor="slipstream.runtime.smoke:Sink")])
+            await sup.start([ActorSpec(actor="slipstream.cli.smoke:Sink")])
             pid = sup.pid("sink:0")
             os.kill(pid, signal.SIGSTOP)  # alive but silent: only heartbeats can tell
             stopped_at = time.monotonic()
@@ -93,7 +94,7 @@ def test_actor_drops_malformed_messages_and_serves_the_next(tmp_path: Path) -> N
     async def main() -> None:
         sup = Supervisor(tmp_path, heartbeat_s=HEARTBEAT_S)
         try:
-            await sup.start([ActorSpec(actor="slipstream.runtime.smoke:Sink")])
+            await sup.start([ActorSpec(actor="slipstream.cli.smoke:Sink")])
             endpoint = sup.endpoints()["sink:0"]
             ctx = zmq.Context()
             peer = ctx.socket(zmq.ROUTER)  # the sink replies to its sender: be addressable
@@ -139,11 +140,11 @@ def ipc_for(tmp_path: Path) -> str:
 def test_bad_actor_config_fails_at_start_naming_the_field(tmp_path: Path) -> None:
     async def main() -> None:
         sup = Supervisor(tmp_path, heartbeat_s=HEARTBEAT_S)
-        bad = ActorSpec(actor="slipstream.runtime.smoke:Source", config={"sinks": [], "mesages": 3})
+        bad = ActorSpec(actor="slipstream.cli.smoke:Source", config={"sinks": [], "mesages": 3})
         with pytest.raises(SupervisorError, match=r"source:0 config: mesages: unknown field"):
             await sup.start([bad])
         sup2 = Supervisor(tmp_path / "b", heartbeat_s=HEARTBEAT_S)
-        bad = ActorSpec(actor="slipstream.runtime.smoke:Source", config={"messages": "many"})
+        bad = ActorSpec(actor="slipstream.cli.smoke:Source", config={"messages": "many"})
         with pytest.raises(SupervisorError, match=r"source:0 config: messages: expected `int`, got `str`"):
             await sup2.start([bad])
 
@@ -155,7 +156,7 @@ def test_unknown_actor_path_fails_at_start(tmp_path: Path) -> None:
     async def main() -> None:
         sup = Supervisor(tmp_path)
         with pytest.raises(SupervisorError, match="cannot load actor"):
-            await sup.start([ActorSpec(actor="slipstream.runtime.smoke:Nope")])
+            await sup.start([ActorSpec(actor="slipstream.cli.smoke:Nope")])
 
     uvloop.run(main())
 
@@ -169,7 +170,7 @@ def test_live_event_stream_carries_actor_logs(tmp_path: Path) -> None:
         ctx = zmq.Context()
         sub = ctx.socket(zmq.SUB)
         try:
-            await sup.start([ActorSpec(actor="slipstream.runtime.smoke:Sink")])
+            await sup.start([ActorSpec(actor="slipstream.cli.smoke:Sink")])
             endpoints = json.loads((tmp_path / "endpoints.json").read_text())
             sub.connect(endpoints["events"])
             sub.setsockopt(zmq.SUBSCRIBE, b"sink")

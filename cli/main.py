@@ -39,7 +39,8 @@ def _not_yet(what: str, lands_with: str) -> int:
 def _cmd_smoke(args: argparse.Namespace) -> int:
     import uvloop
 
-    from slipstream.runtime import logs, smoke
+    from slipstream.cli import smoke
+    from slipstream.runtime import logs
 
     run_dir = Path(args.run_dir or f"runs/smoke-{time.strftime('%Y%m%d-%H%M%S')}")
     log = logs.configure(role="coordinator", run_dir=run_dir, echo=args.verbose)
@@ -51,7 +52,7 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from slipstream.runtime import generate
+    from slipstream.cli import generate
 
     return generate.run(args)
 
@@ -158,7 +159,7 @@ def _cmd_logs(args: argparse.Namespace) -> int:
 
 
 def _generate_arguments(p: argparse.ArgumentParser) -> None:
-    # Defined here rather than in runtime/generate.py so that building the parser never imports torch.
+    # Defined here rather than in cli/generate.py so that building the parser never imports torch.
     p.add_argument("--model", required=True, help="model directory (config.json + safetensors) or a name")
     p.add_argument("--prompts", required=True, type=Path, help="JSONL: id and prompt | messages | prompt_ids")
     p.add_argument(
@@ -191,7 +192,7 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_drafter(args: argparse.Namespace) -> int:
-    from slipstream.runtime import drafter_cli
+    from slipstream.cli import drafter as drafter_cli
 
     if args.action == "export":
         result = drafter_cli.export_run(args.run, model=args.model, out=args.out, server=args.server)

@@ -4,7 +4,7 @@
     slipstream generate --model DIR --prompts p.jsonl --spec ngram --depth 5 --temperature 0 --json
     slipstream generate --model smollm2-135m --prompts p.jsonl --spec self --reproducible
 
-Prompts are a JSONL as `engine/prompts.py` reads it: `id` and one of `prompt` (text, through the chat
+Prompts are a JSONL as `tasks/prompts.py` reads it: `id` and one of `prompt` (text, through the chat
 template when the tokenizer has one), `messages` or `prompt_ids` (a model directory without a tokenizer
 takes `prompt_ids` lines only).
 
@@ -30,11 +30,10 @@ Choices worth knowing:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -43,23 +42,22 @@ import torch
 
 from slipstream.engine import eagle_export, hub
 from slipstream.engine.drafters import Drafter, NGramDrafter, OracleDrafter
-from slipstream.engine.generator import Completion, Generator, Request
+from slipstream.engine.generator import Completion, Generator, Request, run_requests
 from slipstream.engine.model import Transformer
-from slipstream.engine.prompts import PromptSpec, read_prompts
 from slipstream.engine.sampling import SamplingParams
 from slipstream.engine.speculator import SpecConfig
 from slipstream.engine.tokenizer import Tokenizer
 from slipstream.engine.weights import load_model
+from slipstream.runtime.progress import bar
+from slipstream.tasks.prompts import PromptSpec, read_prompts
 
 __all__ = [
     "SPEC_METHODS",
     "completion_record",
     "make_drafter",
-    "make_generator",
     "make_requests",
     "request_seed",
     "run",
-    "run_requests",
     "spec_config",
 ]
 
@@ -115,37 +113,6 @@ def make_drafter(
     return None
 
 
-def make_generator(
-    model: Transformer,
-    requests: Sequence[Request],
-    *,
-    max_batch: int = 32,
-    spec: SpecConfig | None = None,
-    drafter: Drafter | None = None,
-    eos_token_ids: Sequence[int] | None = None,
-) -> Generator:
-    """A generator sized for `requests`: the KV cache is paid up front, so slots and length fit the job.
-
-    eos_token_ids: stop ids for every request (None: the model config's; () decodes to max_tokens).
-    """
-    config = model.config
-    num_slots = max(1, min(max_batch, len(requests)))
-    longest = max(len(r.prompt_ids) + r.params.max_tokens for r in requests)
-    # Room for one verify pass's nodes past the last committed token before they are rolled back.
-    slack = 0 if spec is None else spec.verify_budget + 2
-    max_len = min(longest + slack, config.max_position_embeddings)
-    return Generator(
-        model,
-        num_slots=num_slots,
-        max_len=max_len,
-        # Every sequence's full verify tree fits in one pass, with room left for prefill chunks.
-        token_budget=max(512, num_slots * (1 + (0 if spec is None else spec.verify_budget)) + 64),
-        eos_token_ids=eos_token_ids,
-        spec=spec,
-        drafter=drafter,
-    )
-
-
 def make_requests(specs: Sequence[PromptSpec], params: SamplingParams, seed: int) -> list[Request]:
     """One request per prompt, in file order, each with its own derived seed (`request_seed`)."""
     return [
@@ -157,37 +124,6 @@ def make_requests(specs: Sequence[PromptSpec], params: SamplingParams, seed: int
         )
         for i, spec in enumerate(specs)
     ]
-
-
-def run_requests(
-    generator: Generator,
-    requests: Sequence[Request],
-    *,
-    on_done: Callable[[int, Completion], None] | None = None,
-    on_tokens: Callable[[int], None] | None = None,
-) -> list[Completion]:
-    """Drive `generator` over `requests`; completions in request order.
-
-    `on_done(i, completion)` is called in request order, as soon as request i and all before it are done;
-    `on_tokens(n)` after each iteration with the tokens it produced (for progress).
-    """
-    for request in requests:  # all added first: a bad prompt fails before anything is printed
-        generator.add(request)
-    index = {r.request_id: i for i, r in enumerate(requests)}
-    done: dict[int, Completion] = {}
-    next_out = 0
-    while generator.has_unfinished():
-        outputs = generator.step()
-        if on_tokens is not None:
-            on_tokens(sum(len(o.token_ids) for o in outputs))
-        for output in outputs:
-            if output.completion is not None:
-                done[index[output.request_id]] = output.completion
-        while next_out in done:
-            if on_done is not None:
-                on_done(next_out, done[next_out])
-            next_out += 1
-    return [done[i] for i in range(len(requests))]
 
 
 def completion_record(completion: Completion, tokenizer: Tokenizer | None) -> dict[str, Any]:
@@ -205,47 +141,6 @@ def completion_record(completion: Completion, tokenizer: Tokenizer | None) -> di
         accept_length=round(len(completion.token_ids) / passes, 3) if passes else 0.0,
     )
     return record
-
-
-@contextlib.contextmanager
-def progress(
-    total: int, label: str
-) -> Iterator[tuple[Callable[[int, Completion], None], Callable[[int], None]]]:
-    """(on_done, on_tokens) callbacks driving a rich bar on stderr.
-
-    Shown only when stderr is a terminal and stdout is not (results printed under a live bar on the same
-    screen would tear it; then the results themselves show the progress).
-    """
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    console = Console(stderr=True)
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[tokens]} tokens"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-        # Results are written to the real stdout, never through rich's proxy (which goes to stderr).
-        redirect_stdout=False,
-        redirect_stderr=False,
-        disable=not console.is_terminal or sys.stdout.isatty(),
-    )
-    task = progress.add_task(label, total=total, tokens=0)
-    tokens = 0
-
-    def on_done(_: int, __: Completion) -> None:
-        progress.advance(task)
-
-    def on_tokens(n: int) -> None:
-        nonlocal tokens
-        tokens += n
-        progress.update(task, tokens=tokens)
-
-    with progress:
-        yield on_done, on_tokens
 
 
 def _print_completion(record: dict[str, Any], *, as_json: bool, out: TextIO) -> None:
@@ -315,13 +210,14 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     recorded: dict[str, list[int]] = {}
     if args.spec == "self":
         # The oracle replays what plain decoding produced with the very same seeds.
-        plain = make_generator(model, requests, max_batch=args.max_batch)
-        with progress(len(requests), "recording plain run") as (on_done, on_tokens):
-            for c in run_requests(plain, requests, on_done=on_done, on_tokens=on_tokens):
+        plain = Generator.for_requests(model, requests, max_batch=args.max_batch)
+        with bar("recording plain run", len(requests)) as p:
+            done = run_requests(plain, requests, on_done=lambda *_: p.advance(), on_tokens=p.add_tokens)
+            for c in done:
                 recorded[c.request_id] = [*c.prompt_ids, *c.token_ids]
         del plain  # its KV cache
 
-    generator = make_generator(
+    generator = Generator.for_requests(
         model,
         requests,
         max_batch=args.max_batch,
@@ -329,13 +225,13 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         drafter=make_drafter(args.spec, recorded, drafter_dir=args.drafter, target=model),
     )
     started = time.perf_counter()
-    with progress(len(requests), f"generate ({args.spec})") as (on_done, on_tokens):
+    with bar(f"generate ({args.spec})", len(requests)) as p:
 
         def emit(i: int, completion: Completion) -> None:
-            on_done(i, completion)
+            p.advance()
             _print_completion(completion_record(completion, tokenizer), as_json=args.json, out=out)
 
-        completions = run_requests(generator, requests, on_done=emit, on_tokens=on_tokens)
+        completions = run_requests(generator, requests, on_done=emit, on_tokens=p.add_tokens)
     seconds = time.perf_counter() - started
     tokens = sum(len(c.token_ids) for c in completions)
     passes = sum(c.target_passes for c in completions)

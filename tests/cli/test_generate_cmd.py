@@ -21,11 +21,11 @@ from tokenizers import Tokenizer as Backend
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
+from slipstream.cli.generate import request_seed
+from slipstream.cli.main import main
 from slipstream.engine.generator import Generator, Request
 from slipstream.engine.sampling import SamplingParams
 from slipstream.engine.weights import load_model
-from slipstream.runtime.cli import main
-from slipstream.runtime.generate import request_seed
 from tests.engine.conftest import TINY, build_checkpoint
 
 VOCAB = TINY["vocab_size"]
@@ -242,7 +242,7 @@ def test_bad_input_is_one_clear_line(
 
 def test_real_command_line(model_dir: Path, prompts_file: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cli = [sys.executable, "-m", "slipstream.runtime.cli", "generate", "--model", str(model_dir)]
+    cli = [sys.executable, "-m", "slipstream.cli.main", "generate", "--model", str(model_dir)]
     ok = [*cli, "--prompts", str(prompts_file), "--json", "--max-tokens", "5", "--spec", "ngram"]
     done = subprocess.run(ok, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr

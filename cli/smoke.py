@@ -106,8 +106,8 @@ class Source(Actor):
 
 def specs(sinks: int, messages: int) -> list[ActorSpec]:
     names = [f"sink:{i}" for i in range(sinks)]
-    out = [ActorSpec(actor="slipstream.runtime.smoke:Source", config={"sinks": names, "messages": messages})]
-    out += [ActorSpec(actor="slipstream.runtime.smoke:Sink", rank=i) for i in range(sinks)]
+    out = [ActorSpec(actor="slipstream.cli.smoke:Source", config={"sinks": names, "messages": messages})]
+    out += [ActorSpec(actor="slipstream.cli.smoke:Sink", rank=i) for i in range(sinks)]
     return out
 
 

@@ -1,0 +1,1 @@
+"""Datasets and reward functions: reasoning-gym tasks, JSONL prompt files, built-in rewards."""
