@@ -1,0 +1,294 @@
+"""The learner's optimisation step: GRPO on scored samples, micro-batched by a token budget, AdamW.
+
+`PolicyTrainer.step(samples)` scores every response token under the distribution the rollout sampled
+from (`grpo.processed_logprobs`: temperature, top-k, top-p), takes the clipped GRPO loss against the
+rollout's log-probs (the behaviour policy), accumulates gradients over micro-batches, clips the global
+norm and steps AdamW with a warmup-then-constant-or-cosine learning rate.
+
+Non-obvious choices:
+- Token-mean over the GLOBAL batch: the loss of every micro-batch (and every data-parallel rank) is divided
+  by the total response-token count, so micro-batching and ranks change nothing but rounding.
+- Data parallel without DDP: each rank sums its micro-batches' gradients, then one all-reduce (SUM) per
+  step over a flat buffer when torch.distributed is initialised (gloo on CPU, NCCL on GPU); every rank
+  then takes the same optimizer step, so all ranks hold bitwise-equal weights.
+- Micro-batches pack length-sorted sequences up to `micro_batch_tokens` padded tokens: little padding,
+  bounded memory (logits are [tokens, vocab] float32 per micro-batch).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from slipstream.engine.grpo import LossConfig, grpo_loss, pad_sequences, processed_logprobs
+from slipstream.engine.model import Transformer
+
+__all__ = ["OptimConfig", "PolicySample", "PolicyTrainer", "micro_batches"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicySample:
+    """One response to learn from, with what the rollout reported and its group-relative advantage."""
+
+    prompt_ids: Sequence[int]
+    response_ids: Sequence[int]
+    behaviour_logprobs: Sequence[float]
+    """Per response token, under the processed sampling distribution (the rollout's `Completion.logprobs`)."""
+    advantage: float
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.response_ids) != len(self.behaviour_logprobs):
+            raise ValueError(
+                f"{len(self.response_ids)} response ids but {len(self.behaviour_logprobs)} behaviour log-probs"
+            )
+        if not self.prompt_ids:
+            raise ValueError("empty prompt")
+        if not math.isfinite(self.advantage):
+            raise ValueError(f"advantage must be finite, got {self.advantage}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW and its schedule."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = 1.0  # 0 = no clipping
+    warmup_steps: int = 0  # linear warmup from lr / (warmup_steps + 1)
+    total_steps: int = 0  # > 0: cosine decay to min_lr_ratio * lr at total_steps; 0: constant after warmup
+    min_lr_ratio: float = 0.1
+    micro_batch_tokens: int = 4096  # padded (prompt + response) tokens per forward/backward pass
+
+    def __post_init__(self) -> None:
+        checks = {
+            "lr": self.lr > 0,
+            "weight_decay": self.weight_decay >= 0,
+            "max_grad_norm": self.max_grad_norm >= 0,
+            "warmup_steps": self.warmup_steps >= 0,
+            "total_steps": self.total_steps >= 0,
+            "min_lr_ratio": 0 <= self.min_lr_ratio <= 1,
+            "micro_batch_tokens": self.micro_batch_tokens >= 1,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"optim.{name}: invalid value {getattr(self, name)!r}")
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of `lr` at optimizer step `step` (0-based)."""
+        if step < self.warmup_steps:
+            return (step + 1) / (self.warmup_steps + 1)
+        if self.total_steps <= self.warmup_steps:
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices grouped so that each group's count × its longest length ≤ budget (a longer one goes alone).
+
+    Sorted by length first, so a group pads little; the order within and across groups is deterministic."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and (len(current) + 1) * lengths[i] > budget:
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups
+
+
+@dataclass
+class _Totals:
+    """Per-step sums over micro-batches (weighted by tokens) and maxima, reduced over ranks."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    maxima: dict[str, float] = field(default_factory=dict)
+
+    def add(self, stats: dict[str, float], tokens: int) -> None:
+        for key, value in stats.items():
+            if key == "tokens":
+                continue
+            if key.endswith("_max"):
+                self.maxima[key] = max(self.maxima.get(key, -math.inf), value)
+            elif key.endswith("_min"):
+                self.maxima[key] = max(self.maxima.get(key, -math.inf), -value)  # max of the negation
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + value * tokens
+
+
+class PolicyTrainer:
+    """AdamW on every parameter of `model`; one `step` per RL step's batch; checkpointable."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        *,
+        optim: OptimConfig | None = None,
+        loss: LossConfig | None = None,
+        ref_model: Transformer | None = None,
+    ) -> None:
+        self.model = model
+        self.optim = optim or OptimConfig()
+        self.loss = loss or LossConfig()
+        if self.loss.kl_coef > 0 and ref_model is None:
+            raise ValueError("loss.kl_coef > 0 needs a frozen reference model")
+        self.ref_model = ref_model
+        if ref_model is not None:
+            ref_model.requires_grad_(False)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=self.optim.lr, weight_decay=self.optim.weight_decay, betas=self.optim.betas
+        )
+        self.steps = 0
+
+    def step(self, samples: Sequence[PolicySample]) -> dict[str, Any]:
+        """One optimizer step on this rank's `samples` (every rank of a data-parallel group calls it)."""
+        device = self.model.embed_tokens.weight.device
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        counts = torch.tensor(
+            [sum(len(s.response_ids) for s in samples), sum(1 for s in samples if s.response_ids)],
+            dtype=torch.float64,
+        )
+        if world > 1:
+            dist.all_reduce(counts)
+        num_tokens, num_seqs = int(counts[0]), int(counts[1])
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.optim.lr * self.optim.lr_factor(self.steps)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals = _Totals()
+        losses = 0.0
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        for group in micro_batches(lengths, self.optim.micro_batch_tokens):
+            batch = [samples[i] for i in group if samples[i].response_ids]
+            if not batch:
+                continue
+            loss, stats, tokens = self._micro_step(batch, num_tokens, num_seqs, device)
+            loss.backward()
+            losses += float(loss.detach())
+            totals.add(stats, tokens)
+        grad_norm = self._reduce_and_clip(world)
+        self.optimizer.step()
+        self.steps += 1
+        return self._summary(totals, losses, grad_norm, num_tokens, num_seqs, world)
+
+    def _micro_step(
+        self, batch: list[PolicySample], num_tokens: int, num_seqs: int, device: torch.device
+    ) -> tuple[Tensor, dict[str, float], int]:
+        ids, _ = pad_sequences(
+            [torch.tensor([*s.prompt_ids, *s.response_ids], dtype=torch.int64) for s in batch], pad=0
+        )
+        ids = ids.to(device)
+        # Response token j of a sequence sits at position P + j and is predicted by the logits at P + j - 1.
+        rows = torch.cat(
+            [
+                b * (ids.shape[1] - 1)
+                + torch.arange(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + len(s.response_ids))
+                for b, s in enumerate(batch)
+            ]
+        ).to(device)  # [tokens] rows of the flattened [B * (L - 1), V] logits
+        tokens = torch.cat([torch.as_tensor(s.response_ids, dtype=torch.int64) for s in batch]).to(device)
+        per_token = [len(s.response_ids) for s in batch]
+
+        def params(name: str, dtype: torch.dtype) -> Tensor:
+            return torch.cat(
+                [
+                    torch.full((n,), getattr(s, name), dtype=dtype)
+                    for s, n in zip(batch, per_token, strict=True)
+                ]
+            ).to(device)
+
+        sampling = {
+            "temperature": params("temperature", torch.float32),
+            "top_p": params("top_p", torch.float32),
+            "top_k": params("top_k", torch.int64),
+        }
+        logits = self.model.forward_train(ids[:, :-1])  # [B, L - 1, V]
+        flat = logits.reshape(-1, logits.shape[-1]).index_select(0, rows)  # [tokens, V]
+        logp = processed_logprobs(flat, tokens, **sampling)
+        ref = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_logits = self.ref_model.forward_train(ids[:, :-1])
+                ref_flat = ref_logits.reshape(-1, ref_logits.shape[-1]).index_select(0, rows)
+                ref = processed_logprobs(ref_flat, tokens, **sampling)
+        pad = lambda x: pad_sequences(list(torch.split(x, per_token)))  # noqa: E731
+        logp_padded, mask = pad(logp)
+        behaviour = torch.cat([torch.as_tensor(s.behaviour_logprobs, dtype=torch.float32) for s in batch])
+        behaviour_padded, _ = pad(behaviour.to(device))
+        advantages = torch.tensor([s.advantage for s in batch], dtype=torch.float32, device=device)
+        loss, stats = grpo_loss(
+            logp_padded,
+            behaviour_padded,
+            advantages,
+            mask,
+            config=self.loss,
+            ref_logprobs=None if ref is None else pad(ref)[0],
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+        )
+        return loss, stats, int(mask.sum())
+
+    def _reduce_and_clip(self, world: int) -> float:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if world > 1:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            offset = 0
+            for p, g in zip(self.params, grads, strict=True):
+                p.grad = flat[offset : offset + g.numel()].view_as(p).clone()
+                offset += g.numel()
+        else:
+            for p, g in zip(self.params, grads, strict=True):
+                p.grad = g
+        max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm > 0 else math.inf
+        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+
+    def _summary(
+        self, totals: _Totals, losses: float, grad_norm: float, num_tokens: int, num_seqs: int, world: int
+    ) -> dict[str, Any]:
+        keys = sorted(totals.sums)
+        maxima = sorted(totals.maxima)
+        if world > 1:
+            sums = torch.tensor([totals.sums[k] for k in keys] + [losses], dtype=torch.float64)
+            dist.all_reduce(sums)
+            highs = torch.tensor([totals.maxima[k] for k in maxima], dtype=torch.float64)
+            if len(highs):
+                dist.all_reduce(highs, op=dist.ReduceOp.MAX)
+            totals.sums = dict(zip(keys, sums[:-1].tolist(), strict=True))
+            losses = float(sums[-1])
+            totals.maxima = dict(zip(maxima, highs.tolist(), strict=True))
+        out: dict[str, Any] = {
+            "step": self.steps,
+            "loss": losses,
+            "grad_norm": grad_norm,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "tokens": num_tokens,
+            "sequences": num_seqs,
+        }
+        for key in keys:
+            out[key] = totals.sums[key] / max(num_tokens, 1)
+        for key in maxima:
+            out[key] = -totals.maxima[key] if key.endswith("_min") else totals.maxima[key]
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer state and step count (the model's weights are saved by the caller)."""
+        return {"optimizer": self.optimizer.state_dict(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state["steps"])
