@@ -1,52 +1,17 @@
-"""The drafter actor: trains the EAGLE head online on idle devices, and hands its weights to rollouts.
+"""The drafter actor: trains the EAGLE head online in leased idle device time, and publishes it.
 
-It stays dormant until the coordinator leases it a device, and until then only buffers. Rollout actors
-stream `HiddenStates` of finished responses into its `OnlineBuffer`, and the buffer holds copies, never
-views: received tensors alias zmq frames or shared-memory slots. While leased, each `step()` is one
-short optimizer step. A `Preempt` is a control message, so the serve loop runs it before the next step:
-preemption waits at most one training step. The actor answers `Released` with the latency measured from
-the coordinator's send time; anything else preemption triggers is sent after that.
+Dormant until the coordinator leases it a device; until then it only buffers the `HiddenStates` rollouts
+stream to it (as copies: received tensors alias zmq frames or shared-memory slots). While leased, each
+`step()` is one short optimizer step, and a `Preempt`, being control, is served before the next one:
+preemption waits at most one step, and `Released` carries the latency from the coordinator's send.
 
-Several drafter actors (`world_size` ranks) train one drafter by periodic averaging with one owner, never
-as diverging copies. Rank 0 owns it: its head *is* the global drafter, and only it versions, checkpoints
-and publishes. Every other rank trains from the newest global weights it has adopted and, every
-`sync_every_steps` local steps and when preempted, sends the owner a `DrafterDelta`: local − base, where
-base is the adopted global plus the deltas already sent. The owner folds each in at once, global +=
-delta / n, and the version grows by the delta's steps (version = optimizer steps folded into the
-drafter). Its own steps enter the same average: for AdamW a step scaled by 1/n is exactly a step at lr/n,
-so the owner trains at lr/n. n counts the ranks training now: the owner if leased, the sender, and each
-rank whose last delta was not final and came within twice its previous interval (+ 1 s). So one rank
-alone trains like a single drafter, and n concurrent ranks move it by the mean of their progress, as data
-parallelism with n times the batch would. A delta's size already grows with its steps; weighting by its
-tokens as well would count them twice.
-
-After folding in deltas, every `sync_every_steps` of its own steps, and when preempted, the owner sends
-the other ranks the global `DrafterUpdate`. A rank adopts it (checksum verified) carrying over what it has
-trained but not sent (local = global + local − base; base = global), or bitwise exactly when nothing is
-unsent, and keeps its AdamW moments (local SGD). So every step any rank trains is folded in once (the
-group test checks version = the sum of all ranks' steps). Stale deltas (based on an older version) are
-folded in at full weight, as asynchronous SGD does: every rank rebases on each update, so a delta is at
-most about one sync period of the others' progress stale. The owner logs and drops, and serves on, a
-delta based on a version newer than its own (sent to an owner since restarted from an older checkpoint)
-and a malformed one (wrong sender, names, shapes or dtypes; non-finite values).
-
-A non-owner trains only after adopting the owner's weights: at start it sends a zero-step delta, which
-the owner answers with them, so ranks need not share an initialisation. A SIGKILLed non-owner loses at
-most its unsent steps; a restarted owner resumes from its checkpoint and sends the restored weights to
-the group and to `publish_to`. Limits: the owner takes one full-size delta per rank per sync and sends
-one update per rank per merge, which suits a handful of ranks and heads of up to a few hundred MB; each
-rank trains on what is streamed to it (rollouts' `hidden_to`), so streaming every sample to every rank
-trains on duplicates; and messages to a dead rank queue in the transport up to its high-water mark.
-
-Every `publish_every_steps` (of the version), and at most every `publish_min_interval_s`, the owner sends a versioned, checksummed `DrafterUpdate` to
-`publish_to`, which is rollout actors, or the coordinator. Every `checkpoint_every_steps` a background
-thread writes weights, optimizer state and version atomically to the run directory. It writes with
-torch.save, read back with weights_only=True: local disk, never the wire. A restarted owner (for example
-after SIGKILL) resumes from its newest checkpoint with the same weights and version, and publishes them
-at once. Without a checkpoint the owner starts from `init_from` (an exported head, e.g. `drafter warmup`)
-at that head's version, so rollouts that loaded the same head take its updates as newer. At every
-release the actor reports `DrafterStats` (elapsed_s: seconds spent training) so the coordinator can
-account the idle device-seconds it reclaimed.
+Several ranks (`world_size`) train one drafter by periodic averaging, never diverging copies. Rank 0 owns
+it and alone versions, checkpoints and publishes it; the other ranks send it `DrafterDelta`s (local −
+base), which it folds in as global += delta / n (n: ranks training now), and adopt the `DrafterUpdate`s it
+sends back, keeping what they have not sent yet. The version counts optimizer steps folded in; updates and
+deltas carry the newest policy version the weights have trained on (buffered data does not count).
+Checkpoints (a background thread, local disk) let a restarted owner resume with the same weights and
+versions. The averaging protocol, its invariants and limits: docs/actors.md.
 """
 
 from __future__ import annotations
@@ -70,8 +35,10 @@ from slipstream.protocols.control import Lease, Preempt, Released, Status
 from slipstream.protocols.drafter import DrafterDelta, DrafterStats, DrafterUpdate, HiddenStates
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
+from slipstream.runtime.transport import actor_name
 
-OWNER = "drafter:0"  # the rank that owns the one drafter of a run
+ROLE = "drafter"
+OWNER = actor_name(ROLE, 0)  # the rank that owns the one drafter of a run
 
 
 def _crossed(last: int, now: int, every: int) -> bool:
@@ -80,7 +47,7 @@ def _crossed(last: int, now: int, every: int) -> bool:
 
 
 class DrafterActor(Actor):
-    role = "drafter"
+    role = ROLE
 
     class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
         model: str  # the target (policy) model: a directory or a registry name
@@ -103,7 +70,7 @@ class DrafterActor(Actor):
         if self.rank >= cfg.world_size:
             raise ValueError(f"world_size: {cfg.world_size} ranks, but this is rank {self.rank}")
         self.owner = self.rank == 0
-        self.group = [f"drafter:{r}" for r in range(1, cfg.world_size)] if self.owner else [OWNER]
+        self.group = [actor_name(ROLE, r) for r in range(1, cfg.world_size)] if self.owner else [OWNER]
         missing = [name for name in self.group if name not in self.peers]
         if missing:
             raise ValueError(f"world_size: {cfg.world_size} ranks, but {missing} are not in this run")
@@ -114,6 +81,9 @@ class DrafterActor(Actor):
         self.trainer = DrafterTrainer(self.head, self.target, lr=cfg.lr, unroll_steps=cfg.unroll_steps)
         self.buffer = OnlineBuffer(cfg.buffer_bytes, seed=cfg.seed + self.rank)
         self.version = 0  # owner: of the drafter; other ranks: of the newest global adopted
+        # The newest policy version whose hidden states these weights have trained on (own steps, folded
+        # deltas, adopted updates); data merely buffered does not count: it has not shaped the drafter.
+        self.policy_version = 0
         self.lease: Lease | None = None
         self._shapes = {name: (t.shape, t.dtype) for name, t in self.head.state_dict().items()}
         self._names = sorted(self._shapes)
@@ -196,6 +166,7 @@ class DrafterActor(Actor):
                 for name, delta in zip(msg.names, msg.tensors, strict=True):
                     weights[name].add_(delta.to(weights[name].device), alpha=1.0 / n)
             self.version += msg.steps
+            self.policy_version = max(self.policy_version, msg.policy_version)
             self._remote_merged = True
             self.log.info(
                 "delta_merged",
@@ -205,6 +176,7 @@ class DrafterActor(Actor):
                 ranks=n,
                 base_version=msg.base_version,
                 version=self.version,
+                policy_version=self.policy_version,
             )
         if msg.final:
             self._active.pop(sender, None)
@@ -242,6 +214,7 @@ class DrafterActor(Actor):
                     weights[name].add_(new - self._base[name])  # local = global + (local − base)
                 self._base[name].copy_(new)
         self.version = msg.version
+        self.policy_version = max(self.policy_version, msg.policy_version)
         if exact:
             # Computed from this rank's own weights, so the coordinator can see the ranks agree bitwise.
             digest = checksum(self._names, [weights[n] for n in self._names])
@@ -270,6 +243,7 @@ class DrafterActor(Actor):
         elapsed = time.perf_counter() - started
         self._trained_s += elapsed
         self._last_loss = float(metrics["loss"])
+        self.policy_version = max(self.policy_version, *batch.policy_versions)
         if self.owner:
             self.version += 1
             self._share()
@@ -282,7 +256,7 @@ class DrafterActor(Actor):
         return True
 
     def _training_ranks(self, now: float, sender: str | None = None) -> int:
-        """Owner: n, the ranks training now (see the module docstring); at least one."""
+        """Owner: n, the ranks training now (docs/actors.md); at least one."""
         active = {rank for rank, until in self._active.items() if until > now}
         if sender is not None:
             active.add(sender)
@@ -303,7 +277,7 @@ class DrafterActor(Actor):
         tensors = [weights[n] for n in self._names]
         return DrafterUpdate(
             version=self.version,
-            policy_version=0,
+            policy_version=self.policy_version,
             names=list(self._names),
             tensors=tensors,
             checksum=checksum(self._names, tensors),
@@ -353,7 +327,7 @@ class DrafterActor(Actor):
     def _check_delta(self, msg: DrafterDelta, sender: str) -> str | None:
         if not self.owner:
             return "not the owner"
-        if sender not in self.group or sender != f"drafter:{msg.rank}":
+        if sender not in self.group or sender != actor_name(ROLE, msg.rank):
             return f"sender {sender} (rank {msg.rank}) is not a rank of this drafter"
         if msg.steps == 0:
             return None if not msg.names and not msg.tensors else "a zero-step delta carries no tensors"
@@ -389,6 +363,7 @@ class DrafterActor(Actor):
         msg = DrafterDelta(
             rank=self.rank,
             base_version=self.version,
+            policy_version=self.policy_version,
             steps=self._unsent_steps if names else 0,
             tokens=self._unsent_tokens if names else 0,
             elapsed_s=self._unsent_s if names else 0.0,
@@ -406,7 +381,8 @@ class DrafterActor(Actor):
     # -- checkpoints (owner) ------------------------------------------------------------------------
 
     def _checkpoint(self) -> None:
-        state = {"version": self.version, **self.trainer.state_dict()}  # a deep copy: safe to write later
+        # trainer.state_dict() is a deep copy: safe to write later
+        state = {"version": self.version, "policy_version": self.policy_version, **self.trainer.state_dict()}
         try:
             self._ckpt_jobs.put_nowait((self.version, state))
         except queue.Full:
@@ -455,6 +431,9 @@ class DrafterActor(Actor):
         for group in self.trainer.optimizer.param_groups:
             group["lr"] = self.config.lr  # the checkpoint holds the lr / n the owner trained at last
         self.version = int(state["version"])
+        self.policy_version = int(state.get("policy_version", 0))  # absent from checkpoints before it
         self._published_version = self._checkpointed_version = self.version
-        self.log.info("resumed", version=self.version, path=str(ckpts[-1]))
+        self.log.info(
+            "resumed", version=self.version, policy_version=self.policy_version, path=str(ckpts[-1])
+        )
         self._share(group_now=bool(self.group), publish_now=True)  # peers get the restored weights at once

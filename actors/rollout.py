@@ -1,36 +1,17 @@
 """The rollout actor: decodes GRPO groups with continuous batching and tuned, lossless speculation.
 
-One rollout actor per device. It receives `GenerateRequest`s (one prompt, G samples, the policy version),
-decodes every sample in one continuous batch, and streams each `Completion` the moment it finishes: token
-ids, per-token log-probs under the sampling distribution (the learner's behaviour policy), finish reason
-and the policy version that produced it. Each finished response's hidden states go to the drafter actors'
-buffers (`hidden_to`), and when its queue drains the actor tells the coordinator `Idle`, so the coordinator
-can lease its device to drafter training.
+One per device. A `GenerateRequest` (one prompt, G samples, a policy version) joins the continuous batch;
+each `Completion` streams out the moment it finishes (tokens, behaviour log-probs, finish reason, policy
+version), its hidden states go to the drafter actors (`hidden_to`), and a drained queue reports `Idle`, so
+the coordinator can lease the device to drafter training. Per decode iteration the tuner picks the
+speculation arm for the live batch size and is rewarded with that iteration's committed tokens per
+second; arms change speed, never output (tested). Its state persists across steps and restarts.
 
-Per decode iteration the tuner (`engine/tuner.py`) picks the speculation arm for the live batch size, the
-generator runs the iteration with it, and the committed tokens per second of that iteration are the arm's
-reward. Arms only change speed: greedy output is token-identical and sampled output follows the target
-distribution exactly with or without the tuner (tested). An `IterationStats` per iteration reports the
-decision and what it bought; every decision is logged. The tuner's state is saved to the run directory
-whenever the actor goes idle and restored at start, so it carries across RL steps and restarts.
-
-Updates, applied between iterations:
-- `DrafterUpdate` (versioned, checksummed): the newest one is hot-swapped into the EAGLE drafter before
-  the next iteration, mid-generation; drafts change, outputs do not. Once the version has moved `retune_drafter_versions` training steps
-  since the last time, the eagle and hybrid arms' estimates are forgotten so the tuner retries them (not at every
-  update: a retry costs a few iterations per bucket and arm, and ten steps rarely change the ranking).
-- `WeightUpdate` (bucketed, checksummed): buckets are staged until the version is complete, then applied
-  when no request is in flight (a response is never produced by two policies) and acknowledged with
-  `WeightAck`; a bad update is refused with the reason and the old weights stay.
-
-Non-obvious choices:
-- Sample i of a group samples with seed `sample_seed(request.seed, i)`; noise is keyed by (seed,
-  position), so a sample's tokens depend only on its seed, never on batch composition or on the tuner.
-- Tuner rewards come only from iterations with no prompt prefill in them: a prefill chunk's cost says
-  nothing about the arm, and would penalise whichever arm was active when a new group arrived.
-- The EAGLE drafter is held from the start (warmed from `drafter`, or untrained until the first update
-  when hidden states go to drafter actors; without either, eagle and hybrid arms are never available), so it
-  observes every commit and can draft for requests already in flight the moment it wins.
+Between iterations it swaps in the newest `DrafterUpdate` (mid-generation: drafts change, outputs do not)
+and applies a complete `WeightUpdate` once no request is in flight, so no response mixes two policies.
+Non-obvious: sample i of a group samples with `sample_seed(request.seed, i)` (engine/sampling.py, as
+`generate` seeds request i), so its tokens depend on its seed alone; tuner rewards skip iterations with
+prefill in them. The update rules and the other choices in full: docs/actors.md.
 """
 
 from __future__ import annotations
@@ -46,9 +27,11 @@ import torch
 
 from slipstream.engine import eagle_export, hub
 from slipstream.engine.buffer import completion_window
-from slipstream.engine.eagle import EagleDrafter, EagleHead
+from slipstream.engine.config import dtype_from_name
+from slipstream.engine.drafters import Drafter, EagleDrafter, NGramDrafter
+from slipstream.engine.eagle import EagleHead
 from slipstream.engine.generator import Completion, Generator, Request
-from slipstream.engine.sampling import SamplingParams
+from slipstream.engine.sampling import SamplingParams, sample_seed
 from slipstream.engine.tuner import Tuner, TunerConfig
 from slipstream.engine.weights import load_model
 from slipstream.protocols.control import Idle
@@ -58,15 +41,6 @@ from slipstream.protocols.rollout import Completion as CompletionMsg
 from slipstream.protocols.rollout import GenerateRequest, IterationStats
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
-
-SEED_BITS = 20  # sample index bits in a sample's seed: up to ~1M samples per prompt
-
-
-def sample_seed(seed: int, index: int) -> int:
-    """The sampling seed of sample `index` of a group whose request carries `seed` (fits int64)."""
-    if not 0 <= index < 1 << SEED_BITS:
-        raise ValueError(f"sample index must be in [0, 2**{SEED_BITS}), got {index}")
-    return ((seed << SEED_BITS) | index) & ((1 << 63) - 1)
 
 
 class RolloutActor(Actor):
@@ -105,24 +79,29 @@ class RolloutActor(Actor):
             self.log.info("tuner_restored", path=str(self.tuner_path))
         arms = self.tuner.arms
         deepest = max(arm.spec().verify_budget for arm in arms if arm.method != "off") if len(arms) > 1 else 0
-        self.generator = Generator(
-            self.model,
-            num_slots=cfg.max_batch,
-            max_len=cfg.max_len,
-            token_budget=cfg.token_budget or max(512, cfg.max_batch * (1 + deepest) + 64),
-            return_hidden=bool(cfg.hidden_to),
-        )
         self.eagle: EagleDrafter | None = None
         # An EAGLE head is worth holding only if it starts trained or will be trained online.
         if any(arm.method in ("eagle", "hybrid") for arm in arms) and (cfg.drafter or cfg.hidden_to):
             self.eagle = self._make_eagle()
-            self.generator.set_spec(
-                next(a for a in arms if a.method in ("eagle", "hybrid")).spec(cfg.spec_mode), self.eagle
-            )
-            self.generator.set_spec(None)
+        drafters: dict[str, Drafter] = {}
+        # Held drafters observe every commit: plain decoding (arms ["off"]) pays for no n-gram tables.
+        if any(arm.method in ("ngram", "hybrid") for arm in arms):
+            drafters["ngram"] = NGramDrafter()
+        if self.eagle is not None:
+            drafters["eagle"] = self.eagle
+        self.generator = Generator(
+            self.model,
+            num_slots=cfg.max_batch,
+            max_len=cfg.max_len,
+            token_budget=cfg.token_budget or None,  # None: sized for the deepest arm's drafts
+            max_draft=deepest,
+            return_hidden=bool(cfg.hidden_to),
+            drafters=drafters,
+        )
         self._retuned_version = 0 if self.eagle is None else self.eagle.version
         self._pending_drafter: DrafterUpdate | None = None  # the newest update, swapped in before decoding
-        self.methods = {"off", "ngram", "self"} | ({"eagle", "hybrid"} if self.eagle is not None else set())
+        # Arms whose drafters are held ("self" replays recordings, which a rollout has none of).
+        self.methods = {"off", *drafters} | ({"hybrid"} if {"ngram", "eagle"} <= drafters.keys() else set())
         self.policy_version = cfg.policy_version
         self._samples: dict[str, tuple[int, int]] = {}  # request id -> (group id, sample index)
         self._arm = "off"
@@ -130,7 +109,7 @@ class RolloutActor(Actor):
         self._idle_sent = True  # nothing to report until work arrives
         self._staged: dict[int, dict[int, WeightUpdate]] = {}  # version -> bucket -> update (cloned)
         self._ready_version: int | None = None  # a complete, verified version waiting for a drained queue
-        self._hidden_dtype = getattr(torch, cfg.hidden_dtype)
+        self._hidden_dtype = dtype_from_name(cfg.hidden_dtype)
 
     def _make_eagle(self) -> EagleDrafter:
         cfg = self.config
@@ -222,7 +201,9 @@ class RolloutActor(Actor):
             self.tuner.forget("eagle")
             self.tuner.forget("hybrid")
             self._retuned_version = msg.version
-        self.log.info("drafter_swapped", version=msg.version, retuned=retune)
+        self.log.info(
+            "drafter_swapped", version=msg.version, policy_version=msg.policy_version, retuned=retune
+        )
 
     @handler
     def on_weights(self, msg: WeightUpdate, sender: str) -> None:
@@ -384,4 +365,4 @@ class RolloutActor(Actor):
             self.log.warning("tuner_save_failed", error=str(exc))
 
 
-__all__ = ["RolloutActor", "sample_seed"]
+__all__ = ["RolloutActor"]

@@ -5,40 +5,19 @@
     slipstream bench decode --model DIR --batches 1 --max-tokens 16 --repeats 1 --json   # a quick one
     python -m slipstream.benchmarks.decode --json                     # the same without the CLI
 
-Workload (DESIGN §11): B prompts of exactly `prompt_tokens` (64) tokens of real text — short
-reasoning-gym questions (basic_arithmetic, chain_sum, simple_equations, lcm) when the package imports,
-else built-in arithmetic word problems, each followed by a "think step by step" instruction, through the
-chat template and cut to length inside the user turn — then `max_tokens` (256) new tokens at temperature
-1 (`--temperature`), request i seeded i. A model directory without a tokenizer gets seeded random prompt ids instead (the
-JSON says which). EOS is ignored, so every config decodes exactly B × max_tokens tokens and tokens/s
-compare like with like.
-
-Rows per batch size (JSON "rows"): plain; n-gram chain k=3, chain k=7 and a tree (depth 4, topk 4, verify
-16), all sampled with rejection verification; self-draft chain k=3 and k=7 in reproducible mode; with
---drafter DIR (an exported EAGLE head) eagle chain k=3/5/7 and a tree (depth 4, topk 4, verify 16), in
-rejection mode. The
-self-draft (oracle) replays the target's own output recorded by an untimed plain run with the same seeds
-(which is also the warm-up); reproducible verification accepts a replayed token exactly when it is the
-target's keyed sample, so the oracle is accepted all the way (up to float ties) even at T = 1 and no
-greedy rows are needed — whereas rejection mode would accept a replayed x only with probability q(x).
-The oracle always proposes a chain (knowing the answer, branching only spends verify budget), so a
-self-draft tree row would be a chain row again and is left out.
-
-Interleaving: for each batch size every config gets its own generator, and the generators advance one
-iteration each in turn until all are done, so drift and the neighbours' load hit every config alike at
-iteration granularity. A config's time is the sum of its own iterations (prefill included); the whole
-round is repeated `repeats` times and each config reports its median tokens/s (tokens_per_s_rounds has
-every round's figure); ratio = that / plain's median. accept_length = tokens per target pass over all
-repeats (1.0 for plain, whose mode is null). One round is the default: at iteration granularity a burst
-of load hits every config alike, so the ratios hold without repeats, and a round of the full workload
-already takes about five minutes on 2 CPU threads (--repeats 3 for medians on a noisy machine).
+Workload (DESIGN §11): B prompts of exactly 64 tokens of "think step by step" questions through the chat
+template, 256 new tokens each at temperature 1 with EOS ignored, so every config decodes the same number
+of tokens. Rows per batch size: plain, n-gram chains and a tree, self-draft (the oracle: the target's own
+recorded output, replayed in reproducible mode, the engine's mechanical ceiling) and, with --drafter, a
+trained EAGLE head's chains and tree. The non-obvious choice: the configs of one batch size advance one
+decode iteration each in turn, so drift and the neighbours' load hit every config alike. The result is
+`DecodeResult` (fields documented there); workload details and figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import statistics
 import sys
@@ -46,8 +25,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+import msgspec
 import torch
 
 from slipstream.engine import eagle_export, hub
@@ -60,7 +39,7 @@ from slipstream.engine.tokenizer import Tokenizer
 from slipstream.engine.weights import load_model
 from slipstream.tasks.datasets import reasoning_gym_rows
 
-__all__ = ["ARMS", "EAGLE_ARMS", "Arm", "bench_prompts", "main", "render", "run"]
+__all__ = ["ARMS", "EAGLE_ARMS", "Arm", "DecodeResult", "DecodeRow", "bench_prompts", "main", "render", "run"]
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_BATCHES = (1, 4, 16, 32)
@@ -86,7 +65,7 @@ class Arm:
         """Verification mode; None for plain decoding (nothing to verify)."""
         if self.spec == "off":
             return None
-        # The oracle is only meaningful when its replay can be accepted in full (see the module docstring).
+        # The oracle is only meaningful when its replay can be accepted in full (docs/benchmarks.md).
         return "reproducible" if self.spec == "self" else "rejection"
 
     @property
@@ -104,6 +83,46 @@ ARMS = (
 )
 EAGLE_ARMS = (Arm("eagle", 3, 1, 3), Arm("eagle", 5, 1, 5), Arm("eagle", 7, 1, 7), Arm("eagle", 4, 4, 16))
 """Rows added with --drafter DIR (a trained EAGLE head, rejection verification like the n-gram rows)."""
+
+
+# -- result --------------------------------------------------------------------------------------------
+
+
+class DecodeRow(msgspec.Struct, frozen=True, kw_only=True):
+    """One config at one batch size."""
+
+    batch: int  # requests decoded together
+    spec: str  # drafter: "off" (plain), "ngram", "self" (oracle) or "eagle"
+    depth: int  # draft depth (0 for plain)
+    topk: int  # children per draft-tree node; 1 = a chain
+    verify: int  # draft nodes verified per target pass
+    mode: str | None  # verification: "rejection" or "reproducible"; None for plain
+    tokens_per_s: float  # median over the rounds of tokens / the config's own iteration seconds
+    tokens_per_s_rounds: list[float]  # every round's figure
+    ratio: float | None  # tokens_per_s / plain's at this batch size (None without a plain row)
+    accept_length: float | None  # tokens per target pass over every round (1.0 for plain)
+    drafted: int  # draft tokens proposed, every round
+    accepted: int  # draft tokens accepted, every round
+
+
+class DecodeResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What `bench decode --json` prints."""
+
+    model: str  # the model as named on the command line
+    threads: int  # torch threads
+    rows: list[DecodeRow]  # batch size by batch size, configs in ARMS order (then EAGLE_ARMS)
+    batches: list[int]
+    prompt_tokens: int  # tokens per prompt, exactly
+    max_tokens: int  # new tokens per request, exactly (EOS ignored)
+    temperature: float
+    repeats: int  # interleaved rounds per batch size
+    prompt_source: str  # where the prompts came from (reasoning-gym tasks, built-in problems, random ids)
+    ignore_eos: bool  # always true: every config decodes the same tokens
+    torch: str  # torch version
+    self_mode: str  # how the self-draft (oracle) rows are verified
+    timing: str  # how a config's time is taken
+    drafter: str | None  # the EAGLE head behind the eagle rows (None: no eagle rows)
+    wall_s: float  # the whole run, seconds
 
 
 # -- prompts -------------------------------------------------------------------------------------------
@@ -221,7 +240,7 @@ def _generator(
         drafter = OracleDrafter(recorded)
     else:
         drafter = NGramDrafter()
-    return Generator.for_requests(model, requests, spec=spec, drafter=drafter, eos_token_ids=())
+    return Generator.for_requests(model, requests, spec=spec, drafters={arm.spec: drafter}, eos_token_ids=())
 
 
 def _round(
@@ -274,10 +293,10 @@ def run(
     log: bool = True,
     drafter: Path | None = None,
     temperature: float = 1.0,
-) -> dict[str, Any]:
-    """Run the benchmark; returns the JSON-ready result (see the module docstring). drafter: an exported
-    EAGLE head; its rows (`EAGLE_ARMS`) are added to `arms`. temperature: of every request (> 0: the
-    oracle rows need a sampled, keyed run to replay; a head trained at T = 0.7 is best measured there)."""
+) -> DecodeResult:
+    """Run the benchmark (see the module docstring). drafter: an exported EAGLE head; its rows
+    (`EAGLE_ARMS`) are added to `arms`. temperature: of every request (> 0: the oracle rows need a
+    sampled, keyed run to replay; a head trained at T = 0.7 is best measured there)."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if not batches or min(batches) < 1:
@@ -305,7 +324,7 @@ def run(
             print(f"bench decode: {message}", file=sys.stderr, flush=True)
 
     say(f"{name}, {torch.get_num_threads()} threads, prompts from {source}")
-    rows: list[dict[str, Any]] = []
+    rows: list[DecodeRow] = []
     for batch in batches:
         requests = _requests(prompts[:batch], max_tokens, temperature)
         t0 = time.perf_counter()
@@ -327,50 +346,50 @@ def run(
             tokens = sum(rd[a].tokens for rd in rounds)
             passes = sum(rd[a].passes for rd in rounds)
             rows.append(
-                {
-                    "batch": batch,
-                    "spec": arm.spec,
-                    "depth": arm.depth,
-                    "topk": arm.topk,
-                    "verify": arm.verify,
-                    "mode": arm.mode,
-                    "tokens_per_s": round(medians[a], 2),
-                    "tokens_per_s_rounds": [round(rd[a].tokens / rd[a].seconds, 2) for rd in rounds],
-                    "ratio": round(medians[a] / plain, 3) if plain else None,
-                    "accept_length": round(tokens / passes, 3) if passes else None,
-                    "drafted": sum(rd[a].drafted for rd in rounds),
-                    "accepted": sum(rd[a].accepted for rd in rounds),
-                }
+                DecodeRow(
+                    batch=batch,
+                    spec=arm.spec,
+                    depth=arm.depth,
+                    topk=arm.topk,
+                    verify=arm.verify,
+                    mode=arm.mode,
+                    tokens_per_s=round(medians[a], 2),
+                    tokens_per_s_rounds=[round(rd[a].tokens / rd[a].seconds, 2) for rd in rounds],
+                    ratio=round(medians[a] / plain, 3) if plain else None,
+                    accept_length=round(tokens / passes, 3) if passes else None,
+                    drafted=sum(rd[a].drafted for rd in rounds),
+                    accepted=sum(rd[a].accepted for rd in rounds),
+                )
             )
-    return {
-        "model": name,
-        "threads": torch.get_num_threads(),
-        "rows": rows,
-        "batches": list(batches),
-        "prompt_tokens": prompt_tokens,
-        "max_tokens": max_tokens,
-        "temperature": temperature,
-        "repeats": repeats,
-        "prompt_source": source,
-        "ignore_eos": True,
-        "torch": torch.__version__,
-        "self_mode": "reproducible: the oracle replays an untimed plain run with the same seeds",
-        "timing": "configs interleaved per iteration; median tokens/s over repeats; prefill included",
-        "drafter": None if drafter is None else str(drafter),
-        "wall_s": round(time.perf_counter() - started, 1),
-    }
+    return DecodeResult(
+        model=name,
+        threads=torch.get_num_threads(),
+        rows=rows,
+        batches=list(batches),
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        repeats=repeats,
+        prompt_source=source,
+        ignore_eos=True,
+        torch=str(torch.__version__),  # a str subclass msgspec does not encode
+        self_mode="reproducible: the oracle replays an untimed plain run with the same seeds",
+        timing="configs interleaved per iteration; median tokens/s over repeats; prefill included",
+        drafter=None if drafter is None else str(drafter),
+        wall_s=round(time.perf_counter() - started, 1),
+    )
 
 
-def render(result: dict[str, Any]) -> str:
+def render(result: DecodeResult) -> str:
     """A readable table of `run`'s result."""
-    lines = [f"{result['model']}  threads={result['threads']}  prompts: {result['prompt_source']}"]
+    lines = [f"{result.model}  threads={result.threads}  prompts: {result.prompt_source}"]
     lines.append(f"{'batch':>5}  {'config':<18} {'mode':<12} {'tok/s':>8} {'ratio':>6} {'accept':>6}")
-    for row in result["rows"]:
-        arm = Arm(row["spec"], row["depth"], row["topk"], row["verify"])
-        ratio = "" if row["ratio"] is None else f"{row['ratio']:.2f}"
-        accept = "" if row["accept_length"] is None else f"{row['accept_length']:.2f}"
+    for row in result.rows:
+        arm = Arm(row.spec, row.depth, row.topk, row.verify)
+        ratio = "" if row.ratio is None else f"{row.ratio:.2f}"
+        accept = "" if row.accept_length is None else f"{row.accept_length:.2f}"
         lines.append(
-            f"{row['batch']:>5}  {arm.label:<18} {row['mode'] or '-':<12} {row['tokens_per_s']:>8.1f} "
+            f"{row.batch:>5}  {arm.label:<18} {row.mode or '-':<12} {row.tokens_per_s:>8.1f} "
             f"{ratio:>6} {accept:>6}"
         )
     return "\n".join(lines)
@@ -386,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--drafter", type=Path, default=None, help="an exported EAGLE head: adds eagle rows")
+    p.add_argument("--json", action="store_true", help="one JSON object (DecodeResult) on stdout")
     args = p.parse_args(argv)
     result = run(
         args.model,
@@ -394,9 +414,10 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.max_tokens,
         repeats=args.repeats,
         threads=args.threads,
+        drafter=args.drafter,
         temperature=args.temperature,
     )
-    print(json.dumps(result) if args.json else render(result))
+    print(msgspec.json.encode(result).decode() if args.json else render(result))
     return 0
 
 

@@ -1,53 +1,21 @@
-"""Rollout benchmark: a long-tail GRPO rollout, plain vs n-gram vs full adaptive, side by side in one run.
+"""Rollout benchmark: a long-tail GRPO rollout, plain vs n-gram vs adaptive, side by side in one run.
 
-    slipstream bench rollout --json                       # smollm2-135m, basic_arithmetic, all three modes
-    slipstream bench rollout --prompts 4 --samples 4 --max-tokens 128 --json      # a quicker one
-    slipstream bench rollout --trace iters.jsonl          # plus every decode iteration, one JSON line each
-    python -m slipstream.benchmarks.rollout --json        # the same without the CLI
+    slipstream bench rollout --json                                  # deploy/configs/bench-rollout.yaml
+    slipstream bench rollout prompts=4 max_tokens=128 --json         # key.sub=value overrides (or --prompts 4)
+    slipstream bench rollout --config my.yaml --trace iters.jsonl    # plus every decode iteration, JSON lines
+    python -m slipstream.benchmarks.rollout --json                   # without the CLI (the same defaults)
 
-Workload: `prompts` reasoning-gym questions (fixed seed) through the chat template, `samples` (G) responses
-each at temperature 0.7, up to `max_tokens` (512) tokens, EOS honoured — so response lengths are the
-model's own, heavy-tailed ones. Why 0.7: at T = 1 SmolLM2-135M degenerates in about a third of its
-responses, which all run to the length cap (11 of 32 at 384 tokens): a wide plateau, not a tail. At 0.7
-one response in 32 reaches 512 tokens and a few long ones decode alone for half the makespan, which is
-the shape of reasoning-model rollouts this benchmark is about. Real processes: 2 rollout actors, each pinned to one core of this CPU with one thread
-("2 devices"), and for the adaptive mode 2 drafter actors, one per device, dormant until leased. The
-bench itself is the coordinator: it deals whole groups round-robin (GRPO siblings stay together, so the
-n-gram drafter sees them), streams completions back, leases a device to its drafter actor the moment
-that device's rollout reports Idle, and preempts every lease when the last completion arrives.
+Real processes: 2 rollout actors, one core and one thread each ("2 devices"), and in the adaptive mode
+2 drafter actors that train one EAGLE head. The bench is the coordinator: it deals whole groups
+round-robin (GRPO siblings share one rollout's n-gram tables), leases a device to its drafter the moment
+that device's rollout reports Idle, and preempts every lease when the last completion arrives. Each mode
+runs `steps` RL steps on fresh prompts, the same for every mode; the first warms the tuner and the online
+drafter, the others are measured and summed (one step's makespan is noisy on a shared machine).
 
-Modes (same prompts, same seeds):
-- plain: the tuner has one arm, "off".
-- ngram: arms off and n-gram chains: what a user without a drafter gets (the tuner switches n-gram off
-  where it loses).
-- adaptive: off, n-gram, EAGLE and hybrid (n-gram where it matches, else EAGLE) arms. The EAGLE head
-  starts warmed (`--drafter DIR`, by default a cached `drafter warmup` of the model on the task, made on
-  first use), keeps training online on the rollouts' hidden states in idle device time, and hot-swaps
-  into the still-decoding rollout.
-
-Steps: each mode runs `steps` RL steps (4), each on its own fresh prompts, the same for every mode. The
-first warms the tuner and starts the online drafter; the others are measured and summed, because one
-step's makespan on this shared 2-core machine varies by ±15% between runs (29.8–36.1 s for the same
-plain step) — a sum over three steps halves that.
-
-Verification runs in reproducible mode, so every mode produces the responses plain decoding does with the
-same seeds (checked: `identical_outputs`, and `differing_responses` per mode); the makespans then compare
-the same work. One caveat, measured: a verify pass computes a position's logits in differently shaped
-kernel calls than a one-row decode step (oneDNN's single-row path, attention over 1 vs k + 1 query rows),
-and SmolLM2's logits then differ by up to ~6e-5. Where the sampler's race at a position is decided by less
-than that, the token differs and that response continues differently: 1 response in 32 diverged in one of
-about ten runs. Each token is still drawn from the target distribution as computed (the same numerical
-noise by which plain decoding at batch 1 and batch 16 differ); bitwise batch invariance is not built. Each mode's JSON: makespan_s
-(first request sent → last completion received, summed over the measured steps), tokens_per_s,
-idle_device_s (device-seconds between a rollout going idle and the end of its step), reclaimed_share
-(drafter training seconds inside those leases / idle_device_s), step_makespans_s (every step); and, for
-the last step, accept_length per batch-size bucket (committed tokens per sequence-iteration), arms chosen
-per bucket and decode_s (device-seconds of decode iterations per bucket); over the measured steps,
-bucket_device_share (each bucket's share of the decode device-seconds) and bucket_tokens_per_s. Top
-level: speedup = plain makespan / adaptive makespan, ngram_speedup = plain / ngram, each also per step
-and per bucket (`speedup_per_bucket`: the mode's bucket tokens/s over plain's; with plain's
-bucket_device_share it bounds what the makespan can gain). `--trace FILE` writes
-every decode iteration (rank, batch size, arm, drafted, accepted, committed, seconds) as JSON lines.
+Verification is reproducible, so every mode decodes the responses plain decoding does and the makespans
+compare the same work (`differing_responses` counts the rare exceptions). Configuration:
+`RolloutBenchConfig`; result fields: `RolloutBenchResult`; why this workload, and measured figures:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -60,13 +28,17 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import torch
 import uvloop
 
+from slipstream.actors.drafter import DrafterActor
+from slipstream.actors.rollout import RolloutActor
 from slipstream.engine import hub
 from slipstream.engine.tokenizer import Tokenizer
 from slipstream.engine.tuner import Tuner, TunerConfig
@@ -75,29 +47,197 @@ from slipstream.engine.weights import load_model
 from slipstream.protocols.control import Idle, Lease, Preempt, Released
 from slipstream.protocols.drafter import DrafterStats
 from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats, SamplingSpec
+from slipstream.runtime import config as run_config
 from slipstream.runtime.progress import bar
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
+from slipstream.runtime.transport import actor_name, parse_actor_name
 from slipstream.tasks.datasets import task_prompts
 
-__all__ = ["MODES", "main", "render", "run"]
+__all__ = [
+    "MODES",
+    "ModeFigures",
+    "RolloutBenchConfig",
+    "RolloutBenchResult",
+    "load_config",
+    "main",
+    "render",
+    "run",
+]
 
-MODES = ("plain", "ngram", "adaptive")
-DEFAULT_MODEL = "smollm2-135m"
-DEFAULT_TASK = "basic_arithmetic"
+Mode = Literal["plain", "ngram", "adaptive"]
+MODES: tuple[Mode, ...] = ("plain", "ngram", "adaptive")
 DEVICES = 2
-BUCKETS = [1, 2, 3, 5, 9, 17]
-# Deep n-gram chains pay off in the tail, where a lone long response often repeats itself or a sibling.
-# EAGLE trees and depth 7 lost in every bucket here (1 CPU thread per device; see the README figures), and
-# every arm costs exploration, so the bench offers the arms that can win. "hybrid" drafts with the n-gram
-# tables where they match and with the head elsewhere.
-NGRAM_ARMS = ["ngram:d3", "ngram:d5", "ngram:d8"]
-EAGLE_ARMS = ["eagle:d3", "hybrid:d3", "hybrid:d5"]
-ARMS = {"plain": ["off"], "ngram": ["off", *NGRAM_ARMS], "adaptive": ["off", *NGRAM_ARMS, *EAGLE_ARMS]}
 PHASE_TIMEOUT_S = 3600.0
+Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
-# The rollout's own bucketing (the tuner's), so figures are reported per bucket the tuner decides in.
-_BUCKETING = Tuner(TunerConfig(buckets=BUCKETS, arms=["off"]))
+def _list(*items: Any) -> Any:
+    """A list default (msgspec wants a factory for non-empty ones)."""
+    return msgspec.field(default_factory=lambda: list(items))
+
+
+# -- configuration -------------------------------------------------------------------------------------
+
+
+class ModeArms(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """The tuner's arms in each mode (grammar: engine/tuner.py). Quote "off" in YAML: bare, it is false."""
+
+    plain: list[str] = _list("off")  # plain decoding: the baseline every speedup is measured against
+    # Deep n-gram chains pay off in the tail, where a lone long response often repeats itself or a sibling.
+    ngram: list[str] = _list("off", "ngram:d3", "ngram:d5", "ngram:d8")  # what a user without a drafter gets
+    # EAGLE trees and depth 7 lost in every bucket on one CPU thread per device, and every arm costs
+    # exploration; "hybrid" drafts with the n-gram tables where they match and with the head elsewhere.
+    adaptive: list[str] = _list(
+        "off", "ngram:d3", "ngram:d5", "ngram:d8", "eagle:d3", "hybrid:d3", "hybrid:d5"
+    )
+
+    def __post_init__(self) -> None:
+        for mode in MODES:  # every mode's arms are checked before the first mode starts
+            try:
+                TunerConfig(arms=list(getattr(self, mode)))
+            except ValueError as e:  # "TunerConfig.arms[1]: …" → "ngram[1]: …"
+                raise ValueError(f"{mode}{str(e).removeprefix('TunerConfig.arms')}") from None
+
+
+class TunerSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """The rollout actors' tuner: buckets shared by every mode, each mode's arms."""
+
+    buckets: list[int] = _list(1, 2, 3, 5, 9, 17)  # lower edges of the batch-size buckets (also the report's)
+    arms: ModeArms = msgspec.field(default_factory=ModeArms)
+
+    def __post_init__(self) -> None:
+        try:
+            TunerConfig(buckets=list(self.buckets))
+        except ValueError as e:  # "TunerConfig.buckets[1]: …" → "buckets[1]: …"
+            raise ValueError(str(e).removeprefix("TunerConfig.")) from None
+
+    def config(self, mode: Mode, *, seed: int) -> TunerConfig:
+        return TunerConfig(buckets=list(self.buckets), arms=list(getattr(self.arms, mode)), seed=seed)
+
+
+class RolloutSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """What the bench sets on each rollout actor; the model, batch and length follow from the workload."""
+
+    spec_mode: Literal["rejection", "reproducible"] = (
+        "reproducible"  # reproducible: plain's tokens in every mode
+    )
+
+
+class DrafterSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """What the bench sets on each drafter actor (adaptive mode); the group and its peers follow from it."""
+
+    batch_tokens: Positive = 512  # tokens per training step: short, so a preemption waits at most one
+    publish_every_steps: Positive = 10  # drafter versions between updates pushed to the rollouts
+    checkpoint_every_steps: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: none (the run directory is temporary)
+
+
+class RolloutBenchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """`bench rollout`'s configuration; deploy/configs/bench-rollout.yaml holds the same defaults."""
+
+    model: str = "smollm2-135m"  # model directory or registry name
+    task: str = "basic_arithmetic"  # reasoning-gym task (a model without a tokenizer gets random prompts)
+    prompts: Positive = 8  # prompts (GRPO groups) per RL step
+    samples: Positive = 4  # responses per prompt (G)
+    max_tokens: Positive = 512  # new tokens per response at most; EOS is honoured
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.7  # sampling temperature
+    seed: int = 0  # seed of the prompts and of the sampling
+    steps: Positive = 4  # RL steps per mode, each on fresh prompts; all but the first are measured
+    modes: Annotated[list[Mode], msgspec.Meta(min_length=1)] = _list(*MODES)  # which modes run, in order
+    drafter: str = (
+        ""  # adaptive: the warmed EAGLE head to start from; "" = a cached warmup, made on first use
+    )
+    warmup_steps: Positive = 1000  # optimizer steps of that warmup when it has to be made
+    tuner: TunerSettings = msgspec.field(default_factory=TunerSettings)
+    rollout_actors: RolloutSettings = msgspec.field(default_factory=RolloutSettings)
+    drafter_actors: DrafterSettings = msgspec.field(default_factory=DrafterSettings)
+
+    def __post_init__(self) -> None:
+        if len(set(self.modes)) != len(self.modes):
+            raise ValueError(f"modes: {self.modes} names a mode twice")
+
+
+SHORTHANDS = ("model", "task", "prompts", "samples", "max_tokens", "temperature", "seed", "steps", "drafter")
+"""Top-level fields that the command line also takes as flags (--max-tokens …); --modes a,b sets modes."""
+
+
+def load_config(
+    path: Path | str | None = None, overrides: Sequence[str] = (), **flags: Any
+) -> RolloutBenchConfig:
+    """The YAML at `path` (None: the defaults), then the flags given (None: not given), then `key.sub=value`
+    overrides; converted strictly, so a wrong key or type raises ConfigError naming the dotted field."""
+    given = [f"{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
+    return run_config.load(path, RolloutBenchConfig, [*given, *overrides])  # JSON values are YAML too
+
+
+# -- result --------------------------------------------------------------------------------------------
+
+
+class ModeFigures(msgspec.Struct, frozen=True, kw_only=True):
+    """One mode's figures. Totals are over the measured steps (all but the first, or the only one); per
+    bucket figures are keyed by the tuner's bucket label ("1", "3-4", "17+")."""
+
+    makespan_s: float  # first request sent → last completion received, summed over the measured steps
+    tokens: int  # response tokens in the measured steps
+    tokens_per_s: float  # tokens / makespan_s
+    accept_length: dict[str, float]  # last step, per bucket: committed tokens per sequence-iteration
+    arms: dict[str, dict[str, int]]  # last step, per bucket: decode iterations per arm the tuner chose
+    decode_s: dict[str, float]  # last step, per bucket: device-seconds of decode iterations
+    idle_device_s: float  # device-seconds between a rollout going Idle and the end of its step
+    reclaimed_s: float  # drafter training seconds inside the leases of that idle time
+    reclaimed_share: float  # reclaimed_s / idle_device_s, at most 1 (0 without idle time)
+    preempt_ms: list[float]  # preempt → released latency of every lease in the measured steps
+    finish_reasons: dict[str, int]  # last step: completions per finish reason ("stop", "length", …)
+    measured_steps: int  # how many steps the totals cover
+    step_makespans_s: list[float]  # every step's makespan, the first included
+    bucket_device_share: dict[str, float]  # per bucket: its share of the decode device-seconds
+    bucket_tokens_per_s: dict[str, float]  # per bucket: committed tokens per decode device-second
+
+
+class RolloutBenchResult(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What `bench rollout --json` prints. The speedup fields are present when plain and that mode ran."""
+
+    model: str  # the resolved model directory
+    task: str
+    prompts: int
+    samples: int
+    max_tokens: int
+    temperature: float
+    steps: int
+    devices: int  # rollout actors, one core each
+    drafter: str | None  # the EAGLE head the adaptive mode starts from (None: adaptive not run, none given)
+    modes: dict[str, ModeFigures]  # in run order
+    warmup: dict[str, Any] | None = None  # the drafter warmup's summary, when this run had to make the head
+    differing_responses: dict[str, int]  # per mode: responses not token-identical to the first mode's
+    identical_outputs: bool  # no mode differs
+    speedup: float | None = None  # plain makespan_s / adaptive makespan_s
+    speedup_first_step: float | None = None  # the same for the first (unmeasured) step
+    speedup_per_step: list[float] | None = None  # the same for every step
+    speedup_per_bucket: dict[str, float] | None = None  # adaptive bucket_tokens_per_s / plain's, per bucket
+    ngram_speedup: float | None = None  # plain makespan_s / ngram makespan_s
+    ngram_speedup_first_step: float | None = None
+    ngram_speedup_per_step: list[float] | None = None
+    ngram_speedup_per_bucket: dict[str, float] | None = None
+
+
+@dataclass
+class _Step:
+    """One step's figures as the coordinator saw them (bucket sums by bucket index)."""
+
+    makespan_s: float
+    tokens: int
+    accept_length: dict[str, float]
+    arms: dict[str, dict[str, int]]
+    decode_s: dict[str, float]
+    bucket_s: dict[int, float]
+    bucket_tokens: dict[int, int]
+    idle_device_s: float
+    reclaimed_s: float
+    preempt_ms: list[float]
+    finish_reasons: dict[str, int]
+    responses: dict[tuple[int, int], list[int]]
+
+
+# -- the coordinator -----------------------------------------------------------------------------------
 
 
 def default_drafter_dir(model: str, task: str) -> Path:
@@ -105,70 +245,66 @@ def default_drafter_dir(model: str, task: str) -> Path:
 
 
 def rollout_specs(
-    mode: str, model: str, max_len: int, drafter: Path | None, max_batch: int
+    config: RolloutBenchConfig, mode: Mode, model: str, max_len: int, drafter: Path | None, max_batch: int
 ) -> list[ActorSpec]:
     adaptive = mode == "adaptive"
+    rollouts = [actor_name(RolloutActor.role, r) for r in range(DEVICES)]
+    drafters = [actor_name(DrafterActor.role, r) for r in range(DEVICES)]
     specs = []
     for rank in range(DEVICES):
-        config: dict[str, Any] = {
-            "model": model,
-            "max_batch": max_batch,
-            "max_len": max_len,
-            "spec_mode": "reproducible",
-            "tuner": {"buckets": BUCKETS, "arms": ARMS[mode], "seed": rank},
-        }
-        if adaptive:
-            config.update(drafter=str(drafter), hidden_to=[f"drafter:{r}" for r in range(DEVICES)])
-        specs.append(
-            ActorSpec(actor="slipstream.actors.rollout:RolloutActor", rank=rank, config=config, cpus=[rank])
+        rollout = RolloutActor.Config(
+            model=model,
+            max_batch=max_batch,
+            max_len=max_len,
+            spec_mode=config.rollout_actors.spec_mode,
+            tuner=config.tuner.config(mode, seed=rank),
+            **({"drafter": str(drafter), "hidden_to": drafters} if adaptive else {}),
         )
+        specs.append(ActorSpec.of(RolloutActor, rank=rank, config=rollout, cpus=[rank]))
     if adaptive:
+        settings = config.drafter_actors
         for rank in range(DEVICES):
-            config = {
-                "model": model,
-                "init_from": str(drafter),
-                "publish_to": [f"rollout:{r}" for r in range(DEVICES)],
-                "world_size": DEVICES,
-                "batch_tokens": 512,  # a short step: preemption waits at most one
-                "publish_every_steps": 10,
-                "checkpoint_every_steps": 0,
-            }
-            specs.append(
-                ActorSpec(
-                    actor="slipstream.actors.drafter:DrafterActor", rank=rank, config=config, cpus=[rank]
-                )
+            trainer = DrafterActor.Config(
+                model=model,
+                init_from=str(drafter),
+                publish_to=rollouts,
+                world_size=DEVICES,
+                batch_tokens=settings.batch_tokens,
+                publish_every_steps=settings.publish_every_steps,
+                checkpoint_every_steps=settings.checkpoint_every_steps,
             )
+            specs.append(ActorSpec.of(DrafterActor, rank=rank, config=trainer, cpus=[rank]))
     return specs
 
 
 async def run_phase(
-    mode: str,
+    mode: Mode,
     *,
+    config: RolloutBenchConfig,
     model: str,
     prompt_sets: list[list[list[int]]],
-    samples: int,
-    max_tokens: int,
-    temperature: float,
     stop_ids: list[int],
-    seed: int,
     drafter: Path | None,
     run_dir: Path,
+    bucketing: Tuner,
     trace: list[dict[str, Any]] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[_Step]:
     """One mode: start the actors, run one rollout step per prompt set as the coordinator does (actors,
     tuner state and drafter carry over between steps), return each step's figures."""
-    max_len = max(len(p) for prompts in prompt_sets for p in prompts) + max_tokens + 64
-    max_batch = -(-max(len(prompts) for prompts in prompt_sets) // DEVICES) * samples
-    sampling = SamplingSpec(temperature=temperature, max_tokens=max_tokens, stop_token_ids=stop_ids)
+    max_len = max(len(p) for prompts in prompt_sets for p in prompts) + config.max_tokens + 64
+    max_batch = -(-max(len(prompts) for prompts in prompt_sets) // DEVICES) * config.samples
+    sampling = SamplingSpec(
+        temperature=config.temperature, max_tokens=config.max_tokens, stop_token_ids=stop_ids
+    )
     sup = Supervisor(run_dir, heartbeat_s=1.0)
-    await sup.start(rollout_specs(mode, model, max_len, drafter, max_batch))
+    await sup.start(rollout_specs(config, mode, model, max_len, drafter, max_batch))
     last_trained: dict[int, float] = {}
     steps = []
     try:
         for step, prompts in enumerate(prompt_sets):
             figures = await _coordinate(
-                sup, mode, prompts, samples, sampling, seed + step, group_base=step * 10_000,
-                last_trained=last_trained, trace=trace,
+                sup, mode, prompts, config.samples, sampling, config.seed + step, group_base=step * 10_000,
+                last_trained=last_trained, bucketing=bucketing, trace=trace,
             )  # fmt: skip
             steps.append(figures)
         return steps
@@ -181,7 +317,7 @@ _lease_ids = itertools.count(1)
 
 async def _coordinate(
     sup: Supervisor,
-    mode: str,
+    mode: Mode,
     prompts: list[list[int]],
     samples: int,
     sampling: SamplingSpec,
@@ -189,8 +325,9 @@ async def _coordinate(
     *,
     group_base: int,
     last_trained: dict[int, float],
+    bucketing: Tuner,
     trace: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
+) -> _Step:
     """One synchronous rollout step. last_trained (drafter rank -> its training seconds so far, from
     DrafterStats) carries across steps; every IterationStats is appended to `trace` (when given) with its
     arrival time from the step's start."""
@@ -212,7 +349,7 @@ async def _coordinate(
     for i, prompt in enumerate(prompts):
         group = group_base + i
         await sup.send(
-            f"rollout:{i % DEVICES}",
+            actor_name(RolloutActor.role, i % DEVICES),
             GenerateRequest(
                 group_id=group,
                 prompt_ids=torch.tensor(prompt, dtype=torch.int64),
@@ -246,12 +383,12 @@ async def _coordinate(
                 ended = now
                 for rank, lease_id in leases.items():  # the step is over: give the devices back
                     preempt = Preempt(lease_id=lease_id, reason="rollout done", sent_ns=time.time_ns())
-                    await sup.send(f"drafter:{rank}", preempt)
+                    await sup.send(actor_name(DrafterActor.role, rank), preempt)
                 deadline = now + 30.0
         elif isinstance(msg, IterationStats):
             if msg.batch_size == 0:  # a prefill-only pass: it says nothing about decoding
                 continue
-            label = _BUCKETING.bucket(msg.batch_size)
+            label = bucketing.bucket(msg.batch_size)
             committed[label] += msg.committed
             seq_iters[label] += msg.batch_size
             bucket_s[label] += msg.iter_s
@@ -268,70 +405,52 @@ async def _coordinate(
                 lease_id = next(_lease_ids)
                 trained_at_lease[msg.rank] = last_trained.get(msg.rank, 0.0)
                 lease = Lease(lease_id=lease_id, device=f"cpu:{msg.rank}", threads=1, cpus=[msg.rank])
-                await sup.send(f"drafter:{msg.rank}", lease)
+                await sup.send(actor_name(DrafterActor.role, msg.rank), lease)
                 leases[msg.rank] = lease_id
         elif isinstance(msg, DrafterStats):
             last_trained[msg.rank] = msg.elapsed_s
             awaiting_stats.discard(msg.rank)
         elif isinstance(msg, Released):
-            rank = int(sender.split(":")[1])
+            _, rank = parse_actor_name(sender)
             leases.pop(rank, None)
             awaiting_stats.add(rank)  # a drafter reports its training seconds right after releasing
             released_ms.append(msg.latency_ns / 1e6)
     assert ended is not None
     makespan = ended - started
-    idle_device_s = sum(max(0.0, ended - t) for t in idle_at.values())
-    reclaimed_s = sum(max(0.0, last_trained.get(rank, 0.0) - t0) for rank, t0 in trained_at_lease.items())
-    tokens = sum(len(r) for r in responses.values())
-    return {
-        "makespan_s": round(makespan, 3),
-        "tokens": tokens,
-        "tokens_per_s": round(tokens / makespan, 2),
-        "accept_length": {
-            _BUCKETING.label(b): round(committed[b] / seq_iters[b], 3) for b in sorted(seq_iters)
-        },
-        "arms": {_BUCKETING.label(b): dict(arms[b]) for b in sorted(arms)},
-        "decode_s": {_BUCKETING.label(b): round(bucket_s[b], 2) for b in sorted(bucket_s)},
-        "_bucket_s": dict(bucket_s),  # by bucket index, for the totals over the measured steps
-        "_bucket_tokens": dict(committed),
-        "idle_device_s": round(idle_device_s, 3),
-        "reclaimed_s": round(reclaimed_s, 3),
-        "reclaimed_share": round(min(reclaimed_s / idle_device_s, 1.0), 3) if idle_device_s > 0 else 0.0,
-        "preempt_ms": [round(x, 2) for x in released_ms],
-        "finish_reasons": dict(finish),
-        "_responses": responses,
-    }
+    return _Step(
+        makespan_s=round(makespan, 3),
+        tokens=sum(len(r) for r in responses.values()),
+        accept_length={bucketing.label(b): round(committed[b] / seq_iters[b], 3) for b in sorted(seq_iters)},
+        arms={bucketing.label(b): dict(arms[b]) for b in sorted(arms)},
+        decode_s={bucketing.label(b): round(bucket_s[b], 2) for b in sorted(bucket_s)},
+        bucket_s=dict(bucket_s),
+        bucket_tokens=dict(committed),
+        idle_device_s=round(sum(max(0.0, ended - t) for t in idle_at.values()), 3),
+        reclaimed_s=round(
+            sum(max(0.0, last_trained.get(rank, 0.0) - t0) for rank, t0 in trained_at_lease.items()), 3
+        ),
+        preempt_ms=[round(x, 2) for x in released_ms],
+        finish_reasons=dict(finish),
+        responses=responses,
+    )
 
 
-def run(
-    model: str | None = None,
-    *,
-    task: str = DEFAULT_TASK,
-    prompts: int = 8,
-    samples: int = 4,
-    max_tokens: int = 512,
-    temperature: float = 0.7,
-    seed: int = 0,
-    steps: int = 4,
-    modes: tuple[str, ...] = MODES,
-    drafter: Path | None = None,
-    warmup_steps: int = 1000,
-    trace: Path | None = None,
-) -> dict[str, Any]:
-    """All requested modes, one after another, on the same workload; see the module docstring."""
-    for mode in modes:
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}: choose from {', '.join(MODES)}")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    model = model or DEFAULT_MODEL
-    model_dir = hub.resolve(model)
+# -- the benchmark -------------------------------------------------------------------------------------
+
+
+def run(config: RolloutBenchConfig | None = None, *, trace: Path | None = None) -> RolloutBenchResult:
+    """Every configured mode, one after another, on the same workload; `trace`: write every decode
+    iteration there (JSON lines). A config built in code is checked as a file's would be (ConfigError)."""
+    config = run_config.convert(msgspec.to_builtins(config or RolloutBenchConfig()), RolloutBenchConfig)
+    print(f"bench rollout: config {msgspec.json.encode(config).decode()}", file=sys.stderr)  # resolved, once
+    model_dir = hub.resolve(config.model)
+    prompts, steps, seed = config.prompts, config.steps, config.seed
     if (model_dir / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_dir(model_dir)
         # A new batch of questions per RL step: consecutive chunks of one dataset. (reasoning-gym keys item i
         # of seed s by s + i, so datasets of neighbouring seeds share items: seed + step would repeat 7 of
         # 8 questions from one step to the next. The default warmup, seed + 1000, is disjoint from these.)
-        questions = task_prompts(task, prompts * steps, seed, tokenizer)
+        questions = task_prompts(config.task, prompts * steps, seed, tokenizer)
         prompt_sets = [questions[s * prompts : (s + 1) * prompts] for s in range(steps)]
         stop_ids = sorted(tokenizer.stop_ids)
     else:  # a bare model directory (the tests' tiny models): seeded random prompts, the model's EOS
@@ -342,181 +461,180 @@ def run(
             for _ in range(steps)
         ]
         stop_ids = []
+    drafter = Path(config.drafter) if config.drafter else None
     warmed: dict[str, Any] | None = None
-    if "adaptive" in modes:
-        drafter = drafter or default_drafter_dir(model, task)
+    if "adaptive" in config.modes:
+        drafter = drafter or default_drafter_dir(config.model, config.task)
         if not (drafter / "config.json").is_file():
             print(
                 f"bench rollout: no warmed drafter at {drafter}; running drafter warmup first (~30 min)",
                 file=sys.stderr,
             )
             # Its own 384 + 16 questions: a dataset 1000 seeds on, disjoint from the bench's.
-            held = task_prompts(task, 384 + 16, seed + 1000, tokenizer)
+            held = task_prompts(config.task, 384 + 16, seed + 1000, tokenizer)
             warmed = warmup(
-                load_model(model_dir), held[:384], held[384:], eos=stop_ids, steps=warmup_steps, out=drafter,
-                max_tokens=256, temperature=temperature, seed=seed + 1000, progress=bar,
+                load_model(model_dir), held[:384], held[384:], eos=stop_ids, steps=config.warmup_steps,
+                out=drafter, max_tokens=256, temperature=config.temperature, seed=seed + 1000, progress=bar,
             )  # fmt: skip
-    result: dict[str, Any] = {
-        "model": str(model_dir),
-        "task": task,
-        "prompts": prompts,
-        "samples": samples,
-        "max_tokens": max_tokens,
-        "temperature": temperature,
-        "steps": steps,
-        "devices": DEVICES,
-        "drafter": None if drafter is None else str(drafter),
-        "modes": {},
-    }
-    if warmed is not None:
-        result["warmup"] = warmed
+    bucketing = Tuner(TunerConfig(buckets=list(config.tuner.buckets), arms=["off"]))  # the tuner's buckets
+    figures: dict[str, ModeFigures] = {}
     outputs = []
     iterations: list[dict[str, Any]] | None = [] if trace is not None else None
     with tempfile.TemporaryDirectory(prefix="slipstream-bench-rollout-") as tmp:
-        for mode in modes:
+        for mode in config.modes:
             print(f"bench rollout: {mode} …", file=sys.stderr)
-            figures = uvloop.run(
+            done = uvloop.run(
                 run_phase(
-                    mode,
-                    model=str(model_dir),
-                    prompt_sets=prompt_sets,
-                    samples=samples,
-                    max_tokens=max_tokens,
-                    temperature=temperature,
-                    stop_ids=stop_ids,
-                    seed=seed,
-                    drafter=drafter,
-                    run_dir=Path(tmp) / mode,
-                    trace=iterations,
+                    mode, config=config, model=str(model_dir), prompt_sets=prompt_sets, stop_ids=stop_ids,
+                    drafter=drafter, run_dir=Path(tmp) / mode, bucketing=bucketing, trace=iterations,
                 )
-            )
-            outputs.append([f.pop("_responses") for f in figures])
-            result["modes"][mode] = _measured(figures)
+            )  # fmt: skip
+            outputs.append([step.responses for step in done])
+            figures[mode] = _measured(done, bucketing)
     if trace is not None:
         assert iterations is not None
         trace.write_text("".join(json.dumps(row) + "\n" for row in iterations))
-    # Responses (over all steps) that differ from the first mode's. Not always 0: see the module docstring.
-    result["differing_responses"] = {
+    # Responses (over all steps) that differ from the first mode's. Not always 0: see docs/benchmarks.md.
+    differing = {
         mode: sum(a != b for step, ref in zip(o, outputs[0], strict=True) for a, b in _pairs(step, ref))
-        for mode, o in zip(result["modes"], outputs, strict=True)
+        for mode, o in zip(figures, outputs, strict=True)
     }
-    result["identical_outputs"] = not any(result["differing_responses"].values())
-    modes = result["modes"]
-    if "plain" in modes:
+    speedups: dict[str, Any] = {}
+    if "plain" in figures:
+        plain = figures["plain"]
         for mode, key in (("adaptive", "speedup"), ("ngram", "ngram_speedup")):
-            if mode in modes:
-                result[key] = round(modes["plain"]["makespan_s"] / modes[mode]["makespan_s"], 3)
-                first = modes["plain"]["step_makespans_s"][0] / modes[mode]["step_makespans_s"][0]
-                result[f"{key}_first_step"] = round(first, 3)
-                per_step = [
-                    round(p / m, 3)
-                    for p, m in zip(
-                        modes["plain"]["step_makespans_s"], modes[mode]["step_makespans_s"], strict=True
-                    )
-                ]
-                result[f"{key}_per_step"] = per_step
-                # Per bucket: this mode's tokens/s over plain's there. Where plain spends most of its time
-                # bounds the makespan speedup (see the README).
-                plain_rates, rates = modes["plain"]["bucket_tokens_per_s"], modes[mode]["bucket_tokens_per_s"]
-                result[f"{key}_per_bucket"] = {
-                    label: round(rates[label] / plain_rates[label], 3)
-                    for label in plain_rates
-                    if label in rates
-                }
-    return result
+            if mode not in figures:
+                continue
+            other = figures[mode]
+            speedups[key] = round(plain.makespan_s / other.makespan_s, 3)
+            speedups[f"{key}_first_step"] = round(plain.step_makespans_s[0] / other.step_makespans_s[0], 3)
+            speedups[f"{key}_per_step"] = [
+                round(p / m, 3) for p, m in zip(plain.step_makespans_s, other.step_makespans_s, strict=True)
+            ]
+            # Per bucket: this mode's tokens/s over plain's there. Where plain spends most of its time
+            # bounds the makespan speedup (docs/benchmarks.md).
+            speedups[f"{key}_per_bucket"] = {
+                label: round(other.bucket_tokens_per_s[label] / rate, 3)
+                for label, rate in plain.bucket_tokens_per_s.items()
+                if label in other.bucket_tokens_per_s
+            }
+    return RolloutBenchResult(
+        model=str(model_dir),
+        task=config.task,
+        prompts=prompts,
+        samples=config.samples,
+        max_tokens=config.max_tokens,
+        temperature=config.temperature,
+        steps=steps,
+        devices=DEVICES,
+        drafter=None if drafter is None else str(drafter),
+        modes=figures,
+        warmup=warmed,
+        differing_responses=differing,
+        identical_outputs=not any(differing.values()),
+        **speedups,
+    )
 
 
 def _pairs(a: dict[Any, list[int]], b: dict[Any, list[int]]) -> list[tuple[list[int], list[int]]]:
     return [(a.get(key, []), b.get(key, [])) for key in sorted(set(a) | set(b))]
 
 
-def _measured(figures: list[dict[str, Any]]) -> dict[str, Any]:
+def _measured(steps: list[_Step], bucketing: Tuner) -> ModeFigures:
     """A mode's figures over its measured steps: every step but the first (which warms the tuner and starts
     the drafter's online training), or the only one. Times and tokens are totals over those steps, and so
     are bucket_device_share and bucket_tokens_per_s; the other per-bucket figures (accept_length, arms,
     decode_s) and finish reasons are the last step's."""
-    buckets = [(f.pop("_bucket_s"), f.pop("_bucket_tokens")) for f in figures]
-    measured = figures[1:] or figures
+    measured = steps[1:] or steps
     bucket_s: dict[int, float] = defaultdict(float)
     bucket_tokens: dict[int, int] = defaultdict(int)
-    for step_s, step_tokens in buckets[1:] or buckets:
-        for b, seconds in step_s.items():
+    for step in measured:
+        for b, seconds in step.bucket_s.items():
             bucket_s[b] += seconds
-            bucket_tokens[b] += step_tokens[b]
+            bucket_tokens[b] += step.bucket_tokens[b]
     total_s = sum(bucket_s.values())
-    makespan = sum(f["makespan_s"] for f in measured)
-    tokens = sum(f["tokens"] for f in measured)
-    idle = sum(f["idle_device_s"] for f in measured)
-    reclaimed = sum(f["reclaimed_s"] for f in measured)
-    return {
-        **figures[-1],
-        "measured_steps": len(measured),
-        "makespan_s": round(makespan, 3),
-        "tokens": tokens,
-        "tokens_per_s": round(tokens / makespan, 2),
-        "idle_device_s": round(idle, 3),
-        "reclaimed_s": round(reclaimed, 3),
-        "reclaimed_share": round(min(reclaimed / idle, 1.0), 3) if idle > 0 else 0.0,
-        "preempt_ms": [x for f in measured for x in f["preempt_ms"]],
-        "step_makespans_s": [f["makespan_s"] for f in figures],
-        # Over the measured steps: where the device time went, and how fast each batch-size bucket decoded.
-        "bucket_device_share": {
-            _BUCKETING.label(b): round(bucket_s[b] / total_s, 3) for b in sorted(bucket_s)
+    makespan = sum(s.makespan_s for s in measured)
+    tokens = sum(s.tokens for s in measured)
+    idle = sum(s.idle_device_s for s in measured)
+    reclaimed = sum(s.reclaimed_s for s in measured)
+    last = steps[-1]
+    return ModeFigures(
+        makespan_s=round(makespan, 3),
+        tokens=tokens,
+        tokens_per_s=round(tokens / makespan, 2),
+        accept_length=last.accept_length,
+        arms=last.arms,
+        decode_s=last.decode_s,
+        idle_device_s=round(idle, 3),
+        reclaimed_s=round(reclaimed, 3),
+        reclaimed_share=round(min(reclaimed / idle, 1.0), 3) if idle > 0 else 0.0,
+        preempt_ms=[x for s in measured for x in s.preempt_ms],
+        finish_reasons=last.finish_reasons,
+        measured_steps=len(measured),
+        step_makespans_s=[s.makespan_s for s in steps],
+        bucket_device_share={bucketing.label(b): round(bucket_s[b] / total_s, 3) for b in sorted(bucket_s)},
+        bucket_tokens_per_s={
+            bucketing.label(b): round(bucket_tokens[b] / bucket_s[b], 2) for b in sorted(bucket_s)
         },
-        "bucket_tokens_per_s": {
-            _BUCKETING.label(b): round(bucket_tokens[b] / bucket_s[b], 2) for b in sorted(bucket_s)
-        },
-    }
+    )
 
 
-def render(result: dict[str, Any]) -> str:
+def render(result: RolloutBenchResult) -> str:
     lines = [
-        f"rollout: {result['model']} on {result['task']}, {result['prompts']} prompts x {result['samples']} "
-        f"samples, <= {result['max_tokens']} tokens, T={result['temperature']}, {result['devices']} devices"
+        f"rollout: {result.model} on {result.task}, {result.prompts} prompts x {result.samples} samples, "
+        f"<= {result.max_tokens} tokens, T={result.temperature}, {result.devices} devices"
     ]
-    for mode, m in result["modes"].items():
+    for mode, m in result.modes.items():
         lines.append(
-            f"  {mode:9s} makespan {m['makespan_s']:8.2f} s  {m['tokens_per_s']:7.1f} tok/s  idle "
-            f"{m['idle_device_s']:6.1f} dev-s  reclaimed {m['reclaimed_share']:.2f}  accept {m['accept_length']}"
+            f"  {mode:9s} makespan {m.makespan_s:8.2f} s  {m.tokens_per_s:7.1f} tok/s  idle "
+            f"{m.idle_device_s:6.1f} dev-s  reclaimed {m.reclaimed_share:.2f}  accept {m.accept_length}"
         )
     for key in ("speedup", "ngram_speedup"):
-        if key in result:
-            lines.append(f"  {key}: {result[key]:.3f}x")
-    lines.append(f"  identical outputs across modes: {result['identical_outputs']}")
+        if (value := getattr(result, key)) is not None:
+            lines.append(f"  {key}: {value:.3f}x")
+    lines.append(f"  identical outputs across modes: {result.identical_outputs}")
     return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags both command lines take; every one is a shorthand for a field of RolloutBenchConfig."""
+    p.add_argument("--config", type=Path, default=None, help="a YAML RolloutBenchConfig")
+    p.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. tuner.buckets=[1,4]"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object (RolloutBenchResult) on stdout")
+    p.add_argument(
+        "--trace", type=Path, default=None, help="write every decode iteration's stats here (JSONL)"
+    )
+    p.add_argument("--model", default=None)
+    p.add_argument("--task", default=None)
+    p.add_argument("--prompts", type=int, default=None)
+    p.add_argument("--samples", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--modes", default=None, help="comma-separated subset of plain,ngram,adaptive")
+    p.add_argument("--drafter", type=Path, default=None)
+
+
+def config_from_args(args: argparse.Namespace) -> RolloutBenchConfig:
+    """The config the parsed command line describes: --config, then the shorthand flags, then KEY=VALUE."""
+    flags = {key: getattr(args, key) for key in SHORTHANDS}
+    if flags["drafter"] is not None:
+        flags["drafter"] = str(flags["drafter"])
+    modes = None if args.modes is None else [m.strip() for m in args.modes.split(",") if m.strip()]
+    return load_config(args.config, args.overrides, **flags, modes=modes)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m slipstream.benchmarks.rollout", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--model", default=None)
-    p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--task", default=DEFAULT_TASK)
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--samples", type=int, default=4)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--drafter", type=Path, default=None)
-    p.add_argument("--trace", type=Path, default=None)
-    args = p.parse_args(argv)
-    result = run(
-        args.model,
-        task=args.task,
-        prompts=args.prompts,
-        samples=args.samples,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        seed=args.seed,
-        steps=args.steps,
-        modes=tuple(args.modes.split(",")),
-        drafter=args.drafter,
-        trace=args.trace,
-    )
-    print(json.dumps(result) if args.json else render(result))
+    add_arguments(p)
+    args = p.parse_intermixed_args(argv)  # KEY=VALUE overrides before or after the options
+    result = run(config_from_args(args), trace=args.trace)
+    print(msgspec.json.encode(result).decode() if args.json else render(result))
     return 0
 
 

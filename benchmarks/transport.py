@@ -4,25 +4,22 @@
 
 Two real processes over ipc:// with the production socket factory and codec: this process connects a
 DEALER, a child process (`python -m slipstream.benchmarks.transport --serve ENDPOINT`) binds a ROUTER
-and decodes everything it receives. Measured in one run, side by side:
-- tensor_msg_gbps: 64 MiB float32 `WeightUpdate` messages, sender to decoded-at-receiver, GB/s
-  (10^9 bytes/s), on the same-host production path (the shared-memory bulk lane, descriptors over
-  ZeroMQ), against memcpy_gbps, an in-process torch copy of the same buffer (same count, same warm-up); ratio = first/second.
-  zmq_frames_gbps is the same messages as plain ZeroMQ frames (the cross-host path), for comparison.
-- rtt_us_p50 / rtt_us_p99: Ping → Pong round trips, encode and decode included, microseconds.
-- msgs_per_s: one-way Heartbeat stream rate, decoded at the receiver.
+and decodes everything it receives. Large tensors are timed sender to decoded-at-receiver on the
+same-host production path (the shared-memory lane), against an in-process memcpy of the same buffer
+with the same count and warm-up, and again as plain ZeroMQ frames (the cross-host path). The result is
+`TransportResult` (fields documented there); measured figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
 
+import msgspec
 import torch
 import zmq
 
@@ -33,6 +30,23 @@ from slipstream.runtime.shm import ShmArena, ShmReader, cleanup
 from slipstream.runtime.transport import make_socket
 
 TENSOR_MIB = 64
+
+
+class TransportResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What `bench transport --json` prints; GB/s are 10^9 bytes per second."""
+
+    tensor_msg_gbps: float  # 64 MiB float32 WeightUpdates, sent → decoded at the receiver, shared-memory lane
+    memcpy_gbps: float  # an in-process torch copy of the same buffer, as many times after as much warm-up
+    ratio: float  # tensor_msg_gbps / memcpy_gbps
+    zmq_frames_gbps: float  # the same messages as plain ZeroMQ frames (the path across hosts)
+    rtt_us_p50: float  # Ping → Pong round trip, encode and decode included, microseconds, median
+    rtt_us_p99: float  # the same, 99th percentile
+    msgs_per_s: int  # one-way Heartbeat stream, decoded at the receiver
+    tensor_mib: int  # size of each tensor message
+    tensor_msgs: int  # tensor messages timed per path
+    rtt_rounds: int  # round trips timed
+    transport: str  # "ipc"
+    torch_threads: int  # torch threads of the sending process
 
 
 def serve(endpoint: str) -> None:
@@ -81,9 +95,7 @@ def _tensor_rate(
     return got * nbytes / elapsed / 1e9
 
 
-def run(
-    *, rtt_rounds: int = 5000, stream_msgs: int = 50_000, tensor_msgs: int = 8
-) -> dict[str, float | int | str]:
+def run(*, rtt_rounds: int = 5000, stream_msgs: int = 50_000, tensor_msgs: int = 8) -> TransportResult:
     tmp = tempfile.mkdtemp(prefix="ssbench-")
     endpoint = f"ipc://{tmp}/transport"
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -144,20 +156,20 @@ def run(
         except subprocess.TimeoutExpired:
             child.kill()
         ctx.destroy(linger=0)
-    return {
-        "tensor_msg_gbps": round(tensor_gbps, 3),
-        "memcpy_gbps": round(memcpy_gbps, 3),
-        "ratio": round(tensor_gbps / memcpy_gbps, 3),
-        "zmq_frames_gbps": round(frames_gbps, 3),
-        "rtt_us_p50": round(p50, 1),
-        "rtt_us_p99": round(p99, 1),
-        "msgs_per_s": round(msgs_per_s),
-        "tensor_mib": TENSOR_MIB,
-        "tensor_msgs": tensor_msgs,
-        "rtt_rounds": rtt_rounds,
-        "transport": "ipc",
-        "torch_threads": torch.get_num_threads(),
-    }
+    return TransportResult(
+        tensor_msg_gbps=round(tensor_gbps, 3),
+        memcpy_gbps=round(memcpy_gbps, 3),
+        ratio=round(tensor_gbps / memcpy_gbps, 3),
+        zmq_frames_gbps=round(frames_gbps, 3),
+        rtt_us_p50=round(p50, 1),
+        rtt_us_p99=round(p99, 1),
+        msgs_per_s=round(msgs_per_s),
+        tensor_mib=TENSOR_MIB,
+        tensor_msgs=tensor_msgs,
+        rtt_rounds=rtt_rounds,
+        transport="ipc",
+        torch_threads=torch.get_num_threads(),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         serve(args.serve)
         return 0
-    print(json.dumps(run()))
+    print(msgspec.json.encode(run()).decode())
     return 0
 
 

@@ -4,27 +4,18 @@
     slipstream generate --model DIR --prompts p.jsonl --spec ngram --depth 5 --temperature 0 --json
     slipstream generate --model smollm2-135m --prompts p.jsonl --spec self --reproducible
 
-Prompts are a JSONL as `tasks/prompts.py` reads it: `id` and one of `prompt` (text, through the chat
-template when the tokenizer has one), `messages` or `prompt_ids` (a model directory without a tokenizer
-takes `prompt_ids` lines only).
+Prompts: a JSONL as `tasks/prompts.py` reads it. Output: stdout, in file order, each request as soon as
+it and every earlier one are done — with --json one object per line (`completion_record`), else a
+readable block; the summary and the progress bar go to stderr. Stop ids: the model's EOS ids plus the
+tokenizer's stop ids; the stop token is kept in token_ids.
 
-Output (stdout, in file order, each request printed as soon as it and every earlier one are done): with
---json one JSON object per line — id, token_ids, text (when there is a tokenizer), finish_reason, and the
-speculation stats target_passes (verify passes), drafted, accepted and accept_length (= tokens per target
-pass; 1.0 for plain decoding). Without --json a readable block per request. A summary (tokens/s, mean
-accept length) and the progress bar (rich, only when stderr is a terminal) go to stderr, never stdout.
-
-Choices worth knowing:
-- Seeds: request i (0-based, file order) samples with seed `seed * 2**32 + i` (`request_seed`). Noise is
-  keyed by (request seed, position), so a request's output depends on its seed and index only — not on
-  the batch it shared or on speculation in --reproducible mode — and differs between requests of a run.
-- --spec self replays the target's own output (the mechanical ceiling, DESIGN §11): a plain run with the
-  same seeds is recorded first, then the speculative run drafts from the recording. At T > 0 pair it with
-  --reproducible: in rejection mode a replayed token x is accepted with probability q(x) only.
-- --spec auto picks ngram for now; the tuner (a bandit over drafters and tree shapes) replaces it later.
-- --spec eagle needs --drafter DIR: a trained EAGLE head in the exported layout (`slipstream drafter
-  warmup` or `drafter export` writes one).
-- Stop ids: the model's EOS ids plus the tokenizer's stop ids; the stop token is kept in token_ids.
+- Seeds: request i (0-based, file order) samples with seed `seed * 2**24 + i` (`sampling.sample_seed`,
+  as sample i of a rollout group with that seed). Noise is keyed by (request seed, position), so a request's
+  output depends on its seed and index only — not on its batch, nor on speculation with --reproducible.
+- --spec self replays the target's own output, recorded first by a plain run with the same seeds (the
+  mechanical ceiling, DESIGN §11); at T > 0 pair it with --reproducible (rejection mode accepts a
+  replayed token x with probability q(x) only). --spec eagle needs --drafter DIR (`drafter warmup` or
+  `drafter export` writes one). --spec auto drafts with ngram: the per-batch-size tuner is the rollout's.
 """
 
 from __future__ import annotations
@@ -44,7 +35,7 @@ from slipstream.engine import eagle_export, hub
 from slipstream.engine.drafters import Drafter, NGramDrafter, OracleDrafter
 from slipstream.engine.generator import Completion, Generator, Request, run_requests
 from slipstream.engine.model import Transformer
-from slipstream.engine.sampling import SamplingParams
+from slipstream.engine.sampling import MAX_SEED, SamplingParams, sample_seed
 from slipstream.engine.speculator import SpecConfig
 from slipstream.engine.tokenizer import Tokenizer
 from slipstream.engine.weights import load_model
@@ -54,25 +45,14 @@ from slipstream.tasks.prompts import PromptSpec, read_prompts
 __all__ = [
     "SPEC_METHODS",
     "completion_record",
-    "make_drafter",
+    "make_drafters",
     "make_requests",
-    "request_seed",
     "run",
     "spec_config",
 ]
 
 SPEC_METHODS = ("off", "ngram", "self", "eagle", "auto")
 """What --spec accepts (the CLI lists the same choices)."""
-MAX_SEED = 2**31  # seed * 2**32 + index must stay inside int64, the sampler's key type
-
-
-def request_seed(seed: int, index: int) -> int:
-    """The sampling seed of request `index` (0-based) in a run started with `seed`."""
-    if not 0 <= seed < MAX_SEED:
-        raise ValueError(f"--seed must be in [0, 2**31), got {seed}")
-    if not 0 <= index < 2**32:
-        raise ValueError(f"request index must be in [0, 2**32), got {index}")
-    return seed * 2**32 + index
 
 
 def spec_config(
@@ -94,32 +74,33 @@ def spec_config(
     )
 
 
-def make_drafter(
+def make_drafters(
     method: str,
     recorded: dict[str, list[int]] | None = None,
     *,
     drafter_dir: Path | None = None,
     target: Transformer | None = None,
-) -> Drafter | None:
-    """A fresh drafter for a method (drafters hold per-run tables, so never share one between runs)."""
+) -> dict[str, Drafter]:
+    """Fresh drafters for a CLI method, keyed by the engine method that drafts with them (what
+    `Generator(drafters=...)` holds); drafters hold per-run tables, so never share them between runs."""
     if method == "eagle":
         if drafter_dir is None or target is None:
             raise ValueError("--spec eagle needs --drafter DIR (a trained EAGLE head)")
-        return eagle_export.load(drafter_dir, target)
+        return {"eagle": eagle_export.load(drafter_dir, target)}
     if method in ("ngram", "auto"):
-        return NGramDrafter()
+        return {"ngram": NGramDrafter()}
     if method == "self":
-        return OracleDrafter(recorded or {})
-    return None
+        return {"self": OracleDrafter(recorded or {})}
+    return {}
 
 
 def make_requests(specs: Sequence[PromptSpec], params: SamplingParams, seed: int) -> list[Request]:
-    """One request per prompt, in file order, each with its own derived seed (`request_seed`)."""
+    """One request per prompt, in file order, request i with seed `sample_seed(seed, i)`."""
     return [
         Request(
             request_id=spec.id,
             prompt_ids=spec.prompt_ids,
-            params=replace(params, seed=request_seed(seed, i)),
+            params=replace(params, seed=sample_seed(seed, i)),
             group_id=spec.group_id,
         )
         for i, spec in enumerate(specs)
@@ -127,7 +108,9 @@ def make_requests(specs: Sequence[PromptSpec], params: SamplingParams, seed: int
 
 
 def completion_record(completion: Completion, tokenizer: Tokenizer | None) -> dict[str, Any]:
-    """The JSON object printed for one request."""
+    """The JSON object printed for one request: id, token_ids, text (when there is a tokenizer),
+    finish_reason, num_tokens, and the speculation stats target_passes (verify passes), drafted, accepted
+    and accept_length (tokens per target pass; 1.0 for plain decoding)."""
     record: dict[str, Any] = {"id": completion.request_id, "token_ids": completion.token_ids}
     if tokenizer is not None:
         record["text"] = tokenizer.decode(completion.token_ids)
@@ -180,7 +163,8 @@ def _check_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
-    request_seed(args.seed, 0)
+    if not 0 <= args.seed < MAX_SEED:
+        raise ValueError(f"--seed must be in [0, 2**39), got {args.seed}")
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -196,7 +180,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         args.spec, depth=args.depth, topk=args.topk, verify=args.verify, reproducible=args.reproducible
     )
     if args.spec == "auto":
-        print("slipstream generate: --spec auto picks ngram (the tuner arrives later)", file=sys.stderr)
+        print(
+            "slipstream generate: --spec auto picks ngram (the tuner that picks per batch size runs in the "
+            "rollout actor)",
+            file=sys.stderr,
+        )
     if args.spec == "self" and args.temperature > 0 and not args.reproducible:
         print(
             "slipstream generate: note: --spec self without --reproducible accepts a replayed token x "
@@ -222,7 +210,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         requests,
         max_batch=args.max_batch,
         spec=spec,
-        drafter=make_drafter(args.spec, recorded, drafter_dir=args.drafter, target=model),
+        drafters=make_drafters(args.spec, recorded, drafter_dir=args.drafter, target=model),
     )
     started = time.perf_counter()
     with bar(f"generate ({args.spec})", len(requests)) as p:

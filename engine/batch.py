@@ -1,25 +1,17 @@
 """Ragged batch layout: where each sequence's new tokens sit in the flat batch and in the KV cache.
 
-The model runs on FLAT tokens — `input_ids [num_tokens]` with no padding — so a prefill chunk of 300
-tokens and thirty single-token decodes share one pass through the weight matrices, which is where a
-small-batch CPU/GPU pass spends its time. Only attention needs per-sequence structure. `BatchLayout.build`
-turns (slot, number of new tokens, optional tree mask) per sequence into an attention plan, computed once
-per pass and reused by every layer:
+The model runs on FLAT tokens (`input_ids [num_tokens]`, no padding), so a long prefill chunk and many
+single-token decodes share one pass through the weight matrices; only attention needs per-sequence
+structure. `BatchLayout.build` turns (slot, number of new tokens, optional tree mask) per sequence into an
+attention plan, computed once per pass and reused by every layer.
 
-- Sequences are bucketed by query length (1, 2, 3–4, 5–8, … ≤ 64); each bucket is ONE padded
-  scaled_dot_product_attention call, so a decode step of 32 sequences is a single call, and padding
-  never more than doubles a bucket's work. Longer chunks (prefill) run alone, unpadded.
-- Keys come straight from the cache: a bucket whose slots lie in a compact range reads the strided view
-  `cache[lo:hi, :, :kv_len]` (no copy; rows for slots outside the bucket are dummies), otherwise its
-  slots are gathered. kv_len is the longest live length in the bucket, never the cache's capacity.
-- Masks are boolean [rows, 1, q_len, kv_len]: a query sees its sequence's cached prefix plus the new
-  tokens allowed by its tree mask (causal by default). Padding rows see key 0 only, so no row is fully
-  masked (which would make NaNs).
-
-Tree verification: a sequence's new tokens are draft-tree nodes in topological order (parent before
-child) written at cache positions start..start+n-1, with an ancestor-or-self visibility mask
-(`tree.tree_attention_mask`); a node's RoPE position is start + depth, its depth being its number of
-visible ancestors.
+Non-obvious choices (the reasons: docs/engine.md, "Batch layout"):
+- Sequences are bucketed by query length (1, 2, 3–4, 5–8, … ≤ 64), one padded attention call per bucket;
+  longer chunks (prefill) run alone, unpadded.
+- Keys come straight from the cache: a strided view when a bucket's slots are compact, else a gather.
+- Masks are boolean [rows, 1, q_len, kv_len]; padding rows see key 0 only, so no row is fully masked.
+- Tree verification: draft nodes in topological order at cache positions start..start+n-1, an
+  ancestor-or-self mask (`tree.tree_attention_mask`), RoPE position start + depth.
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """Online buffer of completed sequences for drafter training: bounded bytes, newest first, long ones mixed in.
 
-Each entry is one sequence's tokens with the target's last-layer states (pre final norm), row-aligned:
-hidden[i] is the state at token_ids[i], the one that predicted token_ids[i + 1]. A generator never
-computes the state of a response's last token, and `Completion` keeps no prompt states, so a completion
-enters as the window [last prompt token, …, second-to-last response token] (`completion_window`): every
-pair the drafter is trained on, (state i, token i + 1) → state i + 1, lies inside it.
+Each entry is one sequence's tokens with the target's pre-norm last-layer states, row-aligned: hidden[i]
+is the state at token_ids[i], the one that predicted token_ids[i + 1]. A completion enters as the window
+[last prompt token, …, second-to-last response token] (`completion_window`), which holds every pair the
+drafter trains on.
 
-Sampling policy (`sample_batch`): the drafter must track the *current* policy, so batches are filled
-newest first from the current policy version, walking back through older sequences on later calls (a
-cursor that restarts at the newest whenever new data arrives). A configurable share of every batch is
-taken from the longest responses of earlier versions: a fresh rollout step delivers its short responses
-first and its long ones last, so newest-first alone would bias the drafter towards short answers — the
-opposite of the long tail it is there to speed up.
-
-Memory is bounded in bytes (hidden states dominate: tokens × hidden × dtype size); adding past the bound
-evicts the oldest arrivals. Hidden states are stored in `dtype` (bf16 by default: half the bytes of fp32,
-and the drafter's features are normalised by the target's final norm anyway). Sequences longer than a
-batch are cropped to a random window of it.
+Non-obvious choices (the reasons: docs/engine.md, "Drafter buffer"):
+- `sample_batch` fills batches newest first from the current policy version, plus a share taken from the
+  longest responses of earlier versions: newest-first alone would bias the drafter towards short answers.
+- Memory is bounded in bytes (adding past the bound evicts the oldest arrivals); states are stored in
+  `dtype` (bf16 by default). Sequences longer than a batch are cropped to a random window of it.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ import torch
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
+# Config and checkpoint dtype names (HF's `torch_dtype`, actor configs), aliases included; `dtype_from_name`
+# is the one lookup. (runtime/codec.py keeps the wire's own table: the runtime may not import the engine.)
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -119,15 +121,12 @@ class ModelConfig:
             )
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             raise ValueError(f"config field 'rope_theta' must be a positive number, got {self.rope_theta!r}")
-        if self.torch_dtype not in _DTYPES:
-            raise ValueError(
-                f"config field 'torch_dtype' {self.torch_dtype!r} is not one of {', '.join(sorted(_DTYPES))}"
-            )
+        dtype_from_name(self.torch_dtype, field="config field 'torch_dtype'")
 
     @property
     def dtype(self) -> torch.dtype:
         """The checkpoint dtype as a torch dtype."""
-        return _DTYPES[self.torch_dtype]
+        return dtype_from_name(self.torch_dtype)
 
     @property
     def queries_per_kv(self) -> int:
@@ -271,8 +270,7 @@ def _as_float(name: str, value: Any) -> float:
 
 def _parse_dtype(raw: dict[str, Any]) -> str:
     name = raw.get("dtype", raw.get("torch_dtype")) or "float32"
-    if not isinstance(name, str) or name.removeprefix("torch.") not in _DTYPES:
-        raise ValueError(f"config field 'torch_dtype' {name!r} is not one of {', '.join(sorted(_DTYPES))}")
+    dtype_from_name(name, field="config field 'torch_dtype'")
     return name.removeprefix("torch.")
 
 
@@ -287,8 +285,17 @@ def _parse_eos(value: Any) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    """Torch dtype for a config dtype name ("bfloat16", "float32", ...)."""
-    if name.removeprefix("torch.") not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r} (known: {', '.join(sorted(_DTYPES))})")
-    return _DTYPES[name.removeprefix("torch.")]
+def dtype_from_name(name: str, *, field: str = "dtype") -> torch.dtype:
+    """The torch dtype of a config or checkpoint dtype name ("bfloat16", "float32", "torch.float16", "half",
+    ...); ValueError naming `field` for anything else."""
+    key = name.removeprefix("torch.") if isinstance(name, str) else None
+    if key not in _DTYPES:
+        raise ValueError(f"{field} {name!r} is not one of {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The config name of a torch dtype ("bfloat16"): what a config.json's `torch_dtype` holds."""
+    name = str(dtype).removeprefix("torch.")
+    dtype_from_name(name)
+    return name

@@ -1,37 +1,18 @@
 """Training the EAGLE head online: the loss, packed training pairs, the k-step unroll, and `DrafterTrainer`.
 
-Every buffered sequence (tokens + the target's pre-norm last-layer states, row-aligned) gives one training
-pair per row but the last: (feature f_i, token x_{i+1}) → f_{i+1}, where f = the target's final norm of
-its state (see `eagle.py` for why the head works on post-norm features). The loss (`drafter_loss`) is
-EAGLE's: smooth-L1 between predicted and true features plus 0.1 × cross-entropy of the head's logits
-against the *target's* distribution at i + 1 (soft labels: what the verifier will compare drafts with),
-on pairs whose drafted token x_{i+2} is a response token the rollout would actually draft.
+Every buffered sequence gives one training pair per row but the last: (feature f_i, token x_{i+1}) →
+f_{i+1}, with f the target's final norm of its state (`eagle.py` says why). `drafter_loss` is EAGLE's:
+smooth-L1 between predicted and true features plus 0.1 × cross-entropy against the *target's*
+distribution at i + 1 (soft labels), on pairs whose drafted token x_{i+2} is a response token.
 
-The cross-entropy dominates the cost: for a 49k-word vocabulary, the [N, V] logits (the target's for the
-soft labels, the head's forward and backward) were ~90% of a step. `head_cross_entropy` never builds them
-whole: it goes through row chunks, computing both logit blocks, the loss and its gradient with respect to
-the head's output in one go (the same three products with the LM head as autograd, none of the [N, V]
-memory traffic: 2-3× faster on CPU, same result). `ce_vocab="topk"` (the default) cuts the products too:
-both softmaxes are taken over a candidate set shared by the batch, the union of every row's top-64 target
-tokens and the batch's own tokens (`ce_candidates`: 10-20% of the vocabulary at 1-2k rows), which costs
-one forward-only full-vocabulary product to find the target's top-k. It is biased (mass outside the
-candidates is ignored), but heads trained on SmolLM2-135M's own outputs with it and with the full loss
-were alike within the spread between seeds (held-out full-vocabulary CE, argmax match, Σ min(p, q),
-greedy accept length), at ~1.7× less time per step.
-
-Sequences are packed without padding (`EagleHead.forward`: one GEMM per projection over all rows,
-attention within each sequence, positions restarting at 0 per sequence).
-
-The unroll closes the gap between training and drafting. When drafting, only the first draft step sees a
-true feature; step k sees its own prediction from step k - 1, and its attention sees the committed prefix
-(true features) plus the k draft pairs before it (predicted ones). `unrolled_forward` simulates exactly
-that for every position at once: step k's row i takes out_{k-1}[i-1] as its feature, and attends to
-step-0 keys at positions <= i - k plus, for s = 1..k, the step-s key at position i - k + s (a diagonal).
-Step losses are weighted by decay^k. Gradients flow through the chained predictions, as they do at test
-time through the draft.
-
-`DrafterTrainer.step` is one optimizer step on one packed batch, short by construction (the batch's
-token budget bounds it), so a drafter actor can honour a preemption between any two steps.
+Non-obvious choices (measurements and the unroll's derivation: docs/engine.md, "Drafter training"):
+- `head_cross_entropy` never builds the [N, V] logits whole: row chunks compute both logit blocks, the loss
+  and its gradient in one go. `ce_vocab="topk"` (the default) takes both softmaxes over a candidate set
+  shared by the batch (`ce_candidates`): biased, but as good as the full loss held out, and faster.
+- Sequences are packed without padding (`EagleHead.forward`).
+- The unroll (`unrolled_forward`) trains step k on its own step k - 1 predictions, attending as it does
+  when drafting; step losses are weighted by decay^k.
+- `DrafterTrainer.step` is one short optimizer step, so a drafter actor can honour a preemption between two.
 """
 
 from __future__ import annotations

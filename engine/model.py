@@ -2,25 +2,19 @@
 
 `Transformer.forward` runs FLAT tokens (`input_ids [num_tokens]`, no padding) described by a
 `BatchLayout`: every projection is one matrix multiply over all sequences' new tokens, and attention
-follows the layout's plan straight out of the KV cache. It returns the LM head only for the selected rows
-(the last token of a prefill chunk, every node of a verify pass) plus the last layer's hidden states
-before the final norm, which an EAGLE drafter feeds back through `head` (final norm + LM head).
-`forward_train` is the plain [B, T] causal forward the learner differentiates; both share the layers, so
-rollout and learner log-probs come from the same weights and the same arithmetic.
+follows the layout's plan straight out of the KV cache. It returns the LM head for the selected rows only,
+plus the last layer's hidden states before the final norm (what an EAGLE drafter reads). `forward_train`
+is the plain [B, T] causal forward the learner differentiates; both share the layers and the arithmetic,
+so rollout and learner log-probs agree.
 
-Non-obvious choices:
-- q/k/v and gate/up are fused into single projections (one large GEMM instead of three or two small
-  ones); the loader splits HF tensors into them.
-- GQA without repeating K/V: the query heads sharing a KV head are folded into the query-length axis
-  ([rows, kv_heads, groups*q_len, head_dim]), which for a decode step is a pure view.
-- On CPU, inference projections use oneDNN with prepacked weights: for the small row counts of decoding
-  it is 2–3× faster than the default BLAS path here, at the price of a second copy of the projection
-  weights in memory. A packed copy is rebuilt whenever its weight changes (tracked by the tensor's
-  version counter), so weight updates need no extra call; training (grad enabled) always uses F.linear.
-- Decode attention (one query per sequence) is matmul → softmax → matmul with an additive mask: at 1–3
-  query rows per KV head the flash kernel's tiling overhead costs more than the arithmetic.
-- RoPE tables (cos, and sin with the rotate-half sign folded in) are built once, lazily, in float32 exactly
-  as transformers computes them, then cast to the model dtype.
+Non-obvious choices (figures: docs/engine.md, "Model"):
+- q/k/v and gate/up are fused into single projections; the loader splits HF tensors into them.
+- GQA without repeating K/V: query heads sharing a KV head fold into the query-length axis.
+- On CPU, inference projections use oneDNN with prepacked weights, repacked when a weight's version
+  changes. The path is probed per dtype: a CPU without AVX-512 has no packed bf16 linear, so bf16 takes
+  F.linear there. Training (grad enabled) always uses F.linear.
+- Decode attention is matmul → softmax → matmul with an additive mask; RoPE tables are built once, in
+  float32 as transformers computes them.
 """
 
 from __future__ import annotations
@@ -35,23 +29,39 @@ from slipstream.engine.batch import AttentionGroup, BatchLayout
 from slipstream.engine.config import ModelConfig
 from slipstream.engine.kv_cache import KVCache
 
-_onednn_state: bool | None = None  # None: not probed yet
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)  # dtypes the packed path is tried for
+_onednn_enabled = True
+_onednn_works: dict[torch.dtype, bool] = {}  # probe result per dtype, made on first use
 
 
 def set_onednn_linear(enabled: bool) -> None:
-    """Turn the oneDNN packed-weight path on (if this torch build supports it) or off, process-wide."""
-    global _onednn_state
-    _onednn_state = _probe_onednn() if enabled else False
+    """Turn the oneDNN packed-weight path on (for each dtype where this torch build and CPU run it) or off,
+    process-wide."""
+    global _onednn_enabled
+    _onednn_enabled = enabled
+    _onednn_works.clear()
 
 
-def _probe_onednn() -> bool:
+def _onednn_ok(dtype: torch.dtype) -> bool:
+    works = _onednn_works.get(dtype)
+    if works is None:
+        works = _onednn_works[dtype] = dtype in _ONEDNN_DTYPES and _probe_onednn(dtype)
+    return works
+
+
+def _probe_onednn(dtype: torch.dtype) -> bool:
+    """Whether a packed linear runs in `dtype` here. Per dtype: a CPU without AVX-512 (AVX2 only) runs the
+    float32 path but refuses the bf16 reorder ("bf16 path needs the cpu support avx_ne_convert or
+    avx512bw…"), so bf16 falls back to F.linear there."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
         with torch.inference_mode():
-            packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2), None)
-            out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 2), packed, None, "none", [], "")
-        return bool(torch.equal(out, torch.full((1, 2), 2.0)))
+            packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2, dtype=dtype), None)
+            out = torch.ops.mkldnn._linear_pointwise(
+                torch.ones(1, 2, dtype=dtype), packed, None, "none", [], ""
+            )
+        return bool(torch.equal(out, torch.full((1, 2), 2.0, dtype=dtype)))
     except (AttributeError, RuntimeError):
         return False
 
@@ -78,14 +88,11 @@ class _PackedWeight:
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, pack: _PackedWeight) -> Tensor:
-    global _onednn_state
-    if _onednn_state is None:
-        _onednn_state = _probe_onednn()
     if (
-        _onednn_state
+        _onednn_enabled
         and x.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
         and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+        and _onednn_ok(weight.dtype)
     ):
         return torch.ops.mkldnn._linear_pointwise(x, pack.get(weight), bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -56,9 +57,8 @@ class PolicySample:
             raise ValueError(f"advantage must be finite, got {self.advantage}")
 
 
-@dataclass(frozen=True, kw_only=True)
-class OptimConfig:
-    """AdamW and its schedule."""
+class OptimConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """AdamW and its schedule (a struct, so a run config's misspelt key fails naming the field)."""
 
     lr: float = 1e-6
     weight_decay: float = 0.0

@@ -1,25 +1,17 @@
-"""Token sampling: temperature / top-k / top-p and position-keyed randomness.
+"""Token sampling: temperature / top-p / top-k, position-keyed randomness, and the per-sample seed.
 
 Every random number here is a pure function of (request seed, position, stream, index), made by a
-counter-based hash (splitmix64) rather than a stateful generator. So a request samples the same token at
-the same position whatever else shares its batch, a run is reproducible, and a drafter and the target can
-use the *same* noise at a position — which is what makes the "match" verification mode token-identical to
-plain decoding (see `speculative.py`).
+counter-based hash (splitmix64), not a stateful generator: a request samples the same token at a position
+whatever shares its batch, and a drafter and the target can use the *same* noise, which makes "match"
+verification token-identical to plain decoding (`verify.py`). `sample_seed` derives each sample's seed
+from a run's or group's seed, the same way for `generate` and the rollout.
 
-The sampler is an exponential race (equivalently Gumbel-max): token i arrives at time E_i / p_i with
-E_i ~ Exp(1) keyed by (seed, position, i), and the first arrival wins, so P(i) = p_i. Hashing the whole
-vocabulary costs far more than the model's own head on a CPU, so only the *head* of the distribution
-(p_i >= HEAD_MIN_PROB, at most 1/HEAD_MIN_PROB tokens) races with per-token noise; the tail races as one
-block (the minimum of its arrivals is Exp(tail mass)) and, when it wins, picks its token by inverse CDF.
-That is the same law as the full race, deterministic in (seed, position, distribution), and at B=32,
-V=49152 costs a few softmaxes (~1-3 ms on 2 CPU threads) instead of ~100 ms of hashing.
-
-Top-k / top-p find their cut-off by partial sorts of growing width (64, 512, then the full row), each
-searching only the blocks of 64 tokens whose maximum can reach the cut-off; only very flat rows with
-top_p < 1 pay for a full-vocabulary sort.
-
-Top-k and top-p keep every token tied with the boundary token, so the mask is a function of the
-distribution, never of a sort order.
+Non-obvious choices (costs and details: docs/engine.md, "Sampling"):
+- The sampler is an exponential race (equivalently Gumbel-max), P(i) = p_i. Only the head of the
+  distribution (p_i >= HEAD_MIN_PROB) races with per-token noise; the tail races as one block and picks
+  by inverse CDF when it wins: the same law, a few softmaxes instead of hashing the vocabulary.
+- Top-k / top-p find their cut-off by partial sorts of growing width, and keep every token tied with the
+  boundary token, so the mask is a function of the distribution, never of a sort order.
 """
 
 from __future__ import annotations
@@ -32,6 +24,8 @@ from torch import Tensor
 
 __all__ = [
     "HEAD_MIN_PROB",
+    "MAX_SAMPLE_INDEX",
+    "MAX_SEED",
     "STREAM_ACCEPT",
     "STREAM_RESIDUAL",
     "STREAM_RESIDUAL_TAIL",
@@ -46,6 +40,7 @@ __all__ = [
     "processed_probs",
     "race_sample",
     "sample",
+    "sample_seed",
 ]
 
 # Noise streams: independent random sequences at one (seed, position). STREAM_SAMPLE is what plain decoding
@@ -59,6 +54,13 @@ STREAM_RESIDUAL_TAIL = 4
 
 # Tokens at or above this probability race with their own keyed noise; the rest race as one block.
 HEAD_MIN_PROB = 2.0**-10
+
+# A sample seed is seed * MAX_SAMPLE_INDEX + index (`sample_seed`): 24 index bits leave 39 for the seed,
+# inside the int64 keys of the sampler.
+MAX_SAMPLE_INDEX = 2**24
+"""Samples per seed (a group's samples, or the requests of one `generate` run): indices in [0, 2**24)."""
+MAX_SEED = 2**39
+"""Seeds of runs and groups are in [0, 2**39)."""
 
 # splitmix64 constants as signed int64 (torch has no uint64 arithmetic; int64 multiplication wraps).
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
@@ -77,7 +79,8 @@ class SamplingParams:
     top_k: int = 0
     """Keep the k most likely tokens; 0 disables top-k."""
     seed: int = 0
-    """Keys all randomness of this request together with the position."""
+    """Keys all randomness of this request together with the position (int64; `sample_seed` derives one
+    per sample from a run's or group's seed)."""
     max_tokens: int = 256
     """Maximum number of generated tokens."""
     stop_token_ids: tuple[int, ...] = ()
@@ -98,6 +101,21 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The sampling seed of sample `index` under `seed`: seed * 2**24 + index, a non-negative int64.
+
+    The one derivation for every caller: sample i of a rollout group whose request carries `seed`, and
+    request i (file order) of `slipstream generate --seed seed`, so the two sample alike. seed: in
+    [0, MAX_SEED = 2**39); index: in [0, MAX_SAMPLE_INDEX = 2**24). Distinct pairs give distinct seeds."""
+    for name, value, bound, text in (
+        ("seed", seed, MAX_SEED, "2**39"),
+        ("index", index, MAX_SAMPLE_INDEX, "2**24"),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < bound:
+            raise ValueError(f"sample {name} must be an integer in [0, {text}), got {value!r}")
+    return seed * MAX_SAMPLE_INDEX + index
 
 
 def params_tensors(params: list[SamplingParams]) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -1,64 +1,53 @@
-"""Speculative decoding for the Generator: configuration, drafters, and batched lossless verification.
+"""Speculative decoding for the Generator: configuration, the held drafters, batched lossless verification.
 
 One speculative iteration (driven by `Generator.step`): every decode-state sequence gets a draft from the
-current drafter (`Speculator.draft`), the target scores all of them in ONE forward pass — each sequence's
-pending token as the root, its draft nodes after it under a tree mask (chains keep the cheaper causal
-mask) — next to the prefill chunks of other requests, and `verify_drafts` decides per sequence which draft
-nodes survive and what the next token is. The Generator then commits the root-to-leaf path in the KV cache.
+current method's drafter (`Speculator.draft`), the target scores all of them in ONE forward pass — each
+sequence's pending token as the root, its draft nodes after it under a tree mask (chains keep the causal
+mask) — next to the prefill chunks of other requests (cheaper than two passes: docs/engine.md), and
+`verify_drafts` decides per sequence which nodes survive and what the next token is.
 
 Verification is split by how a row decides, not by draft shape:
-- "match" rows — greedy requests in any mode, every request in "reproducible" mode, and any request with
-  an empty draft — draw the target's token after EVERY node in one batched `sampling.sample` call, with
-  the same (seed, position) noise plain decoding uses at that position (argmax for greedy rows, so no
-  full-vocabulary distribution is built for them), then walk the draft from the root while a child carries
-  the drawn token. This is `verify_chain`/`verify_tree` in "match" mode for the whole batch at once: one
-  sampler call instead of one per depth per request, and token-identical to plain decoding by construction.
-- "rejection" rows (sampling requests in "rejection" mode with a non-empty draft) build the processed
-  target distributions and go through `speculative.verify_chain` (all chains in one call) or
-  `speculative.verify_tree` (one call per tree): lossless in distribution, not token-identical.
+- "match" rows (greedy requests, every request in "reproducible" mode, empty drafts) draw the target's
+  token after EVERY node in one batched `sampling.sample` call with plain decoding's (seed, position)
+  noise, then walk the draft while a child carries the drawn token: `verify_chain`/`verify_tree` in
+  "match" mode for the whole batch at once, token-identical to plain decoding by construction.
+- "rejection" rows (sampling requests in "rejection" mode with a draft) build the processed target
+  distributions and go through `verify.verify_chain` (all chains in one call) or `verify.verify_tree`
+  (one call per tree): lossless in distribution, not token-identical.
 
-Measured on 2 CPU threads (SmolLM2-135M shape): running the verify nodes and the prefill chunks of other
-requests in the same forward pass is 5–25% faster than two passes, so the Generator does that.
-`score_trees` is the verify pass on its own (no prefill alongside), for drafters and tests.
+Drafters are built by the caller and held by method name (`Speculator.hold`); the engine makes none.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
-from slipstream.engine.batch import BatchLayout
 from slipstream.engine.drafters.base import Draft, Drafter, DraftState, stack_chains
 from slipstream.engine.drafters.hybrid import HybridDrafter
-from slipstream.engine.drafters.ngram import NGramDrafter
-from slipstream.engine.drafters.oracle import OracleDrafter
-from slipstream.engine.kv_cache import KVCache
-from slipstream.engine.model import Transformer
 from slipstream.engine.sampling import SamplingParams, params_tensors, processed_probs, sample
-from slipstream.engine.speculative import verify_chain, verify_tree
-from slipstream.engine.tree import tree_attention_mask
+from slipstream.engine.verify import verify_chain, verify_tree
 
 __all__ = [
+    "DRAFTER_METHODS",
     "EMPTY",
     "Proposal",
     "SpecConfig",
     "Speculator",
-    "TreeScores",
     "Verified",
     "VerifyEntry",
-    "VerifyTree",
-    "score_tree",
-    "score_trees",
     "share_budget",
     "verify_drafts",
 ]
 
 Method = Literal["off", "ngram", "self", "eagle", "hybrid"]
 SpecMode = Literal["rejection", "reproducible"]
+DRAFTER_METHODS = ("ngram", "self", "eagle")
+"""The methods a drafter is held for; "hybrid" drafts with the held "ngram" and "eagle" drafters."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,58 +174,50 @@ class Verified:
 
 
 class Speculator:
-    """The Generator's speculation policy and its drafters, one per method.
+    """The Generator's speculation policy and the drafters it holds, one per method.
 
-    Every held drafter observes every commit, even while another method (or "off") is active, so its tables
-    or features stay current for the moment the tuner switches to it. The "self" method without a given
-    drafter uses an `OracleDrafter` that records each completion of this Generator: a second run of the
-    same requests then drafts the first run's output.
+    The caller builds every drafter and holds it for its method (`hold`, or `drafters=` at construction);
+    `set` only chooses among them and raises if the chosen method's drafter is not held. Every held drafter
+    observes every commit, even while another method (or "off") is active, so its tables or features stay
+    current for the moment the tuner switches to it.
     """
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, drafters: Mapping[str, Drafter] | None = None) -> None:
         self.vocab_size = vocab_size
         self.config = SpecConfig()
         self.drafters: dict[str, Drafter] = {}
         self.needs_hidden = False
         """Some held drafter reads `DraftState.hidden` (the Generator then gathers the target's states)."""
-        self._recorder: OracleDrafter | None = None
+        for method, drafter in (drafters or {}).items():
+            self.hold(method, drafter)
 
-    def set(self, spec: SpecConfig | None, drafter: Drafter | None = None) -> None:
-        spec = spec if spec is not None else SpecConfig()
-        if spec.method == "hybrid":
-            # The hybrid drafts with the held n-gram and EAGLE drafters (a given drafter is the EAGLE head).
-            if drafter is not None:
-                self._hold("eagle", drafter)
-            if "eagle" not in self.drafters:
-                raise ValueError("SpecConfig.method 'hybrid' needs an EAGLE head: pass it as the drafter")
-            if "ngram" not in self.drafters:
-                self._hold("ngram", NGramDrafter())
-        elif drafter is not None:
-            if not spec.enabled:
-                raise ValueError("a drafter needs a speculation method: pass spec=SpecConfig(method=...)")
-            self._hold(spec.method, drafter)
-        elif spec.enabled and spec.method not in self.drafters:
-            if spec.method == "eagle":
-                raise ValueError("SpecConfig.method 'eagle' needs a drafter: pass the trained EAGLE head")
-            if spec.method == "ngram":
-                self._hold("ngram", NGramDrafter())
-            else:
-                recorder = OracleDrafter()
-                self._hold("self", recorder)
-                self._recorder = recorder
-        self.config = spec
-
-    def set_drafter(self, drafter: Drafter) -> None:
-        if not self.config.enabled:
-            raise ValueError("speculation is off: choose a method with set_spec(spec, drafter)")
-        self._hold("eagle" if self.config.method == "hybrid" else self.config.method, drafter)
-
-    def _hold(self, method: str, drafter: Drafter) -> None:
-        replaced = self.drafters.get(method)
-        if replaced is not None and replaced is self._recorder:
-            self._recorder = None
+    def hold(self, method: str, drafter: Drafter) -> None:
+        """Hold `drafter` for `method` (one of `DRAFTER_METHODS`), replacing the one held for it, if any."""
+        if method not in DRAFTER_METHODS:
+            also = ' ("hybrid" drafts with the held ngram and eagle drafters)' if method == "hybrid" else ""
+            raise ValueError(
+                f"a drafter is held for one of {', '.join(DRAFTER_METHODS)}, not {method!r}{also}"
+            )
+        if not isinstance(drafter, Drafter):
+            raise TypeError(
+                f"the drafter held for {method!r} must be a Drafter, got {type(drafter).__name__}"
+            )
         self.drafters[method] = drafter
         self.needs_hidden = any(d.uses_hidden for d in self.drafters.values())
+
+    def set(self, spec: SpecConfig | None) -> None:
+        """Speculate with `spec` from the next draft on (None or method "off": plain decoding)."""
+        spec = spec if spec is not None else SpecConfig()
+        needed = {"off": (), "hybrid": ("ngram", "eagle")}.get(spec.method, (spec.method,))
+        missing = [method for method in needed if method not in self.drafters]
+        if missing:
+            held = ", ".join(map(repr, self.drafters)) or "none"
+            raise ValueError(
+                f"speculation method {spec.method!r} needs a drafter held for "
+                f"{' and '.join(map(repr, missing))} (held: {held}): build it and pass it in drafters= "
+                "or hold() it first"
+            )
+        self.config = spec
 
     @property
     def enabled(self) -> bool:
@@ -302,10 +283,8 @@ class Speculator:
         for drafter in self.drafters.values():
             drafter.observe(state)
 
-    def finish(self, request_id: Hashable, tokens: Sequence[int] | None, group_done: Hashable | None) -> None:
-        """A request finished (tokens: its full sequence) or was aborted (None); its group may be done."""
-        if tokens is not None and self._recorder is not None:
-            self._recorder.record(request_id, tokens)
+    def finish(self, request_id: Hashable, group_done: Hashable | None) -> None:
+        """A request finished or was aborted; its group may be done (every request of it has left)."""
         for drafter in self.drafters.values():
             drafter.reset(request_id)
             if group_done is not None:
@@ -446,74 +425,3 @@ def _verify_rejection(logits: Tensor, entries: Sequence[VerifyEntry]) -> list[Ve
             out.tokens.tolist(), out.logprobs.tolist(), [0, *(a + 1 for a in out.accepted.tolist())]
         )
     return [results[i] for i in range(len(entries))]
-
-
-@dataclass(frozen=True, kw_only=True)
-class VerifyTree:
-    """A draft tree to verify for one sequence."""
-
-    slot: int
-    tokens: Sequence[int]
-    """[n] node tokens in topological order; node 0 is the root: the sequence's pending token."""
-    parents: Sequence[int]
-    """[n] parent node of each node; -1 for the root."""
-
-
-@dataclass(frozen=True)
-class TreeScores:
-    """Per tree: logits [n, vocab] (row i scores the token after node i) and hidden [n, hidden]."""
-
-    base_lengths: list[int]
-    logits: list[Tensor]
-    hidden: list[Tensor]
-
-
-@torch.inference_mode()
-def score_trees(model: Transformer, cache: KVCache, trees: Sequence[VerifyTree]) -> TreeScores:
-    """One verify pass over several sequences' draft trees, with tree attention masks.
-
-    Node i of a tree is written to cache position base + i (base = the slot's length before the pass) at
-    RoPE position base + depth(i). Afterwards each slot's length is base + n: the caller keeps the
-    accepted path with `cache.commit_path(slot, base, accepted_nodes)` (or `rollback`).
-    """
-    base_lengths = [cache.length(tree.slot) for tree in trees]
-    sizes = [len(tree.tokens) for tree in trees]
-    for tree, n in zip(trees, sizes, strict=True):
-        parents = [int(p) for p in tree.parents]
-        if (
-            len(parents) != n
-            or n == 0
-            or parents[0] != -1
-            or any(not 0 <= p < i for i, p in enumerate(parents[1:], 1))
-        ):
-            raise ValueError(
-                f"slot {tree.slot}: need one parent per token, node 0 as the root (parent -1) and every "
-                f"other node's parent an earlier node; got parents {parents}"
-            )
-    masks = [tree_attention_mask(torch.as_tensor(tree.parents, dtype=torch.int64)) for tree in trees]
-    layout = BatchLayout.build(
-        cache, [tree.slot for tree in trees], sizes, tree_masks=masks, logit_rows=range(sum(sizes))
-    )
-    ids = torch.tensor([t for tree in trees for t in tree.tokens], dtype=torch.int64, device=cache.device)
-    logits, hidden = model(ids, layout.positions, layout, cache)
-    offsets = layout.cu_seqlens
-    return TreeScores(
-        base_lengths=base_lengths,
-        logits=[logits[offsets[i] : offsets[i + 1]] for i in range(len(trees))],
-        hidden=[hidden[offsets[i] : offsets[i + 1]] for i in range(len(trees))],
-    )
-
-
-def score_tree(
-    model: Transformer,
-    cache: KVCache,
-    slot: int,
-    base_len: int,
-    tokens: Sequence[int],
-    parents: Sequence[int],
-) -> tuple[Tensor, Tensor]:
-    """Single-sequence `score_trees`: (logits [n, vocab], hidden [n, hidden]); checks the base length."""
-    if cache.length(slot) != base_len:
-        raise ValueError(f"slot {slot} holds {cache.length(slot)} tokens, not base_len {base_len}")
-    scores = score_trees(model, cache, [VerifyTree(slot=slot, tokens=tokens, parents=parents)])
-    return scores.logits[0], scores.hidden[0]

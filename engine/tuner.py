@@ -1,67 +1,21 @@
 """The speculation tuner: a bandit per batch-size bucket that picks how (and whether) to speculate.
 
-Each decode iteration the caller (the rollout actor) asks `Tuner.choose(batch_size)` for an arm — a
-drafter kind, depth, top-k and verify budget — runs the iteration with `tuner.arm(name).spec(mode)` through
-`Generator.set_spec`, and feeds back `Tuner.record(batch_size, arm, committed_tokens, seconds)`. The reward
-is the iteration's committed tokens per second, as a speedup over plain decoding at the same batch size
-(see below). What pays off depends mostly on the live batch size (a deep draft wins at batch 1, where a
-verify pass costs little more than a plain one, and loses at batch 32, where every verified node costs
-compute), so each bucket of batch sizes is its own bandit with several arms.
-"off" is an arm in every bucket, so speculation switches itself off where it loses. Pure Python: the caller
-logs every `Decision` (`Decision.as_dict()`) and persists `state_dict()` across RL steps.
+Each decode iteration the caller (the rollout actor) asks `Tuner.choose(batch_size)` for an arm — a drafter
+kind, depth, top-k and verify budget — runs it through `Generator.set_spec(tuner.arm(name).spec(mode))`, and
+feeds back `Tuner.record(batch_size, arm, committed_tokens, seconds)`. Each bucket of batch sizes is its own
+bandit (what pays depends mostly on the live batch); "off" is an arm in every bucket, so speculation switches
+itself off where it loses. Pure Python: the caller logs every `Decision` and persists `state_dict()`.
 
-Arm grammar (`TunerConfig.arms`): ``off`` or ``METHOD[:dD][kK][vV]``, the letters in that order. METHOD is
-ngram, eagle, hybrid (n-gram where it matches, else EAGLE) or self (the benchmark ceiling); D the draft depth (default 4), K the top-k (default 1 = a
-chain, > 1 a tree), V the verify budget (default 0 = depth * topk), all as in `SpecConfig`. Names are kept
-canonical (``eagle:d4k1v0`` → ``eagle:d4``, ``ngram`` → ``ngram:d4``), so two spellings never split one
-arm's statistics. Examples: ``ngram:d3``, ``eagle:d6``, ``eagle:d4k4v16``.
+Arm grammar (`TunerConfig.arms`): ``off`` or ``METHOD[:dD][kK][vV]``: METHOD ngram, eagle, hybrid or self; D
+the depth (default 4), K the top-k (1 = a chain), V the verify budget (0 = depth * topk), as in `SpecConfig`.
+Names are canonical (``ngram`` → ``ngram:d4``). Examples: ``ngram:d3``, ``eagle:d6``, ``eagle:d4k4v16``.
 
-Why the reward is a speedup over plain decoding at the same batch size: a bucket spans several batch
-sizes (9-16), the batch shrinks over a rollout as responses finish, and an iteration's cost depends on its
-batch. Raw tokens/s grows with the batch: in `bench rollout` an n-gram arm sampled at batch 15 out-scored
-"off" sampled at batch 11 although at equal batch it was 25% slower. Tokens/s per sequence errs the other
-way wherever an iteration costs less at a smaller batch (SmolLM2 on one CPU thread: plain decoding takes
-~45 ms at batch 5 and ~55 ms at batch 8): an EAGLE chain measured at batch 5 out-scored "off" measured at
-batch 8 in the 5-8 bucket, where at equal batch it ran at 0.7x, and the tuner spent 6.6 s of that bucket
-on it. So the tuner keeps a cost model of plain decoding, the median seconds of recent "off" iterations per
-batch size (interpolated between measured sizes, extrapolated with the least-squares slope, constant from
-one size), and an arm's reward is the time plain decoding would take to commit the same tokens at the
-same batch (committed / batch x plain(batch)) over the time the arm took. Samples keep their tokens per
-sequence, seconds and mean batch size, and are rescored whenever the plain cost model changes, so an arm
-measured before "off" was timed at its batch size is judged by the model as it is now. Until plain
-decoding has been timed at all the reward is tokens/s per sequence; with one timed batch size the two
-rewards order arms alike.
-
-Policy, per bucket, and the non-obvious choices (each measured on the synthetic cost model of
-tests/engine/test_tuner.py, 200 seeds):
-- A chosen arm is kept for `hold` iterations of its bucket, and those iterations pool into ONE reward
-  sample (their committed tokens over their seconds). The estimate of (bucket, arm) is the median of its
-  last `window` samples — a median of means. The median, so that a stray slow iteration (a prefill burst,
-  a GC pause) cannot sink an arm; the pooling, because at batch 1 an iteration commits one accept length,
-  a discrete and bimodal count (a deep chain either lands whole or stops early), whose window median jumps
-  between the modes. After 300 iterations at batch 1 the tuner exploited a wrong arm in 61% of the seeds
-  with hold=1, 8.5% with hold=2 and 3.5% with hold=4 (throughput 0.83, 0.93, 0.95 of the best arm's). The
-  sliding window tracks a best arm that changes as the policy and the drafter change: an exploited arm that
-  degrades is dropped within about window / 2 * hold iterations.
-- Untried first: an available arm with fewer than `min_trials` samples in its window is played before the
-  tuner exploits (fewest samples first). Among equally tried arms, the one that did best relative to the
-  best arm of the nearest bucket where it has samples goes first (an arm seen nowhere ranks as a best arm):
-  neighbouring buckets mostly agree, so the likely winner is measured first if the batch drifts on before
-  the cold start ends. That ordering is the only sharing across buckets; estimates stay per bucket.
-- ε-greedy with two refinements. (1) The explored arm is not drawn at random: it is the non-best arm with
-  the fewest samples in its window, then the one whose last exploration attempt is oldest. In the long run
-  that is the same share per arm, but no arm starves by bad luck, and the least-measured estimate — often
-  the true best, underestimated by its first unlucky sample — is re-measured first. (2) An exploration is
-  paid in wall time, and at batch 32 a deep-draft iteration can take several times as long as a plain one:
-  an arm whose samples take k times as long as the best arm's (window medians of seconds) is explored with
-  probability 1/k when its turn comes, so exploring costs about epsilon of the time, not of the iterations.
-- An arm that improves while it is not exploited is noticed only as exploration refreshes its window
-  (about window / 2 explorations of it). A drafter that changes is the common case, so `forget(method)`
-  empties the windows of that method's arms (call it when a new drafter version arrives): they are untried
-  again and get `min_trials` fresh samples in each bucket — a bounded cost that does not wait for
-  exploration, as down-weighting old samples would.
-- Every random draw comes from one seeded `random.Random`, whose state is part of `state_dict()`, so a
-  restored tuner makes the same decisions as the original would have.
+Non-obvious choices (why, with the measurements: docs/engine.md, "Tuner"):
+- The reward is the iteration's speedup over plain decoding at the same batch size, from a cost model of
+  recent "off" iterations: raw tokens/s would favour arms measured at larger batches.
+- Per bucket: `hold` iterations pool into one sample, the estimate is a sliding-window median, untried arms
+  go first, then ε-greedy explores the least-measured arm (less often the costlier it is); `forget(method)`
+  restarts a method's arms when its drafter changes. All draws come from one seeded `random.Random`.
 """
 
 from __future__ import annotations

@@ -2,26 +2,16 @@
 
 `verify_chain` checks a batch of drafted chains against the target's distributions for k+1 positions;
 `verify_tree` walks one request's draft tree. q (`target_probs`) and p (`draft_probs`) are the processed
-distributions (after temperature / top-k / top-p, `sampling.processed_probs`): what the sampler would use
-is what is verified, so the emitted tokens have exactly the law of plain decoding.
+distributions (after temperature / top-k / top-p): what the sampler would use is what is verified.
 
-Two modes:
+Two modes (details, and why the noise keeps every round fresh: docs/engine.md, "Verification"):
 - "rejection" (speculative sampling, Leviathan et al. / Chen et al.): accept draft x with probability
   min(1, q(x)/p(x)); at the first rejection draw from normalise(max(q − p, 0)); after full acceptance draw
-  a bonus token from the last q. A deterministic drafter (n-gram) is a point mass p: x is accepted with
-  probability q(x) and the residual is q without x. Acceptance tests and residual draws use their own
-  noise streams, independent of the draft.
+  a bonus token from the last q. A deterministic drafter (n-gram) is a point mass p.
 - "match" (reproducible): the target's token at each position is what `sampling.sample` would draw there
-  with the same (seed, position) noise; drafts are accepted while they equal it. The output is therefore
-  token-identical to plain decoding with the same seeds, whatever the drafter. A stochastic drafter that
-  samples its proposal with the same keyed noise (`sampling.race_sample(p, seed, position)`) agrees with
-  the target whenever both races pick the same token — a coupling whose agreement rate grows as p → q.
-
+  with the same (seed, position) noise; drafts are accepted while they equal it, so the output is
+  token-identical to plain decoding with the same seeds, whatever the drafter.
 Greedy rows need no special case: q is one-hot, so both modes accept exactly the argmax.
-
-Within one call every position's noise is keyed by (seed, position, stream). Across calls, noise at a
-position is reused only after the emitted history stopped depending on it (a rejection at position j
-depends on noise at positions ≤ j only), which keeps each round's draws fresh given the history.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ import torch
 from slipstream.engine import eagle_export
 from slipstream.engine.buffer import OnlineBuffer
 from slipstream.engine.drafter_train import DrafterTrainer
-from slipstream.engine.eagle import EagleDrafter, EagleHead
+from slipstream.engine.drafters.eagle import EagleDrafter
+from slipstream.engine.eagle import EagleHead
 from slipstream.engine.generator import Completion, Generator, Request, run_requests
 from slipstream.engine.model import Transformer
 from slipstream.engine.sampling import SamplingParams
@@ -132,7 +133,11 @@ def warmup(
         drafter = EagleDrafter(head, target)
         drafter.prime_counts(counts)
         gen = Generator(
-            target, num_slots=min(32, len(eval_prompts)), eos_token_ids=eos, spec=spec, drafter=drafter
+            target,
+            num_slots=min(32, len(eval_prompts)),
+            eos_token_ids=eos,
+            spec=spec,
+            drafters={"eagle": drafter},
         )
         return round(accept_length(_generate(gen, eval_prompts, params, label, progress)), 3)
 

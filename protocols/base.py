@@ -4,7 +4,7 @@ from typing import Annotated, ClassVar
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 NonNegF = Annotated[float, msgspec.Meta(ge=0.0)]

@@ -44,7 +44,7 @@ class Init(Message, frozen=True, kw_only=True):
     """Supervisor → actor: the actor's config (validated against its Config type) and its peers."""
 
     kind = ControlKind.INIT
-    config: msgspec.Raw
+    config: msgspec.Raw  # MessagePack of the typed config's plain values; converted back strictly
     run_dir: str
     peers: dict[str, str]  # "role:rank" -> data endpoint
     heartbeat_s: NonNegF

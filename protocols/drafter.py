@@ -38,8 +38,8 @@ class DrafterUpdate(Message, frozen=True, kw_only=True):
     """Drafter → rollout: trainable drafter weights of version `version` (swapped in between iterations)."""
 
     kind = DrafterKind.UPDATE
-    version: NonNeg
-    policy_version: NonNeg
+    version: NonNeg  # optimizer steps folded into the drafter
+    policy_version: NonNeg  # the newest policy version whose hidden states the drafter has trained on
     names: list[str]
     tensors: list[torch.Tensor]
     checksum: str
@@ -68,6 +68,7 @@ class DrafterDelta(Message, frozen=True, kw_only=True):
     kind = DrafterKind.DELTA
     rank: NonNeg
     base_version: NonNeg  # the newest global version this rank had adopted when it trained these steps
+    policy_version: NonNeg  # the newest policy version whose hidden states this rank's weights trained on
     steps: NonNeg  # optimizer steps behind the delta
     tokens: NonNeg  # training tokens behind the delta
     elapsed_s: NonNegF  # training time behind the delta

@@ -10,7 +10,7 @@ from typing import Annotated
 import msgspec
 import torch
 
-from slipstream.protocols.base import Message, NonNeg
+from slipstream.protocols.base import Message, NonNeg, NonNegF
 
 
 class LearnerKind(StrEnum):
@@ -18,6 +18,7 @@ class LearnerKind(StrEnum):
     WEIGHTS = "learner.weights"
     WEIGHTS_ACK = "learner.weights_ack"
     STEP = "learner.step"
+    TRAIN = "learner.train"
 
 
 class ScoredGroup(Message, frozen=True, kw_only=True):
@@ -28,9 +29,24 @@ class ScoredGroup(Message, frozen=True, kw_only=True):
     group_id: NonNeg
     prompt_ids: torch.Tensor  # [prompt_len] int64
     response_ids: list[torch.Tensor]  # G × [response_len] int64
-    behaviour_logprobs: list[torch.Tensor]  # G × [response_len] float32
-    rewards: list[float]
+    behaviour_logprobs: list[torch.Tensor]  # G × [response_len] float32, under the sampling distribution
+    rewards: list[float | None]  # None: the reward failed for that sample (masked out, never scored 0)
+    temperature: NonNegF = 1.0  # how the responses were sampled: the learner scores under the same law
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: NonNeg = 0
     policy_version: NonNeg
+
+
+class TrainStep(Message, frozen=True, kw_only=True):
+    """Coordinator → learner: train on step `step`'s `num_groups` groups, producing policy `version`; rank 0
+    then pushes the weights to `push_to` and, when `checkpoint` names a file, saves policy + optimizer there."""
+
+    kind = LearnerKind.TRAIN
+    step: NonNeg
+    num_groups: NonNeg  # ScoredGroups this rank receives for the step
+    version: NonNeg
+    push_to: list[str] = []
+    checkpoint: str = ""
 
 
 class WeightUpdate(Message, frozen=True, kw_only=True):
@@ -57,7 +73,7 @@ class WeightAck(Message, frozen=True, kw_only=True):
 
 
 class StepStats(Message, frozen=True, kw_only=True):
-    """Learner → coordinator: what one optimisation step did."""
+    """Learner → coordinator: what one optimisation step did (`metrics`: mismatch, ratio and clip stats)."""
 
     kind = LearnerKind.STEP
     step: NonNeg
@@ -66,8 +82,9 @@ class StepStats(Message, frozen=True, kw_only=True):
     grad_norm: float
     tokens: NonNeg
     elapsed_s: Annotated[float, msgspec.Meta(ge=0.0)]
+    metrics: dict[str, float] = {}
 
 
-MESSAGES: tuple[type[Message], ...] = (ScoredGroup, WeightUpdate, WeightAck, StepStats)
+MESSAGES: tuple[type[Message], ...] = (ScoredGroup, TrainStep, WeightUpdate, WeightAck, StepStats)
 
 __all__ = [m.__name__ for m in MESSAGES] + ["MESSAGES", "LearnerKind"]

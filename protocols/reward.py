@@ -1,15 +1,21 @@
-"""Reward channel: completions to score in, rewards (or a recorded reward error) out.
+"""Reward channel: completions to score in, a reward or the reason there is none out.
 
-A reward that raised or timed out still produces a `Reward` — with `error` set and reward 0 — so a
-bad reward function costs one sample, never the run.
+Every `ScoreRequest` gets exactly one `Reward`. A reward function that raised, timed out or returned
+something other than a finite number makes that one sample *invalid*: `reward` is None and `error`
+says why, and the sample is masked out of its group's baseline and the loss — never scored 0. Row
+fields travel as JSON text because dataset rows are arbitrary JSON.
 """
 
+import sys
 from enum import StrEnum
 from typing import Annotated
 
 import msgspec
 
-from slipstream.protocols.base import Message, NonNeg
+from slipstream.protocols.base import Message, NonNeg, NonNegF
+
+# NaN fails both bounds, so a non-finite reward cannot even be decoded.
+Finite = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
 
 
 class RewardKind(StrEnum):
@@ -18,28 +24,31 @@ class RewardKind(StrEnum):
 
 
 class ScoreRequest(Message, frozen=True, kw_only=True):
-    """→ verifier: score one response against the task's reference (`answer`, `metadata` as JSON text)."""
+    """→ verifier: score one completion as `reward(prompt, completion, **row)`."""
 
     kind = RewardKind.SCORE
     group_id: NonNeg
     sample_index: NonNeg
-    prompt: str
-    response: str
-    answer: str
-    metadata_json: str = "{}"
+    prompt: str  # the prompt as text
+    completion: str  # the response as text
+    row_json: str = "{}"  # the dataset row's fields (answer, metadata, …) as one JSON object
     policy_version: NonNeg
 
 
 class Reward(Message, frozen=True, kw_only=True):
-    """Verifier → coordinator: the reward, or the error that replaced it."""
+    """Verifier → coordinator: the reward, or None and the reason the sample is invalid."""
 
     kind = RewardKind.REWARD
     group_id: NonNeg
     sample_index: NonNeg
-    reward: float
-    error: str | None = None
-    elapsed_s: Annotated[float, msgspec.Meta(ge=0.0)]
+    reward: Finite | None  # None: invalid (masked out), never a silent 0
+    error: str | None = None  # e.g. "raised: ZeroDivisionError: …", "timeout after 2.0 s"
+    elapsed_s: NonNegF
     policy_version: NonNeg
+
+    def __post_init__(self) -> None:
+        if (self.reward is None) == (self.error is None):
+            raise ValueError("a Reward carries either a reward or an error, exactly one of them")
 
 
 MESSAGES: tuple[type[Message], ...] = (ScoreRequest, Reward)

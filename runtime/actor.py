@@ -10,12 +10,11 @@
         def on_ping(self, msg: Ping, sender: str) -> None:
             self.send(sender, Pong(seq=msg.seq, sent_ns=msg.sent_ns))
 
-An actor never touches a socket. Its host process (`slipstream.runtime.host`) runs an IO thread that
-owns every socket, decodes incoming frames into the actor's `Inbox` and forwards what the actor sends.
-The compute loop (`Actor.serve`) drains the inbox — control first — dispatching each message to the
-handler whose annotation names its type, and calls `step()` in between for actors with continuous
-work (a decode iteration, a drafter training step). A long step polls `control_pending()` so a
-preemption is honoured within one step.
+An actor never touches a socket: its host process (`runtime/host.py`) runs an IO thread that owns every
+socket, decodes incoming frames into the actor's `Inbox` and forwards what the actor sends. The compute
+loop (`Actor.serve`) drains the inbox — control first — dispatching each message to the handler whose
+annotation names its type, and calls `step()` in between for continuous work (a decode iteration, a
+drafter training step); a long step polls `control_pending()`, so a preemption waits at most one step.
 
 A handler that raises is a bug in that handler: the exception is logged with the message kind, the
 message is dropped and the actor keeps serving. `Fatal` ends the actor (it sends `Dead` first).
@@ -37,6 +36,7 @@ from slipstream.protocols.base import Message
 from slipstream.protocols.control import Shutdown
 from slipstream.runtime.codec import Codec
 from slipstream.runtime.inbox import Inbox
+from slipstream.runtime.transport import actor_name
 
 COORDINATOR = "coordinator"  # destination name of the control socket
 
@@ -101,7 +101,7 @@ class Actor:
     ) -> None:
         self.config = config
         self.rank = rank
-        self.name = f"{self.role}:{rank}"
+        self.name = actor_name(self.role, rank)
         self.run_dir = run_dir
         self.peers = dict(peers or {})
         self.inbox = inbox

@@ -21,6 +21,7 @@ T = TypeVar("T")
 _AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
 _UNKNOWN = re.compile(r"Object contains unknown field `(?P<field>[^`]+)`")
 _MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
+_NAMED = re.compile(r"^[A-Za-z_][\w.\[\]]*: ")
 
 
 class ConfigError(ValueError):
@@ -43,6 +44,8 @@ def _explain(err: msgspec.ValidationError, where: str) -> ConfigError:
     else:
         what = what[0].lower() + what[1:] if what else what
     prefix = f"{where}: " if where else ""
+    if not field and _NAMED.match(what):  # a check of the whole struct that names its own field
+        return ConfigError(f"{prefix}{what}")
     return ConfigError(f"{prefix}{field or '<root>'}: {what}")
 
 

@@ -38,11 +38,25 @@ from slipstream.runtime.config import ConfigError, convert
 from slipstream.runtime.inbox import Inbox
 from slipstream.runtime.io_thread import ActorIO
 from slipstream.runtime.shm import ShmArena
-from slipstream.runtime.transport import CurveKeys, ipc_endpoint, make_socket, run_tag, start_authenticator
+from slipstream.runtime.transport import (
+    CurveKeys,
+    actor_name,
+    ipc_endpoint,
+    make_socket,
+    run_tag,
+    start_authenticator,
+)
 
 # The shared-memory lane for same-host bulk tensors grows on demand up to this much per actor.
 SHM_SLOT_MAX = 1 << 30
 SHM_CAPACITY = 2 << 30
+
+
+def actor_path(cls: type[Actor]) -> str:
+    """The import path "pkg.module:Class" of an Actor subclass, as `import_actor` reads it back."""
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        raise ValueError(f"{cls.__qualname__} in {cls.__module__}: an actor class must be importable by path")
+    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 def import_actor(path: str) -> type[Actor]:
@@ -50,7 +64,9 @@ def import_actor(path: str) -> type[Actor]:
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise ValueError(f"actor path {path!r} must look like 'package.module:Class'")
-    cls = getattr(importlib.import_module(module_name), attr, None)
+    cls: Any = importlib.import_module(module_name)
+    for part in attr.split("."):  # a nested class: "pkg.mod:Outer.Inner"
+        cls = getattr(cls, part, None)
     if not (isinstance(cls, type) and issubclass(cls, Actor)):
         raise ValueError(f"{path!r} is not an Actor subclass")
     return cls
@@ -94,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     _die_with_parent(args.parent_pid)
     cls = import_actor(args.actor)
-    name = f"{cls.role}:{args.rank}"
+    name = actor_name(cls.role, args.rank)
     log = logs.configure(
         role=cls.role,
         rank=args.rank,
@@ -145,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         except (ConfigError, msgspec.DecodeError) as e:
             report_dead(f"bad config: {e}", 2)
             return 2
+        log.info("config", config=msgspec.to_builtins(config))  # the resolved config, once
         inbox = Inbox(capacity=256)
         io = ActorIO(
             ctx=ctx, name=name, control=control, data=data, inbox=inbox, log=log,

@@ -21,7 +21,7 @@ import msgspec
 import structlog
 import zmq
 
-from slipstream.runtime.transport import SocketOptions, make_socket
+from slipstream.runtime.transport import SocketOptions, actor_name, make_socket
 
 _json = msgspec.json.Encoder()
 
@@ -98,7 +98,7 @@ def configure(
         pub = make_socket(
             zmq.Context.instance(), zmq.PUB, connect=events_endpoint, options=SocketOptions(sndhwm=10_000)
         )
-    topic = role.encode() if rank is None else f"{role}:{rank}".encode()
+    topic = (role if rank is None else actor_name(role, rank)).encode()
     _sink = _Sink(file, pub, topic, echo)
     global _json
     _json = msgspec.json.Encoder(enc_hook=_default)

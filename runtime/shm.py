@@ -1,42 +1,19 @@
 """Same-host bulk lane: large tensors travel through reused shared memory, only a descriptor on the wire.
 
-Why: a 64 MiB frame over ipc:// makes libzmq malloc a fresh receive buffer, so every message pays an
-mmap and a page fault per 4 KiB page (0.3–1.2 GB/s here against 6–20 GB/s for memcpy). Here the sender
-copies the bytes once into a slot of a pre-faulted /dev/shm segment it keeps reusing, and the message
-body carries a `ShmRef` (segment, offset, nbytes, slot, generation). The receiver maps the segment once
-and gets a tensor that *aliases* the slot: no receive copy, no page faults in the steady state.
+Why: a large frame over ipc:// makes libzmq allocate and page-fault a fresh receive buffer per message,
+far below memcpy speed (docs/benchmarks.md). Here the sender copies the bytes once into a slot of a
+pre-faulted /dev/shm segment it keeps reusing, and the body carries a `ShmRef` (segment, offset, nbytes,
+slot, generation); the receiver maps the segment once and gets a tensor that *aliases* the slot.
 
 The non-obvious choice: release needs no message. Each segment starts with a header page holding, per
 slot, `state`, `generation` and the claiming `pid`; the receiver flips `state` back to FREE when the
-last tensor (or view) over the slot is freed, and the sender simply sees it. That is the credit.
+last tensor (or view) over the slot is freed, and the sender simply sees it. That is the credit. The slot
+state machine, its locking and ordering rules: the comment above the header layout below.
 
-Memory model (per slot):
-
-    FREE ──put (sender)──▶ WRITTEN ──get (receiver)──▶ CLAIMED ──last view freed (receiver)──▶ FREE
-                             │                            └──claimer pid dead (sender, reclaim)──▶ FREE
-                             └──reclaim(older_than_s): descriptor lost (sender)──────────────────▶ FREE
-
-- Only the sender writes FREE→WRITTEN, and it bumps `generation` on every put and every reclaim; a
-  descriptor whose generation is not the slot's is stale and `get` refuses it, so a late or replayed
-  descriptor can never read a reused slot. A descriptor is single-use: a second `get` finds CLAIMED.
-- WRITTEN→CLAIMED (receiver) and WRITTEN→FREE (sender reclaim) race, so both hold an fcntl lock on
-  the slot's header bytes. The other transitions have one writer each and take no lock.
-- Ordering: the sender stores data, then generation, then state, then sends the descriptor (a syscall);
-  the receiver's reads of the data precede its FREE store. x86-64 (TSO) keeps both orders for plain
-  stores; a weakly ordered CPU would need fences that Python cannot express.
-- The receiver's tensor is torch.frombuffer over a numpy array over the mapping; torch holds that array
-  until the storage dies (views included), and `weakref.finalize` on the array does the FREE store.
-- A receiver that dies holding slots: the sender frees CLAIMED slots whose pid is gone, automatically
-  whenever `put` finds no free slot (and on `reclaim()`). Pids must share a namespace (same host, no
-  separate pid namespaces). A descriptor that never arrived (message dropped) leaves its slot WRITTEN
-  until the owner calls `reclaim(older_than_s)` with a bound well above delivery latency.
-- Slots come in power-of-two size classes; a class's segment grows by doubling its slot count. The
-  arena grows to `capacity_bytes` of slot memory (plus a 4 KiB header page per segment), evicts wholly
-  free segments of other classes when a new class needs room, and then `put` blocks, polling the
-  header, until a slot frees or `timeout_s` passes (`ShmFullError`): that is the backpressure.
-- Segments are named `slipstream-{run_tag}-{pid}-{n}`, mode 0600, reserved with posix_fallocate (no
-  SIGBUS on a full tmpfs later) and mapped with MAP_POPULATE (no page faults later). `close()` unlinks
-  a sender's segments; `cleanup(run_tag)` removes what a crashed process left behind.
+`ShmArena` (sender) grows in power-of-two size classes up to a capacity, then `put` blocks until a slot
+frees (`ShmFullError` after its timeout): that is the backpressure. `ShmReader` is the receiving side.
+Segments are named `slipstream-{run_tag}-{pid}-{n}`, mode 0600; `close()` unlinks a sender's segments
+and `cleanup(run_tag)` removes what a crashed process left behind.
 """
 
 from __future__ import annotations
@@ -58,6 +35,8 @@ import msgspec
 import numpy as np
 import torch
 
+from slipstream.runtime.process import pid_alive
+
 SHM_DIR = Path("/dev/shm")
 PREFIX = "slipstream-"
 _NAME_RE = re.compile(r"slipstream-[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*-\d+-\d+")
@@ -65,6 +44,34 @@ _TAG_RE = re.compile(r"[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*")
 _PAGE = 4096
 _ALIGN = 64  # receivers view the bytes as any dtype: keep every tensor cache-line aligned
 
+# Slot protocol. Each slot moves through
+#
+#     FREE ──put (sender)──▶ WRITTEN ──get (receiver)──▶ CLAIMED ──last view freed (receiver)──▶ FREE
+#                              │                            └──claimer pid dead (sender, reclaim)──▶ FREE
+#                              └──reclaim(older_than_s): descriptor lost (sender)──────────────────▶ FREE
+#
+# - Only the sender writes FREE→WRITTEN, and it bumps `generation` on every put and every reclaim; a
+#   descriptor whose generation is not the slot's is stale and `get` refuses it, so a late or replayed
+#   descriptor can never read a reused slot. A descriptor is single-use: a second `get` finds CLAIMED.
+# - WRITTEN→CLAIMED (receiver) and WRITTEN→FREE (sender reclaim) race, so both hold an fcntl lock on
+#   the slot's header bytes. The other transitions have one writer each and take no lock.
+# - Ordering: the sender stores data, then generation, then state, then sends the descriptor (a syscall);
+#   the receiver's reads of the data precede its FREE store. x86-64 (TSO) keeps both orders for plain
+#   stores; a weakly ordered CPU would need fences that Python cannot express.
+# - The receiver's tensor is torch.frombuffer over a numpy array over the mapping; torch holds that array
+#   until the storage dies (views included), and `weakref.finalize` on the array does the FREE store.
+# - A receiver that dies holding slots: the sender frees CLAIMED slots whose pid is gone (`pid_alive`:
+#   a zombie counts as gone), automatically whenever `put` finds no free slot (and on `reclaim()`). Pids
+#   must share a namespace (same host, no separate pid namespaces). A descriptor that never arrived
+#   (message dropped) leaves its slot WRITTEN until the owner calls `reclaim(older_than_s)` with a bound
+#   well above delivery latency.
+# - Slots come in power-of-two size classes; a class's segment grows by doubling its slot count. The
+#   arena grows to `capacity_bytes` of slot memory (plus a 4 KiB header page per segment), evicts wholly
+#   free segments of other classes when a new class needs room, and then `put` blocks, polling the
+#   header, until a slot frees or `timeout_s` passes (`ShmFullError`).
+# - Segments are reserved with posix_fallocate (no SIGBUS on a full tmpfs later) and mapped with
+#   MAP_POPULATE (no page faults later).
+#
 # The header page, as uint64 words: segment fields, then one row of slot fields per slot.
 _MAGIC = int.from_bytes(b"SLIPSHM1", "little")
 _HEADER_BYTES = _PAGE
@@ -98,19 +105,6 @@ def _check_tag(run_tag: str) -> str:
     if not isinstance(run_tag, str) or not _TAG_RE.fullmatch(run_tag) or len(run_tag) > 64:
         raise ValueError(f"run_tag {run_tag!r} must be 1–64 characters of [A-Za-z0-9_.-], no edge dashes")
     return run_tag
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # an unreaped zombie still answers kill(0), but will never free anything
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 class _Segment:
@@ -224,7 +218,7 @@ class ShmArena:
         for seg in self._segments():
             for slot in range(seg.nslots):
                 state = int(seg.slots[slot, _S_STATE])
-                if state == CLAIMED and not _alive(int(seg.slots[slot, _S_PID])):
+                if state == CLAIMED and not pid_alive(int(seg.slots[slot, _S_PID])):
                     seg.slots[slot, _S_GEN] += np.uint64(1)
                     seg.slots[slot, _S_STATE] = FREE
                     freed += 1

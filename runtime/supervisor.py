@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,11 +35,12 @@ import zmq.asyncio
 
 from slipstream.protocols import PROTOCOL_VERSION, Message
 from slipstream.protocols.control import Dead, Heartbeat, Hello, Init, Ready, Shutdown
+from slipstream.runtime.actor import Actor
 from slipstream.runtime.codec import Codec, ProtocolError
 from slipstream.runtime.config import ConfigError, convert
-from slipstream.runtime.host import import_actor
+from slipstream.runtime.host import actor_path, import_actor
 from slipstream.runtime.shm import cleanup as cleanup_shm
-from slipstream.runtime.transport import CurveKeys, ipc_endpoint, make_socket, run_tag
+from slipstream.runtime.transport import CurveKeys, actor_name, ipc_endpoint, make_socket, run_tag
 
 
 class SupervisorError(RuntimeError):
@@ -46,14 +48,53 @@ class SupervisorError(RuntimeError):
 
 
 class ActorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """One actor process to start."""
+    """One actor process to start: `ActorSpec.of(RolloutActor, rank=0, config=RolloutActor.Config(…))`.
 
-    actor: str  # import path "pkg.module:Class"
+    The config travels to the process as plain values and is converted back, strictly, to the actor's
+    `Config` there. Plain values (a dict) are accepted too, for configs read from files and for tests of
+    bad configs; either way `Supervisor.start` checks every config before it spawns anything.
+    """
+
+    actor: str  # import path "pkg.module:Class": what the spawned process imports
     rank: int = 0  # rank within its role
-    config: dict[str, Any] = {}  # converted to the actor's Config type (and validated) in the actor
+    config: msgspec.Struct | dict[str, Any] = {}  # an instance of the actor's Config, or its plain values
     threads: int = 1  # torch/OpenMP threads: the actor's share of this host's cores
     cpus: list[int] = []  # cores to pin to (empty: no pinning)
     env: dict[str, str] = {}
+
+    @classmethod
+    def of(
+        cls,
+        actor: type[Actor],
+        *,
+        rank: int = 0,
+        config: msgspec.Struct | None = None,
+        threads: int = 1,
+        cpus: Sequence[int] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> ActorSpec:
+        """The spec of Actor subclass `actor` with its typed `config` (default: `actor.Config()`)."""
+        if not (isinstance(actor, type) and issubclass(actor, Actor)):
+            raise TypeError(f"{actor!r} is not an Actor subclass")
+        if config is None:
+            config = actor.Config()
+        if not isinstance(config, actor.Config):
+            raise TypeError(
+                f"{actor.__qualname__}: config is a {type(config).__qualname__}, "
+                f"expected {actor.__qualname__}.Config"
+            )
+        return cls(
+            actor=actor_path(actor),
+            rank=rank,
+            config=config,
+            threads=threads,
+            cpus=list(cpus),
+            env=dict(env or {}),
+        )
+
+    def plain_config(self) -> dict[str, Any]:
+        """The config as plain values: what Init carries (`msgspec.to_builtins`)."""
+        return msgspec.to_builtins(self.config)
 
 
 @dataclass(frozen=True)
@@ -130,19 +171,27 @@ class Supervisor:
             raise
 
     @staticmethod
-    def _check(spec: ActorSpec) -> type:
+    def _check(spec: ActorSpec) -> type[Actor]:
         try:
             cls = import_actor(spec.actor)
         except (ImportError, ValueError) as e:
             raise SupervisorError(f"{spec.actor}: cannot load actor: {e}") from None
         try:
-            convert(spec.config, cls.Config, where=f"{cls.role}:{spec.rank} config")
+            name = actor_name(cls.role, spec.rank)
+        except ValueError as e:
+            raise SupervisorError(f"{spec.actor}: {e}") from None
+        if isinstance(spec.config, msgspec.Struct) and not isinstance(spec.config, cls.Config):
+            raise SupervisorError(
+                f"{name} config: a {type(spec.config).__qualname__}, expected {cls.__qualname__}.Config"
+            )
+        try:  # what the actor will do with the plain values it receives
+            convert(spec.plain_config(), cls.Config, where=f"{name} config")
         except ConfigError as e:
             raise SupervisorError(str(e)) from None
         return cls
 
     async def _spawn(self, spec: ActorSpec, role: str) -> None:
-        name = f"{role}:{spec.rank}"
+        name = actor_name(role, spec.rank)
         if name in self._procs:
             raise SupervisorError(f"{name}: two actors with the same role and rank")
         env = dict(os.environ, **spec.env)
@@ -188,7 +237,7 @@ class Supervisor:
         peers = {name: p.hello.data_endpoint for name, p in self._procs.items() if p.hello is not None}
         for p in self._procs.values():
             init = Init(
-                config=msgspec.Raw(msgspec.msgpack.encode(p.spec.config)),
+                config=msgspec.Raw(msgspec.msgpack.encode(p.spec.plain_config())),
                 run_dir=str(self.run_dir),
                 peers=peers,
                 heartbeat_s=self.heartbeat_s,

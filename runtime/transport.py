@@ -154,5 +154,19 @@ def ipc_endpoint(run_dir: Path | str, name: str) -> str:
     return f"ipc://{socket_dir(run_dir) / safe}"
 
 
-def peer_identity(role: str, rank: int) -> str:
+def actor_name(role: str, rank: int) -> str:
+    """An actor's name, "role:rank": its socket identity, its key in the peer directory, its log topic."""
+    if not role or ":" in role:
+        raise ValueError(f"actor role {role!r} must be non-empty and contain no ':'")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"actor rank {rank!r} must be a non-negative integer")
     return f"{role}:{rank}"
+
+
+def parse_actor_name(name: str) -> tuple[str, int]:
+    """(role, rank) of an actor name "role:rank"; ValueError naming the name if it is not one."""
+    role, sep, rank = name.rpartition(":")
+    canonical = rank.isascii() and rank.isdecimal() and str(int(rank)) == rank  # "1", never "01" or "+1"
+    if not sep or not role or ":" in role or not canonical:
+        raise ValueError(f"{name!r} is not an actor name 'role:rank' (e.g. 'drafter:0')")
+    return role, int(rank)

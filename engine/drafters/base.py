@@ -2,7 +2,7 @@
 
 A drafter sees one `DraftState` per live request and returns one `Draft` per request: a tree (tokens,
 parents) and, for a stochastic drafter, the distribution each token was drawn from. Drafts never change
-the output — verification (`speculative.py`) makes every draft lossless — so a drafter may be wrong, slow
+the output — verification (`verify.py`) makes every draft lossless — so a drafter may be wrong, slow
 to learn, or swapped mid-run; it can only change speed.
 
 Drafters are told about committed tokens through `observe` even while speculation is switched off, so

@@ -2,20 +2,15 @@
 
 The G responses of one prompt repeat each other (and the prompt) heavily, so the continuation of the
 request's last n tokens elsewhere in the group is a good draft. Per group the drafter keeps every
-document (the prompt once, then each sibling's response) and an index n-gram → [(document, continuation
-position)], for n from `max_n` down to `min_n`. The index is append-only and updated from the new suffix of
-each request's history only: committing t tokens costs O(t · (max_n − min_n + 1)), never a rescan.
+document (the prompt once, then each sibling's response) and an append-only index n-gram → [(document,
+continuation position)] for n from `max_n` down to `min_n`, updated from each history's new suffix only.
 
-A proposal uses the longest n that matches. The continuations of its most recent `max_matches`
-occurrences are merged into a trie whose nodes count how many occurrences pass through them; the draft is
-the best `verify` trie nodes by count (ties: shallower, then more recent), at most `topk` children per
-node — so topk == 1 is the chain of the most frequent continuation and topk > 1 a small tree of the
-runners-up. Drafts are deterministic: draft_probs is None (a point mass).
-
-Keyed rows (`DraftState.keyed`: reproducible mode, T > 0) draft a chain that, where the continuations
-branch, takes the branch the sampler's own race picks with the counts as the distribution (`_keyed_chain`):
-the target draws its token with that same noise, so where siblings diverged the draft follows the draw,
-not just the majority.
+A proposal uses the longest n that matches, merges the continuations of its most recent `max_matches`
+occurrences into a trie counting occurrences per node, and drafts the best `verify` nodes by count, at most
+`topk` children per node (topk == 1: the most frequent continuation, as a chain). Drafts are
+deterministic (point masses). Keyed rows (reproducible mode, T > 0) draft a chain that, where the
+continuations branch, follows the sampler's own race with the counts as the distribution (`_keyed_chain`).
+More in docs/engine.md, "N-gram drafter".
 """
 
 from __future__ import annotations

@@ -1,49 +1,71 @@
-"""The drafter actor as a real process: preemption latency, and restart from checkpoint after SIGKILL."""
+"""The drafter actor: preemption latency and restart from checkpoint after SIGKILL (real processes), and
+the policy version its updates carry (in-process, through its handlers)."""
 
 import asyncio
 import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import uvloop
 import zmq
 
+from slipstream.actors.drafter import DrafterActor
+from slipstream.protocols.base import Message
 from slipstream.protocols.control import Lease, Preempt, Released, Status
 from slipstream.protocols.drafter import DrafterUpdate, HiddenStates
 from slipstream.runtime.codec import Codec, checksum
+from slipstream.runtime.inbox import Inbox
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
 from tests.engine.conftest import build_checkpoint
 
 HEARTBEAT_S = 0.25
 
 
-def drafter_spec(model: Path, rank: int = 0, **config: object) -> ActorSpec:
-    cfg = {"model": str(model), "publish_to": ["coordinator"], "batch_tokens": 256, "min_buffer_tokens": 32,
-           "publish_every_steps": 5, "checkpoint_every_steps": 5, "publish_min_interval_s": 0.0, **config}  # fmt: skip
-    return ActorSpec(actor="slipstream.actors.drafter:DrafterActor", rank=rank, config=cfg, threads=1)
+def drafter_config(model: Path, **config: Any) -> DrafterActor.Config:
+    fields = {"publish_to": ["coordinator"], "batch_tokens": 256, "min_buffer_tokens": 32,
+              "publish_every_steps": 5, "checkpoint_every_steps": 5, "publish_min_interval_s": 0.0, **config}  # fmt: skip
+    return DrafterActor.Config(model=str(model), **fields)
 
 
-def feed(endpoint: str, n: int, hidden_size: int, vocab: int, *, seed: int = 0) -> None:
+def drafter_spec(model: Path, rank: int = 0, **config: Any) -> ActorSpec:
+    return ActorSpec.of(DrafterActor, rank=rank, config=drafter_config(model, **config), threads=1)
+
+
+def hidden_states(
+    n: int, hidden_size: int, vocab: int, *, seed: int = 0, policy_version: int = 0
+) -> list[HiddenStates]:
+    """`n` random sequences' hidden states, as rollouts send them."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = 40 + i % 30
+        out.append(
+            HiddenStates(
+                group_id=i,
+                sample_index=0,
+                token_ids=torch.randint(0, vocab, (length,), generator=gen),
+                hidden=torch.randn(length, hidden_size, generator=gen),
+                response_start=8,
+                policy_version=policy_version,
+            )
+        )
+    return out
+
+
+def feed(
+    endpoint: str, n: int, hidden_size: int, vocab: int, *, seed: int = 0, policy_version: int = 0
+) -> None:
     """Streams `n` random sequences' hidden states to the drafter's data socket."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, b"rollout:0")
     sock.connect(endpoint)
     codec = Codec()
-    gen = torch.Generator().manual_seed(seed)
-    for i in range(n):
-        length = 40 + i % 30
-        msg = HiddenStates(
-            group_id=i,
-            sample_index=0,
-            token_ids=torch.randint(0, vocab, (length,), generator=gen),
-            hidden=torch.randn(length, hidden_size, generator=gen),
-            response_start=8,
-            policy_version=0,
-        )
+    for msg in hidden_states(n, hidden_size, vocab, seed=seed, policy_version=policy_version):
         sock.send_multipart(codec.encode(msg))
     sock.close(linger=2000)
     ctx.term()
@@ -95,7 +117,7 @@ def test_sigkilled_drafter_restarts_from_its_last_checkpoint(tmp_path: Path) -> 
         published: dict[int, DrafterUpdate] = {}
         try:
             await sup.start([drafter_spec(model)])
-            feed(sup.endpoints()["drafter:0"], 30, 64, 160)
+            feed(sup.endpoints()["drafter:0"], 30, 64, 160, policy_version=4)
             await sup.send("drafter:0", Lease(lease_id=1, device="cpu:0", threads=1))
             checkpointed = 0
             while checkpointed < 10:
@@ -129,6 +151,7 @@ def test_sigkilled_drafter_restarts_from_its_last_checkpoint(tmp_path: Path) -> 
     assert restored.names == before.names
     assert all(torch.equal(a, b) for a, b in zip(restored.tensors, before.tensors, strict=True))
     assert restored.checksum == before.checksum == checksum(restored.names, restored.tensors)
+    assert restored.policy_version == before.policy_version == 4  # checkpointed with the weights
 
     # The run's drafter is a deployment asset: export it and reload it into the engine, unchanged.
     from slipstream.cli.drafter import export_run
@@ -141,3 +164,41 @@ def test_sigkilled_drafter_restarts_from_its_last_checkpoint(tmp_path: Path) -> 
     reloaded = drafter.head.state_dict()
     for name, tensor in zip(restored.names, restored.tensors, strict=True):
         assert torch.equal(reloaded[name], tensor), name
+
+
+class Sent:
+    """Outbox of an in-process actor: decodes what it sends, as a peer would receive it."""
+
+    def __init__(self) -> None:
+        self.codec = Codec()
+        self.messages: list[tuple[str, Message]] = []
+
+    def send(self, dest: str, frames: list[Any]) -> None:
+        self.messages.append((dest, self.codec.decode(frames)))
+
+    def updates(self) -> list[DrafterUpdate]:
+        return [m for _, m in self.messages if isinstance(m, DrafterUpdate)]
+
+
+@pytest.mark.timeout(60)
+def test_updates_carry_the_newest_policy_version_trained_on(tmp_path: Path) -> None:
+    model = build_checkpoint(tmp_path / "model")
+    out = Sent()
+    config = drafter_config(model, publish_every_steps=1, checkpoint_every_steps=1)
+    actor = DrafterActor(config, rank=0, outbox=out, inbox=Inbox(8), run_dir=str(tmp_path / "run"))
+    actor.on_start()
+    try:
+        for msg in hidden_states(8, 64, 160, policy_version=3):
+            actor.on_hidden(msg, "rollout:0")
+        actor.on_lease(Lease(lease_id=1, device="cpu:0", threads=0), "coordinator")
+        assert actor.step()
+        assert [u.policy_version for u in out.updates()] == [3]
+        for msg in hidden_states(8, 64, 160, seed=1, policy_version=5):
+            actor.on_hidden(msg, "rollout:0")
+        assert actor.policy_version == 3  # buffered, not trained on yet: the drafter has not seen it
+        assert actor.step()  # batches are drawn newest version first
+        assert [u.policy_version for u in out.updates()] == [3, 5]
+    finally:
+        actor.on_stop()  # waits for the checkpoint writer
+    newest = sorted((tmp_path / "run" / "drafter" / "rank-0").glob("ckpt-*.pt"))[-1]
+    assert torch.load(newest, weights_only=True)["policy_version"] == 5

@@ -117,7 +117,7 @@ def test_a_preempted_rank_delta_is_folded_in_by_a_dormant_owner(tmp_path: Path) 
         try:
             # rank 1 never syncs on its own: only its preemption sends what it trained
             await sup.start([drafter_spec(model, rank=r, sync_every_steps=10_000, **GROUP) for r in (0, 1)])
-            feed(sup.endpoints()["drafter:1"], 30, 64, 160)
+            feed(sup.endpoints()["drafter:1"], 30, 64, 160, policy_version=3)
             seen: list = []
             await record_until(sup, seen, Status, lambda m: m.topic == "drafter_synced")
             await sup.send("drafter:1", Lease(lease_id=7, device="cpu:0", threads=1))
@@ -137,6 +137,7 @@ def test_a_preempted_rank_delta_is_folded_in_by_a_dormant_owner(tmp_path: Path) 
     trained = [m for m in seen if isinstance(m, DrafterStats) and m.rank == 1][-1].steps
     print(f"rank 1 trained {trained} steps before its preemption")
     assert trained > 0 and final.version == trained
+    assert final.policy_version == 3  # the owner never trained: the version came with rank 1's delta
     synced = last_synced(seen, rank=1)
     assert synced.fields == {"rank": 1, "version": final.version, "checksum": final.checksum}
     assert start.fields["version"] == 0 and start.fields["checksum"] != final.checksum
@@ -152,7 +153,8 @@ class FakeRank(Actor):
         self._send(steps=0, names=[], tensors=[], final=True)  # asks the owner for its weights
 
     def _send(self, *, steps: int, names: list[str], tensors: list[torch.Tensor], **fields: object) -> None:
-        msg = {"rank": 1, "base_version": 0, "tokens": 100, "elapsed_s": 0.1, "final": False, **fields}
+        msg = {"rank": 1, "base_version": 0, "policy_version": 0, "tokens": 100, "elapsed_s": 0.1,
+               "final": False, **fields}  # fmt: skip
         self.send(OWNER, DrafterDelta(steps=steps, names=names, tensors=tensors, **msg))  # type: ignore[arg-type]
 
     @handler

@@ -18,9 +18,9 @@ import pytest
 import torch
 import uvloop
 
+from slipstream.actors.drafter import DrafterActor
 from slipstream.actors.rollout import RolloutActor
 from slipstream.engine.sampling import SamplingParams
-from slipstream.engine.speculator import SpecConfig
 from slipstream.engine.weights import load_model
 from slipstream.protocols.base import Message
 from slipstream.protocols.control import Idle, Lease
@@ -129,8 +129,7 @@ def test_rejection_mode_with_the_tuner_has_the_law_of_plain_sampling(tmp_path: P
     actor, out = make_actor(model_dir, tmp_path / "run", max_batch=64, tuner=tuner, hidden_to=["drafter:0"])
     # The drafter favours what the target dislikes: many rejections, a large residual correction.
     draft_probs = torch.softmax(-2 * exact.view(8, 8).sum(0).clamp_min(1e-6).log(), 0).float()
-    actor.generator.set_spec(SpecConfig(method="eagle", depth=2), SkewedDrafter(draft_probs, "chain"))
-    actor.generator.set_spec(None)
+    actor.generator.hold("eagle", SkewedDrafter(draft_probs, "chain"))
     n = 3000
     actor.on_generate(
         GenerateRequest(
@@ -238,8 +237,8 @@ def test_real_processes_stream_completions_go_idle_and_swap_in_the_trained_draft
         "min_buffer_tokens": 32, "publish_every_steps": 3, "checkpoint_every_steps": 0,
     }  # fmt: skip
     specs = [
-        ActorSpec(actor="slipstream.actors.rollout:RolloutActor", config=rollout_cfg),
-        ActorSpec(actor="slipstream.actors.drafter:DrafterActor", config=drafter_cfg),
+        ActorSpec.of(RolloutActor, config=msgspec.convert(rollout_cfg, RolloutActor.Config)),
+        ActorSpec.of(DrafterActor, config=msgspec.convert(drafter_cfg, DrafterActor.Config)),
     ]
 
     async def main() -> tuple[list[Completion], list[IterationStats], int]:

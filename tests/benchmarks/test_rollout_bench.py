@@ -1,20 +1,26 @@
-"""`bench rollout` end to end on a tiny model: all three modes, real processes, the JSON it promises.
+"""`bench rollout` end to end on a tiny model: all three modes, real processes, the JSON it promises; and
+its configuration: the packaged YAML, the flags and overrides, errors that name the field.
 
 Speed figures on a tiny random model mean nothing; what is asserted is the machinery: every mode decodes
 the same responses (reproducible verification), idle devices are leased to the drafter actors and the
 leases are preempted, and the JSON carries every field the benchmark documents.
 """
 
+import argparse
 import json
+import re
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 from slipstream.benchmarks import rollout
+from slipstream.cli.main import main, packaged_config
 from slipstream.engine import eagle_export
 from slipstream.engine.config import ModelConfig
 from slipstream.engine.eagle import EagleHead
+from slipstream.runtime.config import load
 from tests.engine.conftest import build_checkpoint
 
 
@@ -26,9 +32,10 @@ def test_bench_rollout_runs_all_modes_on_the_same_responses(tmp_path: Path) -> N
     eagle_export.export(EagleHead.for_target(config), config, tmp_path / "drafter", version=1)
 
     trace = tmp_path / "iterations.jsonl"
-    result = rollout.run(
-        str(model), prompts=4, samples=3, max_tokens=48, steps=3, drafter=tmp_path / "drafter", trace=trace
+    config = rollout.RolloutBenchConfig(
+        model=str(model), prompts=4, samples=3, max_tokens=48, steps=3, drafter=str(tmp_path / "drafter")
     )
+    result = json.loads(msgspec.json.encode(rollout.run(config, trace=trace)))  # what --json prints
 
     assert result["identical_outputs"] is True
     assert result["differing_responses"] == {"plain": 0, "ngram": 0, "adaptive": 0}
@@ -64,3 +71,54 @@ def test_bench_rollout_runs_all_modes_on_the_same_responses(tmp_path: Path) -> N
     assert {row["group_base"] for row in rows} == {0, 10_000, 20_000}
     assert all(row["iter_s"] > 0 and row["batch_size"] >= 1 for row in rows)
     assert {row["arm"] for row in rows if row["mode"] == "plain"} == {"off"}
+
+
+def test_the_packaged_config_is_the_structs_defaults() -> None:
+    assert (
+        load(packaged_config("bench-rollout.yaml"), rollout.RolloutBenchConfig)
+        == rollout.RolloutBenchConfig()
+    )
+
+
+def test_flags_and_overrides_map_onto_the_config(tmp_path: Path) -> None:
+    path = tmp_path / "bench.yaml"
+    path.write_text("prompts: 2\nsamples: 2\ntuner:\n  arms:\n    ngram: ['off', 'ngram:d5']\n")
+    parser = argparse.ArgumentParser()
+    rollout.add_arguments(parser)
+    args = parser.parse_intermixed_args(
+        ["--config", str(path), "--prompts", "4", "--modes", "plain,ngram", "--model", "true", "steps=2",
+         "--max-tokens", "128", "drafter_actors.batch_tokens=256", "samples=3"]
+    )  # fmt: skip
+    config = rollout.config_from_args(args)
+    assert (config.prompts, config.samples, config.steps, config.max_tokens) == (4, 3, 2, 128)
+    assert config.modes == ["plain", "ngram"] and config.model == "true"  # a flag's value is never re-typed
+    assert config.tuner.arms.ngram == ["off", "ngram:d5"] and config.tuner.arms.plain == ["off"]
+    assert config.drafter_actors.batch_tokens == 256 and config.temperature == 0.7
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "argv", "message"),
+    [
+        ("", ["prompts=many"], r"prompts: expected `int`, got `str`"),
+        ("", ["--prompts", "0"], r"prompts: expected `int` >= 1"),
+        ("drafter_actors:\n  batch_token: 8\n", [], r"drafter_actors\.batch_token: unknown field"),
+        ("", ["tuner.arms.ngram=[off]"], r"tuner\.arms\.ngram\[0\]: expected `str`, got `bool`"),
+        (
+            "",
+            ['tuner.arms.adaptive=["off", "eagle:x"]'],
+            r"tuner\.arms: adaptive\[1\]: 'eagle:x' is not an arm",
+        ),
+        ("", ["tuner.buckets=[2, 4]"], r"tuner: buckets: must start at 1"),
+        ("", ["--modes", "plain,fast"], r"modes\[1\]: invalid enum value 'fast'"),
+        ("", ["rollout_actors.spec_mode=fast"], r"rollout_actors\.spec_mode: invalid enum value 'fast'"),
+    ],
+)
+def test_a_bad_config_fails_at_start_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], yaml_text: str, argv: list[str], message: str
+) -> None:
+    path = tmp_path / "bench.yaml"
+    path.write_text(yaml_text)
+    missing = tmp_path / "no-model"  # the config is refused before anything would load it
+    assert main(["bench", "rollout", "--json", "--config", str(path), "--model", str(missing), *argv]) == 1
+    err = capsys.readouterr().err
+    assert re.search(f"^slipstream bench: {message}", err), err

@@ -21,10 +21,9 @@ from tokenizers import Tokenizer as Backend
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
-from slipstream.cli.generate import request_seed
 from slipstream.cli.main import main
 from slipstream.engine.generator import Generator, Request
-from slipstream.engine.sampling import SamplingParams
+from slipstream.engine.sampling import SamplingParams, sample_seed
 from slipstream.engine.weights import load_model
 from tests.engine.conftest import TINY, build_checkpoint
 
@@ -83,7 +82,7 @@ def direct(model_dir: Path, params: SamplingParams, seed: int) -> list[list[int]
         Request(
             request_id=f"q{i}",
             prompt_ids=ids,
-            params=SamplingParams(**{**vars(params), "seed": request_seed(seed, i)}),
+            params=SamplingParams(**{**vars(params), "seed": sample_seed(seed, i)}),
         )
         for i, ids in enumerate(PROMPT_IDS)
     ]
@@ -202,7 +201,7 @@ def write(tmp_path: Path, text: str) -> Path:
         ("eagle", "--spec eagle needs --drafter"),
         ("eagle_with_dir", "not an exported EAGLE drafter"),
         ("drafter_without_eagle", "--drafter is for --spec eagle only"),
-        ("bad_seed", r"--seed must be in \[0, 2\*\*31\)"),
+        ("bad_seed", r"--seed must be in \[0, 2\*\*39\)"),
     ],
 )
 def test_bad_input_is_one_clear_line(

@@ -25,7 +25,8 @@ from slipstream.engine.drafter_train import (
     unrolled_forward,
 )
 from slipstream.engine.drafters.base import DraftState
-from slipstream.engine.eagle import EagleDrafter, EagleHead, target_features
+from slipstream.engine.drafters.eagle import EagleDrafter
+from slipstream.engine.eagle import EagleHead, target_features
 from slipstream.engine.generator import Completion, Generator, Request
 from slipstream.engine.model import Transformer
 from slipstream.engine.sampling import SamplingParams
@@ -383,7 +384,7 @@ def test_online_training_raises_accept_length(make_checkpoint: Callable[..., Pat
         drafter.load_state(trainer.weights(), version=1)
         spec = SpecConfig(method="eagle", depth=5, mode=mode)
         out = Generator(
-            target, num_slots=16, max_len=128, token_budget=512, spec=spec, drafter=drafter
+            target, num_slots=16, max_len=128, token_budget=512, spec=spec, drafters={"eagle": drafter}
         ).generate(sampled)
         accept[mode] = sum(len(c.token_ids) for c in out) / sum(c.target_passes for c in out)
         if mode == "reproducible":

@@ -17,7 +17,6 @@ from slipstream.engine.drafters import (
     stack_chains,
 )
 from slipstream.engine.sampling import SamplingParams, keyed_exponential, processed_probs, sample
-from slipstream.engine.speculative import verify_chain, verify_tree
 from slipstream.engine.tree import (
     build_tree,
     chain_parents,
@@ -26,6 +25,7 @@ from slipstream.engine.tree import (
     tree_depths,
     tree_positions,
 )
+from slipstream.engine.verify import verify_chain, verify_tree
 
 PARAMS = SamplingParams()
 

@@ -20,8 +20,11 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from slipstream.engine.config import ModelConfig
+from slipstream.engine.draft_vocab import draft_logits
 from slipstream.engine.drafters.base import DraftState
-from slipstream.engine.eagle import EagleDrafter, EagleHead, draft_logits, head_config, target_features
+from slipstream.engine.drafters.eagle import EagleDrafter
+from slipstream.engine.drafters.ngram import NGramDrafter
+from slipstream.engine.eagle import EagleHead, head_config, target_features
 from slipstream.engine.eagle_export import export, load
 from slipstream.engine.generator import Completion, Generator, Request
 from slipstream.engine.model import Transformer
@@ -434,7 +437,9 @@ def test_generator_with_eagle_drafter_is_lossless(
     ]
     plain = Generator(target, num_slots=3, max_len=96, token_budget=48).generate(requests)
     drafter = EagleDrafter(make_head(target), target, num_slots=3, max_len=96, draft_vocab=draft_vocab)
-    speculative = Generator(target, num_slots=3, max_len=96, token_budget=48, spec=spec, drafter=drafter)
+    speculative = Generator(
+        target, num_slots=3, max_len=96, token_budget=48, spec=spec, drafters={"eagle": drafter}
+    )
     assert [c.token_ids for c in speculative.generate(requests)] == [c.token_ids for c in plain]
     assert drafter.cache.num_free_slots == 3  # every finished request was reset
     if draft_vocab:
@@ -460,7 +465,9 @@ def test_keyed_sampled_drafts_are_token_identical_to_plain(
     plain = Generator(target, num_slots=3, max_len=96, token_budget=48).generate(requests)
     drafter = EagleDrafter(make_head(target), target, num_slots=3, max_len=96, draft_vocab=12)
     spec = SpecConfig(method="eagle", depth=3, topk=topk, verify=3 * topk, mode="reproducible")
-    speculative = Generator(target, num_slots=3, max_len=96, token_budget=48, spec=spec, drafter=drafter)
+    speculative = Generator(
+        target, num_slots=3, max_len=96, token_budget=48, spec=spec, drafters={"eagle": drafter}
+    )
     assert [c.token_ids for c in speculative.generate(requests)] == [c.token_ids for c in plain]
 
 
@@ -486,7 +493,10 @@ def test_hybrid_drafting_is_token_identical_to_plain(
     plain = Generator(target, num_slots=4, max_len=96, token_budget=64).generate(requests)
     drafter = EagleDrafter(make_head(target), target, num_slots=4, max_len=96, draft_vocab=12)
     spec = SpecConfig(method="hybrid", depth=3, mode="reproducible")
-    hybrid = Generator(target, num_slots=4, max_len=96, token_budget=64, spec=spec, drafter=drafter)
+    hybrid = Generator(
+        target, num_slots=4, max_len=96, token_budget=64, spec=spec,
+        drafters={"ngram": NGramDrafter(), "eagle": drafter},
+    )  # fmt: skip
     drafted = Counter[str]()  # non-empty drafts per drafter
 
     def counting(name: str, drafter: Any) -> None:

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from slipstream.engine.batch import BatchLayout
-from slipstream.engine.generator import Completion, Generator, Request, VerifyTree, score_tree, score_trees
+from slipstream.engine.generator import Completion, Generator, Request
 from slipstream.engine.kv_cache import KVCache
 from slipstream.engine.model import Transformer
 from slipstream.engine.sampling import SamplingParams
 from slipstream.engine.weights import load_model
+from tests.engine.tree_scoring import VerifyTree, score_tree, score_trees
 
 VOCAB = 160
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)

@@ -6,9 +6,9 @@ Hand cases run in float64 with tight tolerances; sampler agreement runs in float
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
+import msgspec
 import pytest
 import torch
 
@@ -51,8 +51,10 @@ def test_config_defaults():
     assert LossConfig(tis_cap=2.0).tis and not LossConfig(tis_cap=0).tis
     with pytest.raises(TypeError):
         LossConfig(0.1)  # keyword-only
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):  # frozen
         c.eps_low = 0.1  # type: ignore[misc]
+    with pytest.raises(msgspec.ValidationError, match="eps_lo"):  # a misspelt key in a run config
+        msgspec.convert({"eps_lo": 0.1}, LossConfig)
 
 
 @pytest.mark.parametrize(

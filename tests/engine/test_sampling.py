@@ -14,6 +14,8 @@ import torch
 
 from slipstream.engine.sampling import (
     HEAD_MIN_PROB,
+    MAX_SAMPLE_INDEX,
+    MAX_SEED,
     STREAM_SAMPLE,
     SamplingParams,
     _argmax,
@@ -25,6 +27,7 @@ from slipstream.engine.sampling import (
     processed_probs,
     race_sample,
     sample,
+    sample_seed,
 )
 
 ALPHA = 1e-3
@@ -85,6 +88,26 @@ def test_params_tensors_and_greedy():
     assert top_k.tolist() == [0, 5] and seeds.tolist() == [3, 7]
     with pytest.raises(TypeError):
         SamplingParams(0.5)  # keyword-only
+
+
+def test_sample_seed_is_seed_times_2_to_24_plus_index_inside_int64():
+    assert sample_seed(0, 0) == 0 and sample_seed(5, 3) == 5 * 2**24 + 3
+    assert (MAX_SEED, MAX_SAMPLE_INDEX) == (2**39, 2**24)
+    assert sample_seed(MAX_SEED - 1, MAX_SAMPLE_INDEX - 1) == 2**63 - 1  # the largest int64
+    # The sampler takes it as its int64 key.
+    assert params_tensors([SamplingParams(seed=sample_seed(MAX_SEED - 1, 7))])[3].tolist() == [
+        2**63 - 2**24 + 7
+    ]
+    for seed, index, name in [
+        (-1, 0, "seed"),
+        (MAX_SEED, 0, "seed"),
+        (True, 0, "seed"),
+        (1.0, 0, "seed"),
+        (0, -1, "index"),
+        (0, MAX_SAMPLE_INDEX, "index"),
+    ]:
+        with pytest.raises(ValueError, match=rf"sample {name} must be an integer in \[0, 2\*\*"):
+            sample_seed(seed, index)
 
 
 # ---------------------------------------------------------------------------------------------------------

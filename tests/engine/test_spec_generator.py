@@ -110,37 +110,65 @@ def test_spec_config_validates_and_names_the_field() -> None:
 
 
 def test_drafter_selection(model: Transformer) -> None:
-    with pytest.raises(ValueError, match="eagle"):
+    # The engine makes no drafter of its own: a method without a held drafter is refused, by name.
+    with pytest.raises(ValueError, match="'eagle'"):
         Generator(model, spec=SpecConfig(method="eagle"))
-    with pytest.raises(ValueError, match="speculation method"):
-        Generator(model, drafter=NGramDrafter())
+    with pytest.raises(ValueError, match="'ngram'"):
+        Generator(model, spec=CHAIN)
+    with pytest.raises(ValueError, match="'hybrid' needs a drafter held for 'ngram'"):
+        Generator(model, spec=SpecConfig(method="hybrid"), drafters={"eagle": NGramDrafter()})
+    with pytest.raises(ValueError, match="not 'hybrid'"):
+        Generator(model, drafters={"hybrid": NGramDrafter()})
     gen = Generator(model)
     assert not gen.spec.enabled and not gen.speculator.drafters
-    with pytest.raises(ValueError, match="speculation is off"):
-        gen.set_drafter(NGramDrafter())
+    ngram = NGramDrafter()
+    gen.hold("ngram", ngram)  # held while speculation is off: it observes from now on
+    assert not gen.spec.enabled
     gen.set_spec(CHAIN)
-    ngram = gen.speculator.drafters["ngram"]
-    assert isinstance(ngram, NGramDrafter)
     gen.set_spec(None)
     gen.set_spec(TREE)  # the n-gram tables survive a detour through "off"
     assert gen.speculator.drafters["ngram"] is ngram and gen.spec == TREE
+    with pytest.raises(ValueError, match="'self'"):
+        gen.set_spec(SpecConfig(method="self"))
+    assert gen.spec == TREE  # a refused spec changes nothing
     swapped = NGramDrafter(max_n=3)
-    gen.set_drafter(swapped)
+    gen.hold("ngram", swapped)
     assert gen.speculator.drafters["ngram"] is swapped
 
 
-def test_self_method_replays_this_generators_own_runs(model: Transformer) -> None:
+def test_self_method_replays_a_recorded_run(model: Transformer) -> None:
     requests = requests_with_repeats(6, seed=1)
+    oracle = OracleDrafter()
     gen = Generator(
-        model, num_slots=4, token_budget=64, eos_token_ids=(), spec=SpecConfig(method="self", depth=5)
-    )
+        model, num_slots=4, token_budget=64, eos_token_ids=(), spec=SpecConfig(method="self", depth=5),
+        drafters={"self": oracle},
+    )  # fmt: skip
     first = gen.generate(requests)
     assert gen.stats["drafted"] == 0  # nothing recorded yet: plain decoding
+    for completion in first:
+        oracle.record(completion.request_id, completion.prompt_ids + completion.token_ids)
     second = gen.generate(requests)
     stats = gen.stats
     assert [c.token_ids for c in second] == [c.token_ids for c in first]
     assert stats["accepted"] == stats["drafted"] > 0
     assert sum(c.target_passes for c in second) < sum(c.target_passes for c in first)
+
+
+def test_token_budget_is_derived_from_slots_and_draft_size(model: Transformer) -> None:
+    ngram = {"ngram": NGramDrafter()}
+    assert Generator(model, num_slots=4, max_len=16).token_budget == 512  # the floor
+    # Every sequence's pending token and full draft fit in one pass, with 64 tokens to spare for prefill.
+    assert Generator(model, num_slots=64, max_len=16, spec=TREE, drafters=ngram).token_budget == 64 * 11 + 64
+    assert Generator(model, num_slots=64, max_len=16, max_draft=16).token_budget == 64 * 17 + 64
+    assert (
+        Generator(model, num_slots=64, max_len=16, max_draft=0, spec=TREE, drafters=ngram).token_budget == 512
+    )
+    assert (
+        Generator(model, num_slots=64, max_len=16, token_budget=100, spec=TREE, drafters=ngram).token_budget
+        == 100
+    )
+    with pytest.raises(ValueError, match="max_draft"):
+        Generator(model, max_draft=-1)
 
 
 def test_share_budget_is_fair() -> None:
@@ -164,17 +192,18 @@ def test_drafts_are_checked_and_trimmed_to_their_caps() -> None:
     # root → 5 → 6 → 7 and root → 8 → 9: nodes deeper than 2 go, the rest keep their shape.
     tree = Draft(torch.tensor([5, 8, 6, 9, 7]), torch.tensor([-1, -1, 0, 1, 2]))
     spec = Speculator(VOCAB)
-    spec.set(SpecConfig(method="eagle", depth=3, topk=2), Fixed(tree))
+    spec.hold("eagle", Fixed(tree))
+    spec.set(SpecConfig(method="eagle", depth=3, topk=2))
     (proposal,) = spec.draft([state], depth_caps=[2], node_caps=[10], budget=10)
     assert proposal.tokens == [5, 8, 6, 9] and proposal.parents == [-1, -1, 0, 1]
     (proposal,) = spec.draft([state], depth_caps=[1], node_caps=[10], budget=10)
     assert proposal.tokens == [5, 8] and proposal.parents == [-1, -1]
     (proposal,) = spec.draft([state], depth_caps=[3], node_caps=[10], budget=1)
     assert proposal.tokens == [5] and proposal.parents is None  # what is left is a chain
-    spec.set_drafter(Fixed(Draft(torch.tensor([1, 2]), torch.tensor([1, -1]))))
+    spec.hold("eagle", Fixed(Draft(torch.tensor([1, 2]), torch.tensor([1, -1]))))
     with pytest.raises(ValueError, match="topological"):
         spec.draft([state], depth_caps=[3], node_caps=[10], budget=10)
-    spec.set_drafter(Fixed(Draft.chain([VOCAB])))
+    spec.hold("eagle", Fixed(Draft.chain([VOCAB])))
     with pytest.raises(ValueError, match="draft tokens"):
         spec.draft([state], depth_caps=[3], node_caps=[10], budget=10)
 
@@ -201,7 +230,7 @@ def test_stop_and_limits_cut_an_accepted_run_where_plain_decoding_stops(model: T
         (reference,) = plain(model, [request], **kwargs)
         gen = Generator(
             model, num_slots=2, token_budget=64, eos_token_ids=(), return_hidden=True,
-            spec=SpecConfig(method="self", depth=7), drafter=oracle, **kwargs,
+            spec=SpecConfig(method="self", depth=7), drafters={"self": oracle}, **kwargs,
         )  # fmt: skip
         (completion,) = gen.generate([request])
         assert completion.token_ids == reference.token_ids == tokens[: index + 1]
@@ -216,7 +245,9 @@ def test_stop_and_limits_cut_an_accepted_run_where_plain_decoding_stops(model: T
 
 def test_cache_equals_one_that_never_saw_rejected_tokens(model: Transformer) -> None:
     requests = requests_with_repeats(3, seed=2, max_tokens=30)
-    gen = Generator(model, num_slots=3, token_budget=64, eos_token_ids=(), spec=TREE, drafter=Detour())
+    gen = Generator(
+        model, num_slots=3, token_budget=64, eos_token_ids=(), spec=TREE, drafters={"ngram": Detour()}
+    )
     for request in requests:
         gen.add(request)
     history = {r.request_id: list(r.prompt_ids) for r in requests}
@@ -255,21 +286,26 @@ def test_cache_equals_one_that_never_saw_rejected_tokens(model: Transformer) -> 
 def test_hot_swapping_drafters_and_strategies_keeps_greedy_output(model: Transformer) -> None:
     requests = requests_with_repeats(10, seed=3, max_tokens=40)
     reference = plain(model, requests)
-    gen = Generator(model, num_slots=4, token_budget=64, eos_token_ids=(), spec=CHAIN)
+    gen = Generator(
+        model, num_slots=4, token_budget=64, eos_token_ids=(), spec=CHAIN, drafters={"ngram": NGramDrafter()}
+    )
     for request in requests:
         gen.add(request)
 
     def swap(step: int) -> None:
+        # Any drafter may be held for any method, mid-run: drafts change speed only.
         if step == 4:
-            gen.set_drafter(oracle_of(reference))
+            gen.hold("ngram", oracle_of(reference))
         elif step == 8:
-            gen.set_spec(TREE, NGramDrafter(min_n=1, max_n=2))
+            gen.hold("ngram", NGramDrafter(min_n=1, max_n=2))
+            gen.set_spec(TREE)
         elif step == 12:
             gen.set_spec(None)
         elif step == 15:
-            gen.set_spec(SpecConfig(method="self", depth=7), oracle_of(reference))
+            gen.hold("self", oracle_of(reference))
+            gen.set_spec(SpecConfig(method="self", depth=7))
         elif step == 20:
-            gen.set_drafter(NGramDrafter())
+            gen.hold("self", NGramDrafter())
 
     done = drive(gen, swap)
     assert [done[r.request_id].token_ids for r in requests] == [c.token_ids for c in reference]
@@ -291,7 +327,7 @@ def test_prefill_shares_the_verify_pass_within_the_token_budget(model: Transform
     reference = plain(model, [short, long])
     gen = Generator(
         model, num_slots=2, token_budget=12, eos_token_ids=(),
-        spec=SpecConfig(method="self", depth=7), drafter=oracle_of(reference),
+        spec=SpecConfig(method="self", depth=7), drafters={"self": oracle_of(reference)},
     )  # fmt: skip
     passes: list[int] = []
     forward = model.forward
@@ -359,8 +395,9 @@ def test_hidden_states_follow_the_accepted_path(model: Transformer) -> None:
     reference = plain(model, requests, return_hidden=True)
     spy = Spy()
     gen = Generator(
-        model, num_slots=3, token_budget=64, eos_token_ids=(), return_hidden=True, spec=TREE, drafter=spy
-    )
+        model, num_slots=3, token_budget=64, eos_token_ids=(), return_hidden=True, spec=TREE,
+        drafters={"ngram": spy},
+    )  # fmt: skip
     completions = gen.generate(requests)
     assert gen.stats["accepted"] > 0 and gen.stats["drafted"] > gen.stats["accepted"]
     hidden = model.config.hidden_size
@@ -382,7 +419,9 @@ def test_hidden_states_follow_the_accepted_path(model: Transformer) -> None:
 def test_abort_during_speculation(model: Transformer) -> None:
     requests = requests_with_repeats(4, seed=5, max_tokens=30)
     spy = Spy()
-    gen = Generator(model, num_slots=4, token_budget=64, eos_token_ids=(), spec=CHAIN, drafter=spy)
+    gen = Generator(
+        model, num_slots=4, token_budget=64, eos_token_ids=(), spec=CHAIN, drafters={"ngram": spy}
+    )
     for request in requests:
         gen.add(request)
     for _ in range(3):

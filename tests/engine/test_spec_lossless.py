@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-from slipstream.engine import speculative
-from slipstream.engine.drafters import Draft, Drafter, DraftState, OracleDrafter
+from slipstream.engine import verify
+from slipstream.engine.drafters import Draft, Drafter, DraftState, NGramDrafter, OracleDrafter
 from slipstream.engine.generator import Completion, Generator, Request
 from slipstream.engine.model import Transformer
 from slipstream.engine.sampling import SamplingParams, params_tensors, processed_probs
@@ -107,7 +107,8 @@ def test_greedy_is_token_identical_for_every_drafter_and_strategy(make_checkpoin
     for method in ("ngram", "self"):
         for strategy, shape in STRATEGIES.items():
             spec = SpecConfig(method=method, **shape)
-            completions, stats = run(model, requests, spec=spec, drafter=oracle if method == "self" else None)
+            drafters = {"self": oracle} if method == "self" else {"ngram": NGramDrafter()}
+            completions, stats = run(model, requests, spec=spec, drafters=drafters)
             assert_same_output(completions, reference, logprob_atol=0.0)
             assert_accounting(completions, stats)
             assert stats["accepted"] > 0, (method, strategy)
@@ -139,7 +140,8 @@ def test_reproducible_mode_is_token_identical_to_plain_sampling(make_checkpoint)
         ("self", {"depth": 7}),
     ]:
         spec = SpecConfig(method=method, mode="reproducible", **shape)
-        completions, stats = run(model, requests, spec=spec, drafter=oracle if method == "self" else None)
+        drafters = {"self": oracle} if method == "self" else {"ngram": NGramDrafter()}
+        completions, stats = run(model, requests, spec=spec, drafters=drafters)
         # Log-probs come from float32 distributions of float64 logits computed in different batch shapes.
         assert_same_output(completions, reference, logprob_atol=1e-6)
         assert_accounting(completions, stats)
@@ -211,7 +213,9 @@ def speculative_law_samples(model: Transformer, drafter: Drafter, spec: SpecConf
         Request(request_id=str(i), prompt_ids=PROMPT, params=SamplingParams(**PARAMS, seed=i, max_tokens=4))
         for i in range(n)
     ]
-    gen = Generator(model, num_slots=64, token_budget=512, eos_token_ids=(), spec=spec, drafter=drafter)
+    gen = Generator(
+        model, num_slots=64, token_budget=512, eos_token_ids=(), spec=spec, drafters={"eagle": drafter}
+    )
     tokens = torch.tensor([c.token_ids[1:3] for c in gen.generate(requests)])  # [N, 2]
     stats = gen.stats
     assert 0 < stats["accepted"] < stats["drafted"]  # both acceptances and rejections were exercised
@@ -241,7 +245,7 @@ def test_rejection_mode_has_the_law_of_plain_sampling(
 
     # Planted bug: after a rejection draw from q itself instead of the residual (chains), or keep the
     # rejected child in q (trees). The same test must catch it.
-    monkeypatch.setattr(speculative, bug, lambda q, *rest: q.clone())
+    monkeypatch.setattr(verify, bug, lambda q, *rest: q.clone())
     stat, _ = chi2_statistic(
         speculative_law_samples(model, SkewedDrafter(draft_probs, shape), spec, n), exact
     )

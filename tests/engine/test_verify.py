@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slipstream.engine import speculative
+from slipstream.engine import verify
 from slipstream.engine.sampling import processed_probs, race_sample, sample
-from slipstream.engine.speculative import PAD_TOKEN, verify_chain, verify_tree
+from slipstream.engine.verify import PAD_TOKEN, verify_chain, verify_tree
 from tests.engine.test_sampling import chi2_critical, chi2_statistic
 
 V = 6
@@ -214,10 +214,10 @@ def test_chain_match_is_lossless():
 
 def test_chain_planted_bugs_are_detected(monkeypatch):
     """The same check rejects a residual drawn from q, and acceptance with min(1, p/q). α = 1e-3."""
-    monkeypatch.setattr(speculative, "_residual", lambda q, p, draft: q.clone())
+    monkeypatch.setattr(verify, "_residual", lambda q, p, draft: q.clone())
     assert chain_law_rejected(chain_first_two(2, True))
     monkeypatch.undo()
-    monkeypatch.setattr(speculative, "_accepts", lambda u, p_x, q_x: u * q_x.double() < p_x.double())
+    monkeypatch.setattr(verify, "_accepts", lambda u, p_x, q_x: u * q_x.double() < p_x.double())
     assert chain_law_rejected(chain_first_two(2, True))
 
 
@@ -249,7 +249,7 @@ def test_tree_is_lossless(mode):
 
 def test_tree_planted_bug_is_detected(monkeypatch):
     """Recursive rejection that forgets to remove rejected children from q fails the same check. α = 1e-3."""
-    monkeypatch.setattr(speculative, "_without", lambda q, token: q)
+    monkeypatch.setattr(verify, "_without", lambda q, token: q)
     assert chain_law_rejected(tree_first_two("rejection"))
 
 

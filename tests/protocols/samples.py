@@ -65,20 +65,33 @@ def samples() -> dict[str, Message]:
             group_id=3,
             sample_index=1,
             prompt="1+1?",
-            response="2",
-            answer="2",
-            metadata_json="{}",
+            completion="<answer>2</answer>",
+            row_json='{"answer":"2"}',
             policy_version=2,
         ),
-        reward.Reward(group_id=3, sample_index=1, reward=1.0, error=None, elapsed_s=0.01, policy_version=2),
+        # The invalid form: it is the one a bad reward function produces, and it must travel.
+        reward.Reward(
+            group_id=3,
+            sample_index=1,
+            reward=None,
+            error="timeout after 2.0 s",
+            elapsed_s=2.0,
+            policy_version=2,
+        ),
         learner.ScoredGroup(
             step=1,
             group_id=3,
             prompt_ids=torch.arange(4),
             response_ids=[torch.tensor([1, 2]), torch.tensor([3])],
             behaviour_logprobs=[torch.tensor([-0.5, -0.5]), torch.tensor([-1.0])],
-            rewards=[1.0, 0.0],
+            rewards=[1.0, None],
+            temperature=0.7,
+            top_p=0.9,
+            top_k=20,
             policy_version=2,
+        ),
+        learner.TrainStep(
+            step=1, num_groups=8, version=2, push_to=["rollout:0"], checkpoint="ckpt/step-1.pt"
         ),
         learner.WeightUpdate(
             version=3,
@@ -89,7 +102,15 @@ def samples() -> dict[str, Message]:
             checksum="abc",
         ),
         learner.WeightAck(version=3, role="rollout", rank=0, ok=True, error=None),
-        learner.StepStats(step=1, version=3, loss=0.25, grad_norm=1.5, tokens=100, elapsed_s=2.0),
+        learner.StepStats(
+            step=1,
+            version=3,
+            loss=0.25,
+            grad_norm=1.5,
+            tokens=100,
+            elapsed_s=2.0,
+            metrics={"ratio_mean": 1.0},
+        ),
         drafter.HiddenStates(
             group_id=3,
             sample_index=1,
@@ -109,6 +130,7 @@ def samples() -> dict[str, Message]:
         drafter.DrafterDelta(
             rank=1,
             base_version=4,
+            policy_version=2,
             steps=3,
             tokens=300,
             elapsed_s=0.5,

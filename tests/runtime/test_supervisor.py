@@ -16,6 +16,7 @@ from slipstream.cli import smoke
 from slipstream.protocols.control import Status
 from slipstream.protocols.drafter import HiddenStates
 from slipstream.runtime import logs
+from slipstream.runtime.actor import EmptyConfig
 from slipstream.runtime.codec import Codec
 from slipstream.runtime.supervisor import ActorSpec, Supervisor, SupervisorError
 
@@ -145,6 +146,34 @@ def test_bad_actor_config_fails_at_start_naming_the_field(tmp_path: Path) -> Non
             await sup.start([bad])
         sup2 = Supervisor(tmp_path / "b", heartbeat_s=HEARTBEAT_S)
         bad = ActorSpec(actor="slipstream.cli.smoke:Source", config={"messages": "many"})
+        with pytest.raises(SupervisorError, match=r"source:0 config: messages: expected `int`, got `str`"):
+            await sup2.start([bad])
+
+    uvloop.run(main())
+
+
+def test_actor_spec_of_carries_the_typed_config() -> None:
+    spec = ActorSpec.of(
+        smoke.Source, rank=2, config=smoke.Source.Config(sinks=["sink:0"], messages=3), cpus=[1]
+    )
+    assert spec.actor == "slipstream.cli.smoke:Source" and spec.rank == 2 and spec.cpus == [1]
+    assert spec.plain_config() == {"sinks": ["sink:0"], "messages": 3, "tokens": 1024, "hidden": 576}
+    assert ActorSpec.of(smoke.Sink).config == EmptyConfig()  # the Config's defaults when none is given
+    with pytest.raises(TypeError, match=r"Source: config is a EmptyConfig, expected Source.Config"):
+        ActorSpec.of(smoke.Source, config=EmptyConfig())
+    with pytest.raises(TypeError, match="not an Actor subclass"):
+        ActorSpec.of(Status)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(30)
+def test_a_typed_config_is_checked_before_anything_spawns(tmp_path: Path) -> None:
+    async def main() -> None:
+        sup = Supervisor(tmp_path / "a", heartbeat_s=HEARTBEAT_S)
+        wrong = ActorSpec(actor="slipstream.cli.smoke:Source", config=EmptyConfig())
+        with pytest.raises(SupervisorError, match=r"source:0 config: a EmptyConfig, expected Source.Config"):
+            await sup.start([wrong])
+        sup2 = Supervisor(tmp_path / "b", heartbeat_s=HEARTBEAT_S)
+        bad = ActorSpec.of(smoke.Source, config=smoke.Source.Config(messages="many"))  # type: ignore[arg-type]
         with pytest.raises(SupervisorError, match=r"source:0 config: messages: expected `int`, got `str`"):
             await sup2.start([bad])
 

@@ -1,5 +1,6 @@
 """Unit tests of the runtime pieces that need no processes: config, inbox, actor dispatch, sockets."""
 
+import re
 import threading
 from pathlib import Path
 
@@ -10,8 +11,16 @@ import zmq
 from slipstream.protocols.control import Ping, Preempt, Shutdown, Status
 from slipstream.runtime.actor import Actor, Fatal, handler
 from slipstream.runtime.config import ConfigError, load
+from slipstream.runtime.host import actor_path, import_actor
 from slipstream.runtime.inbox import Inbox
-from slipstream.runtime.transport import CurveKeys, ipc_endpoint, make_socket, start_authenticator
+from slipstream.runtime.transport import (
+    CurveKeys,
+    actor_name,
+    ipc_endpoint,
+    make_socket,
+    parse_actor_name,
+    start_authenticator,
+)
 
 # -- config -----------------------------------------------------------------------------------------
 
@@ -115,6 +124,19 @@ def make_echo() -> tuple[Echo, FakeOutbox]:
     return Echo(Echo.Config(), rank=0, outbox=out, inbox=Inbox(8)), out
 
 
+def test_an_actor_class_and_its_import_path_round_trip() -> None:
+    assert actor_path(Echo) == "tests.runtime.test_units:Echo"
+    assert import_actor(actor_path(Echo)) is Echo
+
+    class Local(Actor):
+        role = "local"
+
+    with pytest.raises(ValueError, match="must be importable by path"):
+        actor_path(Local)
+    with pytest.raises(ValueError, match="is not an Actor subclass"):
+        import_actor("tests.runtime.test_units:Run")
+
+
 def test_handlers_are_found_by_annotation() -> None:
     assert Echo._handlers == {Ping: "on_ping", Preempt: "on_preempt"}
 
@@ -206,3 +228,27 @@ def test_ipc_endpoint_stays_short_for_deep_run_dirs(tmp_path: Path) -> None:
 def test_make_socket_needs_exactly_one_of_bind_or_connect() -> None:
     with pytest.raises(ValueError, match="exactly one"):
         make_socket(zmq.Context.instance(), zmq.PUSH)
+
+
+# -- actor names ------------------------------------------------------------------------------------
+
+
+def test_actor_names_round_trip() -> None:
+    assert actor_name("drafter", 0) == "drafter:0"
+    assert parse_actor_name("drafter:12") == ("drafter", 12)
+    for role, rank in (("rollout", 3), ("sink", 0), ("a-b_c", 7)):
+        assert parse_actor_name(actor_name(role, rank)) == (role, rank)
+
+
+@pytest.mark.parametrize(
+    "name", ["coordinator", "drafter:", ":0", "drafter:x", "drafter:-1", "drafter:01", "a:b:1", "drafter:1 "]
+)
+def test_a_malformed_actor_name_is_refused_by_name(name: str) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(repr(name))} is not an actor name"):
+        parse_actor_name(name)
+
+
+@pytest.mark.parametrize(("role", "rank"), [("", 0), ("a:b", 0), ("drafter", -1), ("drafter", True)])
+def test_actor_name_refuses_what_would_not_parse_back(role: str, rank: int) -> None:
+    with pytest.raises(ValueError, match="actor r"):
+        actor_name(role, rank)

@@ -1,0 +1,247 @@
+"""The learner actor: GRPO steps on scored groups, then versioned, exact weight pushes to the rollouts.
+
+The coordinator streams `ScoredGroup`s (one prompt's G responses, the rollout's log-probs, the rewards
+with None for a failed reward) and then sends `TrainStep`. When every group of that step has arrived, the
+learner turns rewards into group advantages (`engine.grpo`: invalid samples left out of the baseline and
+the loss), takes one `PolicyTrainer` step, reports `StepStats` (loss, grad norm, train–rollout mismatch,
+ratio and clip statistics), and rank 0 sends the new weights to `push_to` as `WeightUpdate` buckets
+(checksummed, zero-copy frames; same-host peers get them through the shared-memory lane).
+
+Non-obvious choices:
+- Several learner ranks form one torch.distributed group (gloo on CPU, NCCL on GPU) rendezvousing through
+  a file in the run directory; each rank trains on the groups dealt to it and the trainer all-reduces
+  gradients, so every rank holds the same weights and only rank 0 pushes.
+- Weights are pushed as they are (fp32 here): the rollout copies them bitwise, so after a push its policy
+  equals the learner's exactly; tied embeddings travel once (there is no separate head parameter).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from slipstream.engine import hub
+from slipstream.engine.grpo import LossConfig, group_advantages
+from slipstream.engine.policy_train import OptimConfig, PolicySample, PolicyTrainer
+from slipstream.engine.weights import load_model
+from slipstream.protocols.learner import ScoredGroup, StepStats, TrainStep, WeightUpdate
+from slipstream.runtime.actor import COORDINATOR, Actor, handler
+from slipstream.runtime.codec import checksum
+
+
+class LearnerActor(Actor):
+    role = "learner"
+
+    class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+        model: str  # the initial policy: a model directory or a registry name
+        optim: OptimConfig = OptimConfig()  # AdamW, schedule, micro-batch token budget
+        loss: LossConfig = LossConfig()  # clip, aggregation, KL, TIS, advantage normalisation
+        world_size: Annotated[int, msgspec.Meta(ge=1)] = 1  # learner ranks (data parallel)
+        bucket_bytes: Annotated[int, msgspec.Meta(ge=1)] = 64 << 20  # weight-update bucket size
+        resume_from: str = ""  # a checkpoint written by a TrainStep (policy + optimizer) to start from
+        seed: int = 0
+
+    def on_start(self) -> None:
+        cfg = self.config
+        if self.rank >= cfg.world_size:
+            raise ValueError(f"world_size: {cfg.world_size} ranks, but this is rank {self.rank}")
+        torch.manual_seed(cfg.seed)
+        if cfg.world_size > 1:
+            rendezvous = Path(self.run_dir or ".") / "learner-rendezvous"
+            dist.init_process_group(
+                "gloo",
+                init_method=f"file://{rendezvous.resolve()}",
+                rank=self.rank,
+                world_size=cfg.world_size,
+            )
+        self.model = load_model(hub.resolve(cfg.model))
+        ref = None
+        if cfg.loss.kl_coef > 0:
+            ref = load_model(hub.resolve(cfg.model))
+        self.trainer = PolicyTrainer(self.model, optim=cfg.optim, loss=cfg.loss, ref_model=ref)
+        self.version = 0
+        if cfg.resume_from:
+            self._load(cfg.resume_from)
+        self._groups: dict[int, list[ScoredGroup]] = {}  # step -> groups received
+        self._pending: TrainStep | None = None
+
+    def on_stop(self) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    @handler
+    def on_group(self, msg: ScoredGroup, sender: str) -> None:
+        problem = _check_group(msg)
+        if problem is not None:
+            # The coordinator counts groups per step: a refused group is reported, never silently lost.
+            self.log.error("group_refused", step=msg.step, group_id=msg.group_id, why=problem)
+            msg = _without_samples(msg)
+        # Clone: received tensors alias frames that are recycled after this handler.
+        self._groups.setdefault(msg.step, []).append(
+            ScoredGroup(
+                step=msg.step,
+                group_id=msg.group_id,
+                prompt_ids=msg.prompt_ids.clone(),
+                response_ids=[t.clone() for t in msg.response_ids],
+                behaviour_logprobs=[t.clone() for t in msg.behaviour_logprobs],
+                rewards=list(msg.rewards),
+                temperature=msg.temperature,
+                top_p=msg.top_p,
+                top_k=msg.top_k,
+                policy_version=msg.policy_version,
+            )
+        )
+
+    @handler
+    def on_train(self, msg: TrainStep, sender: str) -> None:
+        self._pending = msg
+
+    def step(self) -> bool:
+        msg = self._pending
+        if msg is None or len(self._groups.get(msg.step, [])) < msg.num_groups:
+            return False
+        self._pending = None
+        groups = sorted(self._groups.pop(msg.step), key=lambda g: g.group_id)
+        started = time.perf_counter()
+        samples, counts = self.samples(groups)
+        stats = self.trainer.step(samples)
+        self.version = msg.version
+        elapsed = time.perf_counter() - started
+        metrics = {k: float(v) for k, v in stats.items() if k not in ("step", "loss", "grad_norm", "tokens")}
+        self.send(
+            COORDINATOR,
+            StepStats(
+                step=msg.step,
+                version=msg.version,
+                loss=float(stats["loss"]),
+                grad_norm=float(stats["grad_norm"]),
+                tokens=int(stats["tokens"]),
+                elapsed_s=elapsed,
+                metrics={**metrics, **counts},
+            ),
+        )
+        self.log.info("trained", step=msg.step, version=msg.version, elapsed_s=round(elapsed, 3), **counts)
+        if self.rank == 0:
+            if msg.checkpoint:
+                self._save(msg.checkpoint)
+            for dest in msg.push_to:
+                self.push(dest, msg.version)
+        return True
+
+    def samples(self, groups: list[ScoredGroup]) -> tuple[list[PolicySample], dict[str, float]]:
+        """The step's training samples (valid ones, with group advantages) and what was left out."""
+        loss = self.config.loss
+        size = max((len(g.rewards) for g in groups), default=0)
+        rewards = torch.zeros(len(groups), size, dtype=torch.float64)
+        valid = torch.zeros(len(groups), size, dtype=torch.bool)
+        for i, g in enumerate(groups):
+            for j, r in enumerate(g.rewards):
+                if r is not None:
+                    rewards[i, j], valid[i, j] = r, True
+        adv = group_advantages(rewards, valid, normalize_std=loss.normalize_std)
+        keep = adv.sample_mask(loss.drop_zero_adv_groups)
+        samples = [
+            PolicySample(
+                prompt_ids=g.prompt_ids.tolist(),
+                response_ids=g.response_ids[j].tolist(),
+                behaviour_logprobs=g.behaviour_logprobs[j].tolist(),
+                advantage=float(adv.advantages[i, j]),
+                temperature=g.temperature,
+                top_p=g.top_p,
+                top_k=g.top_k,
+            )
+            for i, g in enumerate(groups)
+            for j in range(len(g.rewards))
+            if keep[i, j] and len(g.response_ids[j]) > 0
+        ]
+        counts = {
+            "groups": float(len(groups)),
+            "invalid_samples": float(sum(r is None for g in groups for r in g.rewards)),
+            "zero_adv_share": float(adv.zero_adv_share),
+        }
+        return samples, counts
+
+    def push(self, dest: str, version: int) -> None:
+        """Sends every parameter to `dest` as checksummed buckets of about `bucket_bytes`."""
+        buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+        size = 0
+        for name, param in self.model.named_parameters():
+            tensor = param.detach()
+            if buckets[-1] and size + tensor.nbytes > self.config.bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((name, tensor))
+            size += tensor.nbytes
+        for index, bucket in enumerate(buckets):
+            names = [n for n, _ in bucket]
+            # Copies: frames leave zero-copy, and the next step must not change what is still in flight.
+            tensors = [t.clone() for _, t in bucket]
+            self.send(
+                dest,
+                WeightUpdate(
+                    version=version,
+                    bucket=index,
+                    num_buckets=len(buckets),
+                    names=names,
+                    tensors=tensors,
+                    checksum=checksum(names, tensors),
+                ),
+            )
+        self.log.info("weights_pushed", dest=dest, version=version, buckets=len(buckets))
+
+    def _save(self, path: str) -> None:
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(target.suffix + ".tmp")
+        state = {
+            "model": self.model.state_dict(),
+            "trainer": self.trainer.state_dict(),
+            "version": self.version,
+        }
+        torch.save(state, tmp)
+        os.replace(tmp, target)  # atomic: a reader sees the old checkpoint or the new one, never half
+        self.log.info("checkpoint_saved", path=str(target), version=self.version)
+
+    def _load(self, path: str) -> None:
+        state = torch.load(path, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.trainer.load_state_dict(state["trainer"])
+        self.version = int(state["version"])
+        self.log.info("checkpoint_loaded", path=path, version=self.version)
+
+
+def _check_group(msg: ScoredGroup) -> str | None:
+    """Why a decoded group cannot be trained on (dtype, rank, lengths), or None."""
+    n = len(msg.rewards)
+    if len(msg.response_ids) != n or len(msg.behaviour_logprobs) != n:
+        return f"{len(msg.response_ids)} responses, {len(msg.behaviour_logprobs)} log-prob rows, {n} rewards"
+    if msg.prompt_ids.dtype != torch.int64 or msg.prompt_ids.dim() != 1 or msg.prompt_ids.numel() == 0:
+        return f"prompt_ids must be a non-empty 1-D int64 tensor, got {msg.prompt_ids.dtype} {tuple(msg.prompt_ids.shape)}"
+    for j, (ids, logp) in enumerate(zip(msg.response_ids, msg.behaviour_logprobs, strict=True)):
+        if ids.dtype != torch.int64 or ids.dim() != 1:
+            return f"response {j}: ids must be 1-D int64, got {ids.dtype} {tuple(ids.shape)}"
+        if logp.dtype != torch.float32 or logp.shape != ids.shape:
+            return f"response {j}: log-probs must be float32 {tuple(ids.shape)}, got {logp.dtype} {tuple(logp.shape)}"
+    return None
+
+
+def _without_samples(msg: ScoredGroup) -> ScoredGroup:
+    """The group with every sample marked invalid: it still counts as arrived, it trains nothing."""
+    return ScoredGroup(
+        step=msg.step,
+        group_id=msg.group_id,
+        prompt_ids=torch.zeros(1, dtype=torch.int64),
+        response_ids=[],
+        behaviour_logprobs=[],
+        rewards=[],
+        policy_version=msg.policy_version,
+    )
+
+
+__all__ = ["LearnerActor"]

@@ -1,0 +1,406 @@
+"""The verifier actor: a pool of worker processes that run the user's reward, each call under a deadline.
+
+A reward is user code (`tasks.rewards.load_reward`): it may raise, hang or return garbage, and each of
+those costs only its sample. The `Reward` goes out with reward None and the reason (never a silent 0),
+the reason is logged and counted, and the actor serves on. Calls run in worker *processes* because only
+a process can be stopped anywhere, C code included: past `timeout_s` the worker gets SIGKILL and a fresh
+one takes its place, so the pool keeps its size. Every ScoreRequest gets exactly one Reward, at stop too.
+
+Workers come from the "forkserver" context (fork is unsafe here: this process holds zmq sockets and
+threads). The server preloads this module and the built-in rewards, so a worker starts in milliseconds;
+each worker loads the reward itself, and one that cannot is a start-up error naming the path. Jobs and
+outcomes cross the pipe as msgspec bytes, never pickles. What counts as a reward is `judge`'s rule: a
+finite real number (numpy scalars too); None means "cannot score"; a bool is garbage (the contract is a
+number, and True would pass for 1.0 unnoticed). Counts go to the coordinator as `Status(topic=
+"verifier")` every `report_every_s` while they change, and at stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import inspect
+import math
+import multiprocessing
+import multiprocessing.forkserver
+import numbers
+import os
+import signal
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Annotated, Any
+
+import msgspec
+
+from slipstream.protocols.control import Status
+from slipstream.protocols.reward import Reward, ScoreRequest
+from slipstream.runtime.actor import COORDINATOR, Actor, Fatal, handler
+
+REASONS = ("raised", "timeout", "garbage", "none", "crashed", "bad_row", "stopped")  # why a sample is invalid
+_POLL_S = 0.01  # the longest one step waits on the workers: messages are never kept waiting for long
+_RESERVED = frozenset(("prompt", "completion"))  # passed by name, so a row may not carry them
+_CLIP = 300  # characters of a returned value or exception message kept in an error
+
+
+# -- what crosses a worker's pipe ----------------------------------------------------------------
+
+
+class _Job(msgspec.Struct, array_like=True, frozen=True):
+    job_id: int
+    prompt: str
+    completion: str
+    row: dict[str, Any]
+
+
+class _Started(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    pid: int
+    error: str | None  # why the reward could not be loaded
+
+
+class _Outcome(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    job_id: int
+    reward: float | None
+    reason: str | None  # one of REASONS when reward is None
+    error: str | None
+    elapsed_s: float
+
+
+# -- the worker side -----------------------------------------------------------------------------
+
+
+def judge(value: object) -> tuple[float | None, str | None, str | None]:
+    """(reward, reason, error) for what a reward function returned."""
+    if value is None:
+        return None, "none", "none: the reward could not score it"
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            reward = float(value)
+        except (TypeError, ValueError, OverflowError):
+            reward = math.nan
+        if math.isfinite(reward):
+            return reward, None, None
+    return None, "garbage", f"garbage: returned {_clip(repr(value))} ({type(value).__name__})"
+
+
+def call_reward(
+    fn: Callable[..., Any], prompt: str, completion: str, row: dict[str, Any], loop: asyncio.AbstractEventLoop
+) -> tuple[float | None, str | None, str | None]:
+    """One call of `fn` as a worker makes it: awaited in `loop` if async, any exception caught."""
+    try:
+        value = fn(prompt, completion, **row)
+        if inspect.isawaitable(value):
+            value = loop.run_until_complete(value)
+    except BaseException as e:  # SystemExit too: a reward that exits costs its sample, not the worker
+        return None, "raised", f"raised: {type(e).__name__}: {_clip(str(e))}"
+    return judge(value)
+
+
+def _worker_main(conn: Connection, reward_path: str) -> None:
+    """A worker process: load the reward, then score jobs from `conn` until the actor closes it."""
+    # Imported here, not by the actor: it runs no reward code, and the built-ins' dependencies take
+    # seconds to import (the forkserver has them preloaded).
+    from slipstream.tasks.rewards import load_reward
+
+    _die_with_the_actor()
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        fn = load_reward(reward_path)
+    except ValueError as e:
+        conn.send_bytes(encoder.encode(_Started(pid=os.getpid(), error=str(e))))
+        return
+    conn.send_bytes(encoder.encode(_Started(pid=os.getpid(), error=None)))
+    decoder = msgspec.msgpack.Decoder(_Job)
+    loop = asyncio.new_event_loop()
+    while True:
+        try:
+            job = decoder.decode(conn.recv_bytes())
+        except EOFError:
+            return
+        started = time.perf_counter()
+        reward, reason, error = call_reward(fn, job.prompt, job.completion, job.row, loop)
+        outcome = _Outcome(
+            job_id=job.job_id,
+            reward=reward,
+            reason=reason,
+            error=error,
+            elapsed_s=time.perf_counter() - started,
+        )
+        conn.send_bytes(encoder.encode(outcome))
+
+
+def _die_with_the_actor() -> None:
+    """Ties this worker's life to the actor's, even in a call that hangs where no Python code runs."""
+    # A forkserver child inherits the server's liveness pipe (so that it could fork in turn), which
+    # keeps the server alive as long as the child lives. Closed here, the server exits with the actor,
+    # and PDEATHSIG then kills this worker.
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _CLIP else text[:_CLIP] + "…"
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "stopped answering"
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
+# -- the actor -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Task:
+    request: ScoreRequest
+    job: bytes  # the encoded _Job
+    job_id: int
+    started: float = 0.0  # monotonic time a worker took it
+
+
+@dataclass
+class _Worker:
+    proc: BaseProcess
+    conn: Connection
+    ready: bool = False  # the reward is loaded
+    task: _Task | None = None
+
+
+class VerifierActor(Actor):
+    role = "verifier"
+
+    class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+        reward: Annotated[str, msgspec.Meta(pattern=r"^\w+(\.\w+)*:\w+$")]  # "pkg.mod:fn": function or class
+        workers: Annotated[int, msgspec.Meta(ge=1)] = 2  # worker processes: one still scores while one hangs
+        timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # wall-clock limit of one call, then SIGKILL
+        results_to: str = COORDINATOR  # where Rewards go: "coordinator" or a peer "role:rank"
+        max_pending: Annotated[int, msgspec.Meta(ge=1)] = 1024  # held requests before senders are pushed back
+        report_every_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0  # Status period (0: only at stop)
+        start_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0  # for the workers to load the reward
+
+    def on_start(self) -> None:
+        cfg = self.config
+        if cfg.results_to != COORDINATOR and cfg.results_to not in self.peers:
+            raise ValueError(f"results_to: {cfg.results_to!r} is not in this run")
+        self._mp = multiprocessing.get_context("forkserver")
+        self._mp.set_forkserver_preload([__name__, "slipstream.tasks.rewards"])
+        self._queue: deque[_Task] = deque()
+        self._counts: Counter[str] = Counter()
+        self._reported: dict[str, int] | None = None
+        self._next_report = time.monotonic() + cfg.report_every_s
+        self._job_ids = 0
+        self._encoder = msgspec.msgpack.Encoder()
+        self._from_worker = msgspec.msgpack.Decoder(_Started | _Outcome)
+        self._row = msgspec.json.Decoder(dict[str, Any])
+        self._workers: list[_Worker] = []
+        try:
+            self._workers = [self._spawn() for _ in range(cfg.workers)]
+            deadline = time.monotonic() + cfg.start_timeout_s
+            while not all(w.ready for w in self._workers):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"reward {cfg.reward!r}: workers not ready after {cfg.start_timeout_s} s"
+                    )
+                self._pump(0.1)
+        except BaseException:
+            for w in self._workers:
+                self._stop_worker(w)
+            raise
+        self.log.info(
+            "verifier_started",
+            reward=cfg.reward,
+            workers=cfg.workers,
+            timeout_s=cfg.timeout_s,
+            results_to=cfg.results_to,
+            pids=[w.proc.pid for w in self._workers],
+        )
+
+    @handler
+    def on_score(self, msg: ScoreRequest, sender: str) -> None:
+        try:
+            row = self._row.decode(msg.row_json)
+            if clash := sorted(_RESERVED & row.keys()):
+                raise ValueError(f"{clash} are passed by name, not as row fields")
+            self._job_ids += 1
+            job = self._encoder.encode(_Job(self._job_ids, msg.prompt, msg.completion, row))
+        except (msgspec.DecodeError, msgspec.EncodeError, ValueError, OverflowError) as e:
+            self._finish(msg, None, "bad_row", f"bad row: {e}", 0.0)
+            return
+        self._queue.append(_Task(request=msg, job=job, job_id=self._job_ids))
+        self._dispatch()
+        # Past max_pending, work the pool here instead of taking more requests: the inbox then fills
+        # and ZeroMQ's high-water marks push back on the senders. Control still comes first.
+        while self._pending() > self.config.max_pending and not self.control_pending():
+            self._pump(_POLL_S)
+
+    def step(self) -> bool:
+        self._pump(_POLL_S if self._pending() else 0.0)
+        cfg = self.config
+        if cfg.report_every_s and time.monotonic() >= self._next_report:
+            self._next_report = time.monotonic() + cfg.report_every_s
+            if self._reported != dict(self._counts):
+                self._report()
+        return self._pending() > 0
+
+    def on_stop(self) -> None:
+        now = time.monotonic()
+        for w in self._workers:
+            if w.task is not None:
+                task, w.task = w.task, None
+                self._fail(task, "stopped", "stopped: the verifier shut down while scoring it", now)
+        while self._queue:
+            self._fail(
+                self._queue.popleft(), "stopped", "stopped: the verifier shut down before scoring it", now
+            )
+        self._report()
+        for w in self._workers:
+            self._stop_worker(w)
+
+    # -- the pool -----------------------------------------------------------------------------------
+
+    def _pending(self) -> int:
+        return len(self._queue) + sum(w.task is not None for w in self._workers)
+
+    def _pump(self, wait_s: float) -> None:
+        """Dispatch, wait up to `wait_s` (less before a deadline), take outcomes, enforce deadlines."""
+        self._dispatch()
+        now = time.monotonic()
+        deadlines = [w.task.started + self.config.timeout_s for w in self._workers if w.task is not None]
+        timeout = max(0.0, min([wait_s, *(d - now for d in deadlines)]))
+        wait([w.conn for w in self._workers] + [w.proc.sentinel for w in self._workers], timeout)
+        for w in list(self._workers):
+            self._collect(w)
+        now = time.monotonic()
+        for w in list(self._workers):
+            if w.task is not None and now - w.task.started > self.config.timeout_s:
+                task, w.task = w.task, None
+                self._fail(task, "timeout", f"timeout after {self.config.timeout_s} s", now)
+                self._replace(w, "timeout")
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        for w in self._workers:
+            if not self._queue:
+                return
+            if w.ready and w.task is None:
+                task = self._queue.popleft()
+                try:
+                    w.conn.send_bytes(task.job)
+                except OSError:  # it died since the last look (`_collect` replaces it); the job never ran
+                    self._queue.appendleft(task)
+                    continue
+                task.started = time.monotonic()
+                w.task = task
+
+    def _collect(self, w: _Worker) -> None:
+        """Takes what `w` sent; replaces it if it died."""
+        try:
+            while w.conn.poll():
+                msg = self._from_worker.decode(w.conn.recv_bytes())
+                if isinstance(msg, _Started):
+                    if msg.error is not None:
+                        raise Fatal(msg.error)
+                    w.ready = True
+                elif w.task is not None and w.task.job_id == msg.job_id:
+                    task, w.task = w.task, None
+                    self._finish(task.request, msg.reward, msg.reason, msg.error, msg.elapsed_s)
+        except (EOFError, OSError, msgspec.DecodeError):
+            pass  # the pipe closed (or carries nonsense): the worker is gone or going
+        else:
+            if w.proc.exitcode is None:
+                return
+        w.proc.join(1.0)
+        code = w.proc.exitcode
+        if not w.ready:  # no retry loop for a reward that kills its process as it loads
+            raise Fatal(f"reward {self.config.reward!r}: a worker {_exit_text(code)} while loading it")
+        if w.task is not None:
+            task, w.task = w.task, None
+            why = f"crashed: the worker {_exit_text(code)} while scoring it"
+            self._fail(task, "crashed", why, time.monotonic())
+        self._replace(w, f"worker {_exit_text(code)}")
+
+    def _spawn(self) -> _Worker:
+        ours, theirs = self._mp.Pipe()
+        proc = self._mp.Process(
+            target=_worker_main, args=(theirs, self.config.reward), name=f"{self.name}-reward", daemon=True
+        )
+        proc.start()
+        theirs.close()
+        return _Worker(proc=proc, conn=ours)
+
+    def _replace(self, w: _Worker, why: str) -> None:
+        pid = w.proc.pid
+        self._stop_worker(w)
+        fresh = self._spawn()
+        self._workers[self._workers.index(w)] = fresh
+        self._counts["restarts"] += 1
+        self.log.warning("worker_replaced", pid=pid, why=why, new_pid=fresh.proc.pid)
+
+    def _stop_worker(self, w: _Worker) -> None:
+        if w.proc.exitcode is None:
+            w.proc.kill()
+            w.proc.join(1.0)
+        w.conn.close()
+        if w.proc.exitcode is not None:
+            w.proc.close()  # its file descriptors now, not whenever it is garbage-collected
+
+    # -- results and counts -------------------------------------------------------------------------
+
+    def _fail(self, task: _Task, reason: str, error: str, now: float) -> None:
+        """An invalid Reward for `task`; its elapsed time runs from when a worker took it (if one did)."""
+        self._finish(task.request, None, reason, error, now - task.started if task.started else 0.0)
+
+    def _finish(
+        self, req: ScoreRequest, reward: float | None, reason: str | None, error: str | None, elapsed_s: float
+    ) -> None:
+        if reward is None:
+            self._counts[f"invalid_{reason}"] += 1
+            self.log.warning(
+                "reward_invalid",
+                group_id=req.group_id,
+                sample_index=req.sample_index,
+                reason=reason,
+                error=error,
+            )
+        else:
+            self._counts["scored"] += 1
+        self.send(
+            self.config.results_to,
+            Reward(
+                group_id=req.group_id,
+                sample_index=req.sample_index,
+                reward=reward,
+                error=error if reward is None else None,
+                elapsed_s=max(0.0, elapsed_s),
+                policy_version=req.policy_version,
+            ),
+        )
+
+    def _report(self) -> None:
+        counts = dict(self._counts)
+        self._reported = counts
+        fields: dict[str, int | float | str | bool | None] = {
+            "reward": self.config.reward,
+            "scored": counts.get("scored", 0),
+            "invalid": sum(counts.get(f"invalid_{r}", 0) for r in REASONS),
+            **{f"invalid_{r}": counts.get(f"invalid_{r}", 0) for r in REASONS},
+            "restarts": counts.get("restarts", 0),
+            "workers": sum(w.proc.exitcode is None for w in self._workers),
+            "pending": self._pending(),
+        }
+        self.log.info("verifier_counts", **fields)
+        self.send(COORDINATOR, Status(topic="verifier", fields=fields))

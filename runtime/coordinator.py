@@ -1,0 +1,358 @@
+"""Coordinator mechanics: the one reader of the supervisor's inbox, and the RL step's building blocks.
+
+A `Coordinator` runs one dispatcher task that takes every message and every death from the supervisor and
+routes them by type: completions and rewards to the step that waits for them, weight acks and learner
+stats to their waiters, Idle/Released/DrafterStats to the lease table, IterationStats to the step's
+metrics. A death makes every pending wait raise `ActorDiedError` naming the actor. The RL loop
+(`cli/train.py`) and `bench rollout` are its clients; it imports protocols/ and runtime/ only.
+
+Non-obvious choices:
+- Credits: completions and rewards are never dropped. The coordinator asks for at most what its inbox can
+  hold, so a slow loop backs the actors up (their IO threads park sends) instead of losing a result.
+- Leases: a rollout that reports Idle while others still decode lends its device to its drafter at once;
+  the last completion of the step preempts every lease (bounded latency, measured from `Released`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from slipstream.protocols.base import Message
+from slipstream.protocols.control import Idle, Lease, Preempt, Released, Status
+from slipstream.protocols.drafter import DrafterStats
+from slipstream.protocols.learner import ScoredGroup, StepStats, TrainStep, WeightAck
+from slipstream.protocols.reward import Reward, ScoreRequest
+from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats
+
+
+class ActorDiedError(RuntimeError):
+    """An actor the coordinator was waiting on died; the message names it and why."""
+
+
+@dataclass
+class LeaseTable:
+    """Which drafter holds which device, and the idle device-seconds it reclaimed."""
+
+    drafter_of: dict[str, str]  # rollout name -> the drafter actor sharing its device
+    active: dict[str, int] = field(default_factory=dict)  # drafter name -> lease id
+    idle_at: dict[str, float] = field(default_factory=dict)  # rollout name -> when it reported Idle
+    trained_at_lease: dict[str, float] = field(default_factory=dict)  # drafter -> its training seconds then
+    trained: dict[str, float] = field(
+        default_factory=dict
+    )  # drafter -> training seconds so far (DrafterStats)
+    awaiting_stats: set[str] = field(default_factory=set)
+    preempt_ms: list[float] = field(default_factory=list)
+
+
+@dataclass
+class StepMetrics:
+    """What one RL step's rollout did, reduced from IterationStats, leases and DrafterStats."""
+
+    rollout_s: float = 0.0
+    tokens: int = 0
+    committed: int = 0
+    sequence_iterations: int = 0  # sum of batch sizes over decode iterations
+    iterations: int = 0
+    arms: dict[str, int] = field(default_factory=dict)
+    idle_device_s: float = 0.0
+    reclaimed_s: float = 0.0
+    preempt_ms: list[float] = field(default_factory=list)
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def accept_length(self) -> float:
+        """Committed tokens per sequence-iteration over the step's decode iterations (1.0 = no gain)."""
+        return self.committed / self.sequence_iterations if self.sequence_iterations else 0.0
+
+
+_lease_ids = itertools.count(1)
+
+
+class Coordinator:
+    """Routes every message of a started `Supervisor`; see the module docstring."""
+
+    def __init__(
+        self,
+        sup: Any,
+        *,
+        rollouts: Sequence[str],
+        drafters: dict[str, str] | None = None,
+        verifiers: Sequence[str] = (),
+        learners: Sequence[str] = (),
+        lease_threads: int = 1,
+        on_iteration: Callable[[str, IterationStats], None] | None = None,
+        log: Any = None,
+    ) -> None:
+        self.sup = sup
+        self.rollouts = list(rollouts)
+        self.verifiers = list(verifiers)
+        self.learners = list(learners)
+        self.leases = LeaseTable(drafter_of=dict(drafters or {}))
+        self.lease_threads = lease_threads
+        self.on_iteration = on_iteration
+        self.log = log
+        self.dead: dict[str, str] = {}
+        self._completions: asyncio.Queue[Completion] = asyncio.Queue()
+        self._rewards: asyncio.Queue[Reward] = asyncio.Queue()
+        self._acks: dict[int, dict[str, WeightAck]] = defaultdict(dict)
+        self._stats: dict[int, dict[str, StepStats]] = defaultdict(dict)
+        self._changed = asyncio.Event()  # set on every routed message or death: waiters re-check
+        self._metrics = StepMetrics()
+        self._step_started = 0.0
+        self._decoding = False
+        self._task: asyncio.Task[None] | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Coordinator:
+        self._task = asyncio.create_task(self._dispatch(), name="coordinator-dispatch")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _dispatch(self) -> None:
+        sup = self.sup
+        while True:
+            inbox = asyncio.ensure_future(sup.inbox.get())
+            death = asyncio.ensure_future(sup.deaths.get())
+            done, _ = await asyncio.wait({inbox, death}, return_when=asyncio.FIRST_COMPLETED)
+            for fut in (inbox, death):
+                if fut not in done:
+                    fut.cancel()
+                    continue
+                if fut is death:
+                    died = fut.result()
+                    self.dead[died.name] = died.reason
+                    self._emit("actor_died", actor=died.name, reason=died.reason, level="error")
+                else:
+                    sender, msg = fut.result()
+                    self._route(sender, msg)
+            self._changed.set()
+
+    def _route(self, sender: str, msg: Message) -> None:
+        now = time.monotonic()
+        if isinstance(msg, Completion):
+            self._completions.put_nowait(msg)  # unbounded here; bounded by what was requested (credits)
+        elif isinstance(msg, Reward):
+            self._rewards.put_nowait(msg)
+        elif isinstance(msg, WeightAck):
+            self._acks[msg.version][sender] = msg
+        elif isinstance(msg, StepStats):
+            self._stats[msg.step][sender] = msg
+        elif isinstance(msg, IterationStats):
+            m = self._metrics
+            if msg.batch_size > 0:  # a prefill-only pass says nothing about decoding
+                m.iterations += 1
+                m.committed += msg.committed
+                m.sequence_iterations += msg.batch_size
+                m.arms[msg.arm] = m.arms.get(msg.arm, 0) + 1
+            if self.on_iteration is not None:
+                self.on_iteration(sender, msg)
+        elif isinstance(msg, Idle):
+            self._on_idle(sender, now)
+        elif isinstance(msg, Released):
+            self._on_released(sender, msg)
+        elif isinstance(msg, DrafterStats):
+            self.leases.trained[sender] = msg.elapsed_s
+            self.leases.awaiting_stats.discard(sender)
+        elif isinstance(msg, Status):
+            self._emit("status", sender=sender, topic=msg.topic, **msg.fields)
+        else:
+            self._emit("unrouted", sender=sender, kind=msg.kind, level="warning")
+
+    # -- leases ---------------------------------------------------------------------------------------
+
+    def _on_idle(self, rollout: str, now: float) -> None:
+        table = self.leases
+        if rollout in table.idle_at:
+            return
+        table.idle_at[rollout] = now
+        drafter = table.drafter_of.get(rollout)
+        if not self._decoding or drafter is None or drafter in self.dead:
+            return
+        # The line where an idle rollout device goes to drafter training.
+        lease = Lease(lease_id=next(_lease_ids), device=rollout, threads=self.lease_threads)
+        table.active[drafter] = lease.lease_id
+        table.trained_at_lease[drafter] = table.trained.get(drafter, 0.0)
+        self._send_soon(drafter, lease)
+
+    def _on_released(self, drafter: str, msg: Released) -> None:
+        table = self.leases
+        table.active.pop(drafter, None)
+        table.awaiting_stats.add(drafter)  # a drafter reports its training seconds right after releasing
+        table.preempt_ms.append(msg.latency_ns / 1e6)
+
+    def _preempt_all(self, reason: str) -> None:
+        for drafter, lease_id in self.leases.active.items():
+            self._send_soon(drafter, Preempt(lease_id=lease_id, reason=reason, sent_ns=time.time_ns()))
+
+    def _send_soon(self, name: str, msg: Message) -> None:
+        asyncio.get_running_loop().create_task(self.sup.send(name, msg))
+
+    # -- the step's building blocks ---------------------------------------------------------------------
+
+    async def rollout(
+        self,
+        requests: Sequence[GenerateRequest],
+        *,
+        expected_tokens: Callable[[GenerateRequest], float] | None = None,
+    ) -> AsyncIterator[Completion]:
+        """Deals whole groups to the rollout actors (the least loaded first, by expected work), yields every
+        completion as it arrives, and preempts all drafter leases when the last one is in."""
+        self._metrics = StepMetrics()
+        self.leases.idle_at.clear()
+        self.leases.preempt_ms = []
+        self._decoding = True
+        started = self._step_started = time.monotonic()
+        cost = expected_tokens or (lambda r: float(r.num_samples * r.sampling.max_tokens))
+        load = dict.fromkeys(self.rollouts, 0.0)
+        expected = 0
+        for request in sorted(requests, key=cost, reverse=True):  # longest first: a greedy balance
+            target = min(load, key=lambda name: (load[name], name))
+            load[target] += cost(request)
+            expected += request.num_samples
+            await self.sup.send(target, request)
+        received = 0
+        try:
+            while received < expected:
+                completion = await self._next(self._completions, self.rollouts, "a completion")
+                received += 1
+                m = self._metrics
+                m.tokens += len(completion.token_ids)
+                m.finish_reasons[completion.finish_reason] = (
+                    m.finish_reasons.get(completion.finish_reason, 0) + 1
+                )
+                if received == expected:
+                    ended = time.monotonic()
+                    m.rollout_s = ended - started
+                    self._decoding = False
+                    self._preempt_all("rollout done")  # every idle device goes back to the rollouts
+                yield completion
+        finally:
+            self._decoding = False
+
+    async def finish_step(self, timeout_s: float = 60.0) -> StepMetrics:
+        """After `rollout`: waits until every lease is released and every rollout has reported Idle, then
+        returns the step's metrics (idle device-seconds and the share drafter training reclaimed)."""
+        table = self.leases
+        ended = self._step_started + self._metrics.rollout_s
+
+        def settled() -> bool:
+            live = [r for r in self.rollouts if r not in self.dead]
+            return not table.active and not table.awaiting_stats and all(r in table.idle_at for r in live)
+
+        await self._until(
+            settled, self.rollouts + list(table.drafter_of.values()), "leases released", timeout_s
+        )
+        m = self._metrics
+        m.idle_device_s = sum(max(0.0, ended - t) for t in table.idle_at.values())
+        m.reclaimed_s = sum(
+            max(0.0, table.trained.get(d, 0.0) - t0) for d, t0 in table.trained_at_lease.items()
+        )
+        table.trained_at_lease.clear()
+        m.preempt_ms = list(table.preempt_ms)
+        return m
+
+    async def score(self, requests: Sequence[ScoreRequest]) -> AsyncIterator[Reward]:
+        """Deals score requests round-robin over the verifiers; yields every reward as it arrives."""
+        if not self.verifiers:
+            raise ValueError("no verifier actors to score with")
+        for i, request in enumerate(requests):
+            await self.sup.send(self.verifiers[i % len(self.verifiers)], request)
+        for _ in requests:
+            yield await self._next(self._rewards, self.verifiers, "a reward")
+
+    async def train(
+        self,
+        step: int,
+        groups: Sequence[ScoredGroup],
+        *,
+        version: int,
+        push_to: Sequence[str] = (),
+        checkpoint: str = "",
+    ) -> list[StepStats]:
+        """Deals the groups over the learner ranks, asks each for one step, waits for every rank's stats."""
+        if not self.learners:
+            raise ValueError("no learner actors to train with")
+        shares: dict[str, int] = dict.fromkeys(self.learners, 0)
+        for i, group in enumerate(groups):
+            rank = self.learners[i % len(self.learners)]
+            shares[rank] += 1
+            await self.sup.send(rank, group)
+        for i, rank in enumerate(self.learners):
+            lead = i == 0
+            msg = TrainStep(
+                step=step,
+                num_groups=shares[rank],
+                version=version,
+                push_to=list(push_to) if lead else [],
+                checkpoint=checkpoint if lead else "",
+            )
+            await self.sup.send(rank, msg)
+        await self._until(
+            lambda: len(self._stats[step]) == len(self.learners), self.learners, "learner stats"
+        )
+        stats = self._stats.pop(step)
+        return [stats[name] for name in self.learners]
+
+    async def weights_applied(self, version: int, timeout_s: float = 300.0) -> None:
+        """Waits until every rollout acknowledged `version`; raises if one refused it."""
+        acks = self._acks[version]
+
+        def done() -> bool:
+            refused = [a for a in acks.values() if not a.ok]
+            if refused:
+                raise RuntimeError(
+                    f"{refused[0].role}:{refused[0].rank} refused weights v{version}: {refused[0].error}"
+                )
+            return all(name in acks for name in self.rollouts)
+
+        await self._until(done, self.rollouts, f"acks of weights v{version}", timeout_s)
+        del self._acks[version]
+
+    # -- waiting ----------------------------------------------------------------------------------------
+
+    async def _next(self, queue: asyncio.Queue[Any], peers: Sequence[str], what: str) -> Any:
+        while queue.empty():
+            self._raise_if_dead(peers, what)
+            self._changed.clear()
+            await self._changed.wait()
+        return queue.get_nowait()
+
+    async def _until(
+        self, ready: Callable[[], bool], peers: Sequence[str], what: str, timeout_s: float = 600.0
+    ) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            self._raise_if_dead(peers, what)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no {what} within {timeout_s:.0f} s")
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=min(left, 1.0))
+            except TimeoutError:
+                continue
+
+    def _raise_if_dead(self, peers: Sequence[str], what: str) -> None:
+        for name in peers:
+            if name in self.dead:
+                raise ActorDiedError(
+                    f"{name} died while the coordinator waited for {what}: {self.dead[name]}"
+                )
+
+    def _emit(self, event: str, level: str = "info", **fields: Any) -> None:
+        if self.log is not None:
+            getattr(self.log, level)(event, **fields)
+
+
+__all__ = ["ActorDiedError", "Coordinator", "LeaseTable", "StepMetrics"]

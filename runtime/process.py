@@ -1,0 +1,38 @@
+"""Process liveness: the one check of whether a pid still names a running process.
+
+Used wherever a pid outlives its process's usefulness: shared-memory slots claimed by a receiver that
+died (runtime/shm.py). The non-obvious choice: a zombie (exited, not yet reaped by its parent) still
+answers `kill(pid, 0)` but will never run again, so where /proc exists its state letter decides; where
+it does not, `kill(pid, 0)` alone does. Pids are only meaningful within one pid namespace (one host).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_PROC = Path("/proc")
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` names a process that can still run: not gone, not a zombie, not dead ('X')."""
+    if pid <= 0:  # kill(0, …) and kill(-n, …) address process groups, never one process
+        return False
+    if _PROC.is_dir():
+        try:
+            stat = (_PROC / str(pid) / "stat").read_text()
+        except FileNotFoundError:
+            return False
+        except OSError:  # unreadable (another user, a hardened /proc): fall back to kill(0)
+            pass
+        else:
+            # "pid (comm) state …": comm may hold spaces and parentheses, so split at the last ")"
+            fields = stat.rsplit(")", 1)[-1].split()
+            return not fields or fields[0] not in ("Z", "X", "x")
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True

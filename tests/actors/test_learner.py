@@ -1,0 +1,155 @@
+"""The learner actor driven in-process beside a rollout actor: step-0 agreement, exact weight sync,
+invalid samples masked, malformed groups counted, checkpoint and resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from slipstream.actors.learner import LearnerActor
+from slipstream.protocols.learner import ScoredGroup, StepStats, TrainStep, WeightAck, WeightUpdate
+from slipstream.protocols.rollout import Completion
+from slipstream.runtime.inbox import Inbox
+from tests.actors.test_rollout_actor import Captured, drain, make_actor, request
+from tests.engine.conftest import build_checkpoint
+
+PROMPTS = [[5, 17, 33, 2], [9, 9, 40, 1, 3]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def make_learner(model: Path, run_dir: Path, **config: Any) -> tuple[LearnerActor, Captured]:
+    out = Captured()
+    cfg = msgspec.convert({"model": str(model), **config}, LearnerActor.Config)
+    actor = LearnerActor(cfg, rank=0, outbox=out, inbox=Inbox(8), run_dir=str(run_dir))
+    actor.on_start()
+    return actor, out
+
+
+def scored_groups(
+    tiny: Path, tmp_path: Path, rewards: list[list[float | None]], step: int = 0
+) -> list[ScoredGroup]:
+    """Real rollouts of PROMPTS (4 samples each, T = 0.9, top-p 0.95), scored with `rewards`."""
+    rollout, out = make_actor(tiny, tmp_path / "rollout", max_batch=8)
+    for g, prompt in enumerate(PROMPTS):
+        rollout.on_generate(request(g, prompt, len(rewards[g]), 0.9, max_tokens=10), "coordinator")
+    drain(rollout)
+    by_group: dict[int, list[Completion]] = {}
+    for c in out.of(Completion):
+        by_group.setdefault(c.group_id, []).append(c)
+    groups = []
+    for g, prompt in enumerate(PROMPTS):
+        done = sorted(by_group[g], key=lambda c: c.sample_index)
+        groups.append(
+            ScoredGroup(
+                step=step,
+                group_id=g,
+                prompt_ids=torch.tensor(prompt),
+                response_ids=[c.token_ids for c in done],
+                behaviour_logprobs=[c.logprobs for c in done],
+                rewards=rewards[g],
+                temperature=0.9,
+                policy_version=0,
+            )
+        )
+    return groups
+
+
+def train(learner: LearnerActor, groups: list[ScoredGroup], **step: Any) -> None:
+    for g in groups:
+        learner.on_group(g, "coordinator")
+    learner.on_train(TrainStep(step=groups[0].step, num_groups=len(groups), **step), "coordinator")
+    assert learner.step()
+    assert not learner.step()  # one TrainStep, one optimizer step
+
+
+def test_step_zero_matches_the_rollout_and_the_push_is_bitwise_exact(tiny: Path, tmp_path: Path) -> None:
+    groups = scored_groups(tiny, tmp_path, [[1.0, 0.0, None, 1.0], [0.0, 0.5, 1.0, 0.0]])
+    learner, sent = make_learner(tiny, tmp_path, optim={"lr": 1e-3})
+    train(learner, groups, version=1, push_to=["rollout:0"])
+    (stats,) = sent.of(StepStats)
+    assert stats.version == 1 and stats.tokens > 0
+    assert stats.metrics["mismatch_logp_abs_max"] < 1e-4  # the learner reads the rollout's log-probs
+    assert abs(stats.metrics["ratio_max"] - 1) < 1e-4 and abs(stats.metrics["ratio_min"] - 1) < 1e-4
+    assert stats.metrics["invalid_samples"] == 1.0
+
+    rollout, out = make_actor(tiny, tmp_path / "rollout2")
+    before = {n: p.detach().clone() for n, p in rollout.model.named_parameters()}
+    for update in sent.of(WeightUpdate):
+        rollout.on_weights(update, "learner:0")
+    drain(rollout)
+    assert [a.ok for a in out.of(WeightAck)] == [True] and rollout.policy_version == 1
+    learned = dict(learner.model.named_parameters())
+    changed = 0
+    for name, param in rollout.model.named_parameters():
+        assert torch.equal(param, learned[name]), name  # bitwise
+        changed += not torch.equal(param, before[name])
+    assert changed > 0  # the policy moved
+
+
+def test_a_corrupted_bucket_is_refused_and_the_old_weights_stay(tiny: Path, tmp_path: Path) -> None:
+    groups = scored_groups(tiny, tmp_path, [[1.0, 0.0], [0.0, 1.0]])
+    learner, sent = make_learner(tiny, tmp_path, optim={"lr": 1e-3}, bucket_bytes=4096)
+    train(learner, groups, version=1, push_to=["rollout:0"])
+    updates = sent.of(WeightUpdate)
+    assert len(updates) > 1  # bucketed
+    rollout, out = make_actor(tiny, tmp_path / "rollout2")
+    before = {n: p.detach().clone() for n, p in rollout.model.named_parameters()}
+    bad = updates[0]
+    tampered = WeightUpdate(
+        version=bad.version, bucket=bad.bucket, num_buckets=bad.num_buckets, names=bad.names,
+        tensors=[bad.tensors[0] + 1e-3, *bad.tensors[1:]], checksum=bad.checksum,
+    )  # fmt: skip
+    rollout.on_weights(tampered, "learner:0")
+    (ack,) = out.of(WeightAck)
+    assert not ack.ok and "checksum" in (ack.error or "")
+    for update in updates[1:]:
+        rollout.on_weights(update, "learner:0")
+    drain(rollout)
+    assert rollout.policy_version == 0
+    for name, param in rollout.model.named_parameters():
+        assert torch.equal(param, before[name])
+
+
+def test_invalid_samples_leave_the_loss(tiny: Path, tmp_path: Path) -> None:
+    groups = scored_groups(tiny, tmp_path, [[1.0, None, 0.0, None], [None, None, None, None]])
+    learner, _ = make_learner(tiny, tmp_path)
+    samples, counts = learner.samples(groups)
+    assert counts["invalid_samples"] == 6.0
+    assert len(samples) == 2  # the two valid samples of group 0; group 1 has none
+    assert sorted(s.advantage for s in samples) == pytest.approx([-0.7071067, 0.7071067], abs=1e-6)
+    assert counts["zero_adv_share"] == 0.5
+
+
+def test_a_malformed_group_counts_as_arrived_and_trains_nothing(tiny: Path, tmp_path: Path) -> None:
+    (good, other) = scored_groups(tiny, tmp_path, [[1.0, 0.0], [0.0, 1.0]])
+    broken = msgspec.structs.replace(other, prompt_ids=other.prompt_ids.float())
+    learner, sent = make_learner(tiny, tmp_path)
+    train(learner, [good, broken], version=1)
+    (stats,) = sent.of(StepStats)
+    assert stats.metrics["groups"] == 2.0
+    assert stats.tokens == sum(len(t) for t in good.response_ids)
+
+
+def test_checkpoint_then_resume_continues_the_same_run(tiny: Path, tmp_path: Path) -> None:
+    groups = scored_groups(tiny, tmp_path, [[1.0, 0.0], [0.0, 1.0]])
+    ckpt = tmp_path / "ckpt" / "learner.pt"
+    first, _ = make_learner(tiny, tmp_path, optim={"lr": 1e-3})
+    train(first, groups, version=1, checkpoint=str(ckpt))
+    assert ckpt.is_file() and not ckpt.with_suffix(".pt.tmp").exists()
+    resumed, _ = make_learner(tiny, tmp_path, optim={"lr": 1e-3}, resume_from=str(ckpt))
+    assert resumed.version == 1 and resumed.trainer.steps == 1
+    for (name, a), b in zip(first.model.named_parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    nxt = [msgspec.structs.replace(g, step=1) for g in groups]
+    train(first, nxt, version=2)
+    train(resumed, nxt, version=2)
+    for (name, a), b in zip(first.model.named_parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b), name  # same optimizer state: the same second step

@@ -1,0 +1,461 @@
+"""The verifier pool's contract: every request gets one Reward; a bad reward costs only its sample.
+
+The rewards under test live here and are loaded by the workers by path ("tests.actors.test_verifier:
+behave"): `behave` does what the completion says, so one pool serves every case. The process tests
+share two actors under one Supervisor whose loop runs on a thread (starting an actor costs seconds on
+a small host); the last of them stops the pool and checks that nothing is left running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from slipstream.actors.verifier import call_reward, judge
+from slipstream.protocols.control import Shutdown, Status
+from slipstream.protocols.reward import Reward, ScoreRequest
+from slipstream.runtime.codec import Codec, ProtocolError
+from slipstream.runtime.supervisor import ActorSpec, Supervisor, SupervisorError
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 1.0  # the deadline of the shared pool's calls
+MAX_PENDING = 4  # requests the shared pool holds before it stops taking more
+
+# -- rewards the workers load by path -------------------------------------------------------------
+
+
+def behave(prompt: str, completion: str, **row: Any) -> Any:
+    """Does what `completion` says."""
+    match completion:
+        case "good":
+            return float(row["answer"])  # the row's fields arrive as keywords
+        case "slow":
+            time.sleep(0.05)
+            return 0.5
+        case "raise":
+            return 1 / 0
+        case "hang":
+            time.sleep(600)
+        case "nan":
+            return math.nan
+        case "inf":
+            return -math.inf
+        case "str":
+            return "abc"
+        case "none":
+            return None
+        case "bool":
+            return True
+        case "exit":
+            os._exit(3)
+    raise AssertionError(f"unknown behaviour {completion!r}")
+
+
+class CountingReward:
+    """A class reward with an async __call__: built once per worker, awaited there."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def __call__(self, prompt: str, completion: str, **row: Any) -> float:
+        await asyncio.sleep(600 if completion == "hang" else 0.001)
+        self.calls += 1
+        return float(self.calls)
+
+
+async def async_reward(prompt: str, completion: str, **row: Any) -> float:
+    await asyncio.sleep(0)
+    return 0.25
+
+
+# -- the per-call contract, in this process -------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [1.0, 0, -3, np.float32(0.5), np.int64(2), 1e308])
+def test_judge_takes_finite_real_numbers(value: object) -> None:
+    assert judge(value) == (float(value), None, None)
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        (math.nan, "garbage: returned nan (float)"),
+        (math.inf, "garbage: returned inf (float)"),
+        (np.float64("nan"), "garbage: returned "),
+        ("abc", "garbage: returned 'abc' (str)"),
+        (True, "garbage: returned True (bool)"),
+        (np.bool_(False), "garbage: returned "),
+        ([1.0], "garbage: returned [1.0] (list)"),
+        (10**400, "garbage: returned 1000"),
+        ("x" * 1000, "…"),
+        (None, "none: the reward could not score it"),
+    ],
+)
+def test_judge_turns_anything_else_into_an_invalid_sample(value: object, error: str) -> None:
+    reward, reason, message = judge(value)
+    assert reward is None and reason == ("none" if value is None else "garbage")
+    assert message is not None and error in message and len(message) < 400
+
+
+def test_call_reward_catches_raises_and_exits_and_awaits_async_rewards() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        assert call_reward(behave, "p", "raise", {}, loop) == (
+            None, "raised", "raised: ZeroDivisionError: division by zero",
+        )  # fmt: skip
+        assert call_reward(lambda p, c: sys.exit(2), "p", "c", {}, loop)[1:] == (
+            "raised",
+            "raised: SystemExit: 2",
+        )
+        assert call_reward(behave, "p", "good", {}, loop)[2] == "raised: KeyError: 'answer'"
+        assert call_reward(async_reward, "p", "c", {}, loop) == (0.25, None, None)
+        counting = CountingReward()
+        assert [call_reward(counting, "p", "c", {}, loop)[0] for _ in range(3)] == [1.0, 2.0, 3.0]
+    finally:
+        loop.close()
+
+
+def test_a_reward_message_carries_a_finite_reward_or_an_error() -> None:
+    codec = Codec()
+    ok = Reward(group_id=1, sample_index=0, reward=0.5, elapsed_s=0.1, policy_version=0)
+    assert codec.decode(codec.encode(ok)) == ok
+    for reward, error in [(None, None), (0.5, "x")]:
+        with pytest.raises(ValueError, match="exactly one"):
+            Reward(group_id=1, sample_index=0, reward=reward, error=error, elapsed_s=0.1, policy_version=0)
+    kind = codec.encode(ok)[0]
+    for reward, error in [(None, None), (math.nan, None), (math.inf, None)]:  # hand-made bodies
+        with pytest.raises(ProtocolError, match="malformed body"):
+            codec.decode([kind, msgspec.msgpack.encode([1, 0, reward, error, 0.1, 0])])
+
+
+# -- the pool, as real processes --------------------------------------------------------------------
+
+
+def spec(reward: str, rank: int, **config: Any) -> ActorSpec:
+    # The workers import this module by path, whatever directory pytest was started from.
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return ActorSpec(
+        actor="slipstream.actors.verifier:VerifierActor",
+        rank=rank,
+        config={"reward": reward, "report_every_s": 0.2, **config},
+        env={"PYTHONPATH": pythonpath},
+    )
+
+
+def descendants(pid: int) -> set[int]:
+    """Live (not zombie) processes under `pid`."""
+    children: dict[int, list[int]] = {}
+    states: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+            children.setdefault(int(ppid), []).append(int(entry))
+            states[int(entry)] = state
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return {p for p in found if states.get(p) != "Z"}
+
+
+class Pools:
+    """Verifier actors under one Supervisor whose loop runs on a thread, so tests can share them."""
+
+    def __init__(self, run_dir: Path, specs: list[ActorSpec]) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="supervisor-loop", daemon=True)
+        self.thread.start()
+        self.seen: list[tuple[str, Any]] = []  # everything the actors sent, in arrival order
+        self.groups = iter(range(1, 1 << 30))
+        self.sup: Supervisor = self.run(self._make(run_dir))
+        try:
+            self.run(self.sup.start(specs), timeout=150)
+        except BaseException:
+            self.close()
+            raise
+
+    async def _make(self, run_dir: Path) -> Supervisor:
+        return Supervisor(run_dir, heartbeat_s=0.5)
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def send(self, actor: str, msg: Any) -> None:
+        self.run(self.sup.send(actor, msg))
+
+    def wait_until(self, done: Callable[[], bool], timeout: float = 30.0) -> None:
+        async def pull() -> None:
+            deadline = time.monotonic() + timeout
+            while not done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("waited too long; seen: " + repr(self.seen[-5:]))
+                try:
+                    self.seen.append(await asyncio.wait_for(self.sup.inbox.get(), timeout=min(left, 0.5)))
+                except TimeoutError:
+                    pass
+
+        self.run(pull(), timeout=timeout + 5)
+
+    def rewards(self, actor: str, group_id: int) -> list[Reward]:
+        return [m for s, m in self.seen if s == actor and isinstance(m, Reward) and m.group_id == group_id]
+
+    def score(self, actor: str, completions: list[str], *, row_json: str = '{"answer": 1.0}') -> list[Reward]:
+        """Sends one request per completion (one group) and returns the Rewards by sample index."""
+        group = next(self.groups)
+        for i, completion in enumerate(completions):
+            request = ScoreRequest(group_id=group, sample_index=i, prompt="p", completion=completion,
+                                   row_json=row_json, policy_version=7)  # fmt: skip
+            self.send(actor, request)
+        self.wait_until(lambda: len(self.rewards(actor, group)) >= len(completions))
+        got = sorted(self.rewards(actor, group), key=lambda r: r.sample_index)
+        assert [r.sample_index for r in got] == list(range(len(completions)))  # one each, none twice
+        assert all(r.policy_version == 7 for r in got)
+        return got
+
+    def status(self, actor: str) -> dict[str, Any]:
+        """The counts `actor` reports once they agree with the Rewards it has sent."""
+        expected = tally([m for s, m in self.seen if s == actor and isinstance(m, Reward)])
+
+        def agrees() -> bool:
+            last = self.last_status(actor)
+            return last is not None and all(last[k] == v for k, v in expected.items())
+
+        self.wait_until(agrees, timeout=10)
+        last = self.last_status(actor)
+        assert last is not None
+        return last
+
+    def last_status(self, actor: str) -> dict[str, Any] | None:
+        reports = [m.fields for s, m in self.seen if s == actor and isinstance(m, Status)]
+        return reports[-1] if reports else None
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            self.run(self.sup.shutdown(grace_s=5.0), timeout=30)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
+
+
+def tally(rewards: list[Reward]) -> dict[str, int]:
+    """The counts a verifier should report for the Rewards it sent, by the reason each error starts with."""
+    counts = Counter({"scored": 0, "invalid": 0})
+    for r in rewards:
+        if r.error is None:
+            counts["scored"] += 1
+        else:
+            first = r.error.split()[0].rstrip(":")
+            counts["invalid"] += 1
+            counts[f"invalid_{'bad_row' if first == 'bad' else first}"] += 1
+    return dict(counts)
+
+
+@pytest.fixture(scope="module")
+def pools(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    pools = Pools(
+        tmp_path_factory.mktemp("verifier") / "run",
+        [
+            spec(
+                "tests.actors.test_verifier:behave",
+                0,
+                workers=2,
+                timeout_s=TIMEOUT_S,
+                max_pending=MAX_PENDING,
+            ),
+            spec("tests.actors.test_verifier:CountingReward", 1, workers=1),
+        ],
+    )
+    yield pools
+    pools.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_good_reward_gets_the_row_and_is_scored(pools: Pools) -> None:
+    (reward,) = pools.score("verifier:0", ["good"], row_json='{"answer": 0.75, "metadata": {"a": [1]}}')
+    assert reward.reward == 0.75 and reward.error is None and 0 <= reward.elapsed_s < 1
+    assert pools.status("verifier:0")["workers"] == 2
+
+
+@pytest.mark.timeout(120)
+def test_each_bad_reward_costs_only_its_sample(pools: Pools) -> None:
+    cases = ["good", "raise", "nan", "inf", "str", "none", "bool", "good"]
+    got = pools.score("verifier:0", cases)
+    assert [r.reward for r in got] == [1.0, None, None, None, None, None, None, 1.0]
+    assert [r.error for r in got] == [
+        None,
+        "raised: ZeroDivisionError: division by zero",
+        "garbage: returned nan (float)",
+        "garbage: returned -inf (float)",
+        "garbage: returned 'abc' (str)",
+        "none: the reward could not score it",
+        "garbage: returned True (bool)",
+        None,
+    ]
+    status = pools.status("verifier:0")
+    assert status["invalid_raised"] >= 1 and status["invalid_garbage"] >= 4 and status["invalid_none"] >= 1
+    assert status["restarts"] == 0 and status["workers"] == 2  # none of these costs a worker
+
+
+@pytest.mark.timeout(120)
+def test_bad_rows_are_answered_not_dropped(pools: Pools) -> None:
+    for row_json, error in [
+        ("[1, 2]", "bad row: Expected `object`, got `array`"),
+        ("{not json", "bad row: JSON is malformed"),
+        ('{"prompt": "x", "answer": 1}', "bad row: ['prompt'] are passed by name, not as row fields"),
+        ('{"answer": 1000000000000000000000000}', "bad row: can't serialize ints"),  # not for MessagePack
+    ]:
+        (reward,) = pools.score("verifier:0", ["good"], row_json=row_json)
+        assert reward.reward is None and reward.error is not None and reward.error.startswith(error)
+    pools.status("verifier:0")
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_reward_is_killed_at_its_deadline_and_replaced(pools: Pools) -> None:
+    actor_pid = pools.sup.pid("verifier:0")
+    before = descendants(actor_pid)
+    restarts = pools.status("verifier:0")["restarts"]
+    got = pools.score("verifier:0", ["hang", "slow", "slow", "slow", "good"])
+    assert got[0].reward is None and got[0].error == f"timeout after {TIMEOUT_S} s"
+    assert TIMEOUT_S <= got[0].elapsed_s < TIMEOUT_S + 2
+    assert [r.reward for r in got[1:]] == [0.5, 0.5, 0.5, 1.0]
+    order = [m.sample_index for s, m in pools.seen if s == "verifier:0" and isinstance(m, Reward)
+             and m.group_id == got[0].group_id]  # fmt: skip
+    assert order[-1] == 0  # the other worker kept scoring while one hung
+    # Two at once: both killed, both replaced, and the requests behind them still scored.
+    got = pools.score("verifier:0", ["hang", "hang", "good", "good"])
+    assert [r.error is not None and r.error.startswith("timeout") for r in got] == [True, True, False, False]
+    status = pools.status("verifier:0")
+    assert status["restarts"] == restarts + 3 and status["workers"] == 2
+    after = descendants(actor_pid)
+    assert len(after) == len(before) and len(before - after) == 2  # both first workers were killed
+
+
+@pytest.mark.timeout(120)
+def test_a_reward_that_kills_its_worker_costs_its_sample(pools: Pools) -> None:
+    restarts = pools.status("verifier:0")["restarts"]
+    got = pools.score("verifier:0", ["exit", "good", "good"])
+    assert got[0].reward is None and got[0].error == "crashed: the worker exited with code 3 while scoring it"
+    assert [r.reward for r in got[1:]] == [1.0, 1.0]
+    status = pools.status("verifier:0")
+    assert status["restarts"] == restarts + 1 and status["workers"] == 2 and status["invalid_crashed"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_burst_larger_than_the_pool_gets_one_reward_each(pools: Pools) -> None:
+    cases = ["good", "slow", "raise", "none", "slow", "good"] * 10
+    got = pools.score("verifier:0", cases)
+    assert sum(r.reward is None for r in got) == 20
+    status = pools.status("verifier:0")
+    assert status["pending"] == 0
+    assert len(pools.rewards("verifier:0", got[0].group_id)) == len(cases)  # still exactly one each
+    reports = [m.fields for s, m in pools.seen if s == "verifier:0" and isinstance(m, Status)]
+    assert max(r["pending"] for r in reports) <= MAX_PENDING  # the rest waited in the inbox
+
+
+@pytest.mark.timeout(120)
+def test_a_class_reward_is_built_once_per_worker_and_awaited(pools: Pools) -> None:
+    got = pools.score("verifier:1", ["c"] * 5)
+    assert [r.reward for r in got] == [1.0, 2.0, 3.0, 4.0, 5.0]  # one instance, called in order
+    assert pools.status("verifier:1")["reward"] == "tests.actors.test_verifier:CountingReward"
+
+
+@pytest.mark.timeout(120)
+def test_stop_answers_every_pending_request_and_leaves_no_process_behind(pools: Pools) -> None:
+    """Runs last: it stops the shared pool."""
+    actor_pid = pools.sup.pid("verifier:0")
+    processes = descendants(actor_pid) | {actor_pid}
+    assert len(processes) >= 4  # the actor, its forkserver and two workers
+    group = next(pools.groups)
+    # Control is one ordered lane: the requests are taken (two start, two queue), then Shutdown.
+    for i, completion in enumerate(["hang", "hang", "good", "good"]):
+        request = ScoreRequest(group_id=group, sample_index=i, prompt="p", completion=completion,
+                               row_json='{"answer": 1.0}', policy_version=0)  # fmt: skip
+        pools.send("verifier:0", request)
+    pools.send("verifier:0", Shutdown(reason="test"))
+    pools.wait_until(lambda: len(pools.rewards("verifier:0", group)) == 4)
+    got = pools.rewards("verifier:0", group)
+    assert all(r.reward is None and r.error.startswith("stopped: the verifier shut down") for r in got)
+    assert pools.status("verifier:0")["invalid_stopped"] == 4  # the report sent at stop
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in processes if _alive(p)], "processes outlived the actor"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_verifier_leaves_no_worker_behind(pools: Pools) -> None:
+    """Runs last: it SIGKILLs the class-reward actor while its worker is busy."""
+    actor_pid = pools.sup.pid("verifier:1")
+    request = ScoreRequest(group_id=next(pools.groups), sample_index=0, prompt="p", completion="hang",
+                           row_json="{}", policy_version=0)  # fmt: skip
+    pools.send("verifier:1", request)
+    time.sleep(0.5)  # the handler hands it to the worker at once
+    processes = descendants(actor_pid)
+    assert len(processes) >= 2  # the forkserver and the busy worker
+    os.kill(actor_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in processes if _alive(p)], "processes outlived a SIGKILLed verifier"
+
+
+# -- start-up failures -------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_reward_that_cannot_be_loaded_fails_start_up_naming_it(tmp_path: Path) -> None:
+    async def main() -> None:
+        sup = Supervisor(tmp_path / "run", heartbeat_s=0.5)
+        try:
+            await sup.start([spec("tests.actors.test_verifier:nope", 0)])
+        finally:
+            await sup.shutdown(grace_s=1.0)
+
+    reason = (
+        "reward 'tests.actors.test_verifier:nope': module tests.actors.test_verifier has no attribute nope"
+    )
+    with pytest.raises(SupervisorError, match=re.escape(reason)):
+        asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [({"reward": "not a path"}, "reward"), ({"reward": "a:b", "workers": 0}, "workers"), ({}, "reward")],
+)
+def test_a_bad_config_fails_before_anything_is_spawned(tmp_path: Path, config: dict, field: str) -> None:
+    async def main() -> None:
+        sup = Supervisor(tmp_path / "run")
+        try:
+            await sup.start([ActorSpec(actor="slipstream.actors.verifier:VerifierActor", config=config)])
+        finally:
+            await sup.shutdown(grace_s=1.0)
+
+    with pytest.raises(SupervisorError, match=f"verifier:0 config: {field}: "):
+        asyncio.run(main())

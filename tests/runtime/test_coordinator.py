@@ -1,0 +1,178 @@
+"""Coordinator mechanics against an in-memory supervisor (a unit double): dealing, leases, deaths, acks."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from slipstream.protocols.control import Idle, Lease, Preempt, Released
+from slipstream.protocols.drafter import DrafterStats
+from slipstream.protocols.learner import ScoredGroup, StepStats, TrainStep, WeightAck
+from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats, SamplingSpec
+from slipstream.runtime.coordinator import ActorDiedError, Coordinator
+
+
+@dataclass(frozen=True)
+class Died:
+    name: str
+    reason: str
+
+
+class FakeSupervisor:
+    """The Supervisor's surface the coordinator uses: inbox, deaths, send."""
+
+    def __init__(self) -> None:
+        self.inbox: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.deaths: asyncio.Queue[Died] = asyncio.Queue()
+        self.sent: list[tuple[str, Any]] = []
+
+    async def send(self, name: str, msg: Any) -> None:
+        self.sent.append((name, msg))
+
+    def deliver(self, sender: str, msg: Any) -> None:
+        self.inbox.put_nowait((sender, msg))
+
+
+def request(group: int, samples: int = 2, max_tokens: int = 8) -> GenerateRequest:
+    return GenerateRequest(
+        group_id=group,
+        prompt_ids=torch.tensor([1, 2, 3]),
+        num_samples=samples,
+        seed=group,
+        sampling=SamplingSpec(max_tokens=max_tokens),
+        policy_version=0,
+    )
+
+
+def completion(group: int, index: int) -> Completion:
+    return Completion(
+        group_id=group,
+        sample_index=index,
+        token_ids=torch.tensor([4, 5]),
+        logprobs=torch.tensor([-0.1, -0.2]),
+        finish_reason="stop",
+        policy_version=0,
+    )
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, timeout=20))
+
+
+def test_rollout_deals_by_expected_work_leases_idle_devices_and_preempts_at_the_end() -> None:
+    async def main() -> None:
+        sup = FakeSupervisor()
+        coord = Coordinator(
+            sup,
+            rollouts=["rollout:0", "rollout:1"],
+            drafters={"rollout:0": "drafter:0", "rollout:1": "drafter:1"},
+        )
+        async with coord:
+            requests = [request(0, 4, 100), request(1, 1, 100), request(2, 1, 100), request(3, 2, 100)]
+            got = []
+            stream = coord.rollout(requests).__aiter__()
+            first = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0)
+            dealt = {m.group_id: name for name, m in sup.sent if isinstance(m, GenerateRequest)}
+            # Greedy by work: the 4-sample group alone on one device, the other three on the other.
+            assert dealt[0] != dealt[1] == dealt[2] == dealt[3]
+            sup.deliver("rollout:1", IterationStats(rank=1, iteration=0, batch_size=4, arm="ngram:d3",
+                                                    drafted=8, accepted=4, committed=8, iter_s=0.1))  # fmt: skip
+            for g, name in dealt.items():
+                if name == "rollout:1":
+                    for i in range(requests[g].num_samples):
+                        sup.deliver(name, completion(g, i))
+            sup.deliver("rollout:1", Idle(role="rollout", rank=1, policy_version=0))
+            got.append(await first)
+            while len(got) < 4:
+                got.append(await stream.__anext__())
+            await asyncio.sleep(0.05)  # the dispatcher routes Idle, the lease goes out from a task
+            (lease_to, lease), = [(n, m) for n, m in sup.sent if isinstance(m, Lease)]  # fmt: skip
+            assert lease_to == "drafter:1"
+            for i in range(4):
+                sup.deliver(dealt[0], completion(0, i))
+            async for c in stream:
+                got.append(c)
+            assert len(got) == 8 and len({(c.group_id, c.sample_index) for c in got}) == 8
+            await asyncio.sleep(0.05)
+            (pre_to, pre), = [(n, m) for n, m in sup.sent if isinstance(m, Preempt)]  # fmt: skip
+            assert pre_to == "drafter:1" and pre.lease_id == lease.lease_id
+            sup.deliver("drafter:1", Released(lease_id=lease.lease_id, latency_ns=5_000_000))
+            sup.deliver(
+                "drafter:1",
+                DrafterStats(rank=1, version=3, steps=3, loss=1.0, buffer_tokens=10, elapsed_s=0.5),
+            )
+            sup.deliver("rollout:0", Idle(role="rollout", rank=0, policy_version=0))
+            metrics = await coord.finish_step()
+            assert metrics.tokens == 16 and metrics.finish_reasons == {"stop": 8}
+            assert metrics.accept_length == 2.0 and metrics.arms == {"ngram:d3": 1}
+            assert metrics.idle_device_s > 0 and metrics.reclaimed_s == 0.5
+            assert metrics.preempt_ms == [5.0]
+
+    run(main())
+
+
+def test_a_death_makes_the_pending_wait_raise_naming_the_actor() -> None:
+    async def main() -> None:
+        sup = FakeSupervisor()
+        async with Coordinator(sup, rollouts=["rollout:0"]) as coord:
+            stream = coord.rollout([request(0)])
+            sup.deaths.put_nowait(Died("rollout:0", "SIGKILL"))
+            with pytest.raises(ActorDiedError, match=r"rollout:0 died .*SIGKILL"):
+                async for _ in stream:
+                    pass
+
+    run(main())
+
+
+def test_weights_applied_waits_for_every_rollout_and_raises_on_a_refusal() -> None:
+    async def main() -> None:
+        sup = FakeSupervisor()
+        async with Coordinator(sup, rollouts=["rollout:0", "rollout:1"]) as coord:
+            waiter = asyncio.ensure_future(coord.weights_applied(1))
+            sup.deliver("rollout:0", WeightAck(version=1, role="rollout", rank=0, ok=True))
+            await asyncio.sleep(0.05)
+            assert not waiter.done()
+            sup.deliver("rollout:1", WeightAck(version=1, role="rollout", rank=1, ok=True))
+            await waiter
+            sup.deliver("rollout:1", WeightAck(version=2, role="rollout", rank=1, ok=False, error="checksum"))
+            with pytest.raises(RuntimeError, match="rollout:1 refused weights v2: checksum"):
+                await coord.weights_applied(2)
+
+    run(main())
+
+
+def test_train_deals_groups_over_learner_ranks_and_gathers_their_stats() -> None:
+    async def main() -> None:
+        sup = FakeSupervisor()
+        async with Coordinator(sup, rollouts=["rollout:0"], learners=["learner:0", "learner:1"]) as coord:
+            groups = [
+                ScoredGroup(
+                    step=4,
+                    group_id=g,
+                    prompt_ids=torch.tensor([1]),
+                    response_ids=[],
+                    behaviour_logprobs=[],
+                    rewards=[],
+                    policy_version=0,
+                )
+                for g in range(3)
+            ]
+            task = asyncio.ensure_future(coord.train(4, groups, version=5, push_to=["rollout:0"]))
+            await asyncio.sleep(0)
+            steps = {n: m for n, m in sup.sent if isinstance(m, TrainStep)}
+            assert steps["learner:0"].num_groups == 2 and steps["learner:1"].num_groups == 1
+            assert steps["learner:0"].push_to == ["rollout:0"] and steps["learner:1"].push_to == []
+            for r in (1, 0):
+                sup.deliver(
+                    f"learner:{r}",
+                    StepStats(step=4, version=5, loss=0.0, grad_norm=1.0, tokens=r, elapsed_s=0.1),
+                )
+            stats = await task
+            assert [s.tokens for s in stats] == [0, 1]
+
+    run(main())

@@ -1,0 +1,52 @@
+"""Process liveness (`runtime.process.pid_alive`) against real processes, a zombie included."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slipstream.runtime import process
+from slipstream.runtime.process import pid_alive
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return None
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="zombies are told apart through /proc")
+def test_an_unreaped_child_is_dead_and_a_running_one_alive() -> None:
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])  # not waited on: it stays a zombie
+    try:
+        assert pid_alive(os.getpid()) and pid_alive(running.pid)
+        deadline = time.monotonic() + 20
+        while _state(exited.pid) != "Z":
+            assert time.monotonic() < deadline, f"child {exited.pid} never became a zombie"
+            time.sleep(0.01)
+        os.kill(exited.pid, 0)  # a zombie still answers kill(0) …
+        assert not pid_alive(exited.pid)  # … but is dead
+    finally:
+        running.kill()
+        running.wait()
+        exited.wait()  # reaped: the pid is gone altogether
+    assert not pid_alive(exited.pid) and not pid_alive(running.pid)
+
+
+def test_without_proc_kill_zero_decides(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(process, "_PROC", tmp_path / "no-proc")
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert pid_alive(os.getpid())
+    assert not pid_alive(child.pid)
+
+
+def test_pids_that_name_no_single_process_are_not_alive() -> None:
+    assert not pid_alive(0)  # kill(0, 0) would address this process's own group
+    assert not pid_alive(-1)
