@@ -107,10 +107,13 @@ class LearnerActor(Actor):
         if msg is None or len(self._groups.get(msg.step, [])) < msg.num_groups:
             return False
         self._pending = None
-        groups = sorted(self._groups.pop(msg.step), key=lambda g: g.group_id)
+        groups = sorted(self._groups.pop(msg.step, []), key=lambda g: g.group_id)
         started = time.perf_counter()
         samples, counts = self.samples(groups)
-        stats = self.trainer.step(samples)
+        if msg.num_groups == 0:  # push only (a resumed run hands its weights to fresh rollouts)
+            stats = {"loss": 0.0, "grad_norm": 0.0, "tokens": 0}
+        else:
+            stats = self.trainer.step(samples)
         self.version = msg.version
         elapsed = time.perf_counter() - started
         metrics = {k: float(v) for k, v in stats.items() if k not in ("step", "loss", "grad_norm", "tokens")}
@@ -137,7 +140,9 @@ class LearnerActor(Actor):
     def samples(self, groups: list[ScoredGroup]) -> tuple[list[PolicySample], dict[str, float]]:
         """The step's training samples (valid ones, with group advantages) and what was left out."""
         loss = self.config.loss
-        size = max((len(g.rewards) for g in groups), default=0)
+        if not groups:
+            return [], {"groups": 0.0, "invalid_samples": 0.0, "zero_adv_share": 0.0}
+        size = max(len(g.rewards) for g in groups)
         rewards = torch.zeros(len(groups), size, dtype=torch.float64)
         valid = torch.zeros(len(groups), size, dtype=torch.bool)
         for i, g in enumerate(groups):

@@ -210,8 +210,10 @@ class RolloutActor(Actor):
         error = self._check_weights(msg)
         if error is not None:
             self.log.error("weights_refused", version=msg.version, bucket=msg.bucket, error=error)
+            # Acks go to the coordinator, which waits for every rollout before the next step starts.
             self.send(
-                sender, WeightAck(version=msg.version, role=self.role, rank=self.rank, ok=False, error=error)
+                COORDINATOR,
+                WeightAck(version=msg.version, role=self.role, rank=self.rank, ok=False, error=error),
             )
             return
         buckets = self._staged.setdefault(msg.version, {})
@@ -224,7 +226,6 @@ class RolloutActor(Actor):
             tensors=[t.clone() for t in msg.tensors],
             checksum=msg.checksum,
         )
-        self._weights_from = sender
         if len(buckets) == msg.num_buckets:
             for old in [v for v in self._staged if v < msg.version]:
                 del self._staged[old]
@@ -261,8 +262,7 @@ class RolloutActor(Actor):
         self.policy_version = version
         self._ready_version = None
         self.log.info("weights_applied", version=version)
-        ack = WeightAck(version=version, role=self.role, rank=self.rank, ok=True)
-        self.send(self._weights_from, ack)
+        self.send(COORDINATOR, WeightAck(version=version, role=self.role, rank=self.rank, ok=True))
 
     # -- decoding -------------------------------------------------------------------------------------
 

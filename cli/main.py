@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 NOT_YET = {
-    "train": "the GRPO loop (coordinator, learner and verifier actors)",
     "trace": "span export to Chrome-trace JSON (observability)",
     "report": "PNG run reports (observability)",
     "launch": "multi-node launch from a topology file (deploy)",
@@ -63,6 +62,47 @@ def packaged_config(name: str) -> Path:
     from importlib.resources import files
 
     return Path(str(files("slipstream.deploy").joinpath("configs", name)))
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from slipstream.cli import train
+    from slipstream.runtime import config as run_config
+    from slipstream.runtime import logs
+    from slipstream.runtime.progress import bar
+
+    overrides = list(args.overrides)
+    config_path = args.config
+    if config_path is not None and "=" in config_path and not Path(config_path).exists():
+        overrides.insert(0, config_path)  # `slipstream train steps=3`: no file, an override
+        config_path = None
+    if args.resume is not None:
+        run_dir = args.resume
+        resolved = run_dir / "config.json"
+        if not resolved.is_file():
+            raise ValueError(f"--resume {run_dir}: not a training run directory (no config.json)")
+        cfg = run_config.convert(json.loads(resolved.read_text()), train.TrainConfig, where=str(resolved))
+    else:
+        cfg = train.load_config(config_path or packaged_config("demo.yaml"), overrides)
+        run_dir = args.run_dir or Path(f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(msgspec_builtins(cfg)))
+    log = logs.configure(role="coordinator", run_dir=run_dir, echo=args.verbose)
+    log.info("config", **msgspec_builtins(cfg))
+    summary = uvloop.run(
+        train.train(
+            cfg, run_dir, baseline=args.baseline, resume=args.resume is not None, progress=bar, log=log
+        )
+    )
+    print(train.render(summary))
+    return 0
+
+
+def msgspec_builtins(value: object) -> dict:
+    import msgspec
+
+    return msgspec.to_builtins(value)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -224,9 +264,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("train", help="run GRPO training from a config (not yet)")
-    s.add_argument("config", nargs="?")
+    s = sub.add_parser(
+        "train",
+        help="GRPO training: the demo (deploy/configs/demo.yaml) or a config file, with key.sub=value overrides",
+    )
+    s.add_argument("config", nargs="?", help="a YAML config (default: the embedded demo) or a key=value")
     s.add_argument("overrides", nargs="*", help="key.sub=value")
+    s.add_argument("--run-dir", type=Path, default=None, help="default runs/train-<time>")
+    s.add_argument("--baseline", action="store_true", help="no speculation and no drafter training")
+    s.add_argument(
+        "--resume", type=Path, default=None, help="a run directory to continue from its checkpoint"
+    )
+    s.add_argument("--verbose", "-v", action="store_true", help="echo the coordinator's log to stderr")
     s = sub.add_parser(
         "generate",
         help="complete a JSONL of prompts with the engine, speculation on or off",
@@ -347,11 +396,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # bench's KEY=VALUE overrides may come after options too, which argparse leaves over.
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command == "bench" and all("=" in a and not a.startswith("-") for a in rest):
+    if rest and args.command in ("bench", "train") and all("=" in a and not a.startswith("-") for a in rest):
         args.overrides = [*args.overrides, *rest]
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     handlers = {
+        "train": _cmd_train,
         "smoke": _cmd_smoke,
         "bench": _cmd_bench,
         "models": _cmd_models,

@@ -43,7 +43,7 @@ class TrainStep(Message, frozen=True, kw_only=True):
 
     kind = LearnerKind.TRAIN
     step: NonNeg
-    num_groups: NonNeg  # ScoredGroups this rank receives for the step
+    num_groups: NonNeg  # ScoredGroups this rank receives for the step (0: no training, push only)
     version: NonNeg
     push_to: list[str] = []
     checkpoint: str = ""

@@ -19,6 +19,7 @@ import yaml
 T = TypeVar("T")
 
 _AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 _UNKNOWN = re.compile(r"Object contains unknown field `(?P<field>[^`]+)`")
 _MISSING = re.compile(r"Object missing required field `(?P<field>[^`]+)`")
 _NAMED = re.compile(r"^[A-Za-z_][\w.\[\]]*: ")
@@ -70,7 +71,10 @@ def apply_override(tree: dict[str, Any], override: str) -> None:
             raise ConfigError(f"{'.'.join(parts[: i + 1])}: is a value, cannot set {key!r}")
         node = child
     try:
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads "1e-5" (no dot) as a string; a user means the number
+        node[parts[-1]] = value
     except yaml.YAMLError as e:
         raise ConfigError(f"{key}: cannot parse override value {raw!r}: {e}") from None
 

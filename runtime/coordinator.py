@@ -100,6 +100,7 @@ class Coordinator:
         self.dead: dict[str, str] = {}
         self._completions: asyncio.Queue[Completion] = asyncio.Queue()
         self._rewards: asyncio.Queue[Reward] = asyncio.Queue()
+        self._scoring: dict[str, int] = dict.fromkeys(self.verifiers, 0)  # outstanding requests per verifier
         self._acks: dict[int, dict[str, WeightAck]] = defaultdict(dict)
         self._stats: dict[int, dict[str, StepStats]] = defaultdict(dict)
         self._changed = asyncio.Event()  # set on every routed message or death: waiters re-check
@@ -143,6 +144,7 @@ class Coordinator:
         if isinstance(msg, Completion):
             self._completions.put_nowait(msg)  # unbounded here; bounded by what was requested (credits)
         elif isinstance(msg, Reward):
+            self._scoring[sender] = max(0, self._scoring.get(sender, 0) - 1)
             self._rewards.put_nowait(msg)
         elif isinstance(msg, WeightAck):
             self._acks[msg.version][sender] = msg
@@ -262,14 +264,18 @@ class Coordinator:
         m.preempt_ms = list(table.preempt_ms)
         return m
 
-    async def score(self, requests: Sequence[ScoreRequest]) -> AsyncIterator[Reward]:
-        """Deals score requests round-robin over the verifiers; yields every reward as it arrives."""
+    async def score(self, request: ScoreRequest) -> None:
+        """Sends one completion to the verifier with the fewest outstanding requests; its `Reward` comes
+        back through `reward()` (a reward may fail: `Reward.reward` None, never a silent 0)."""
         if not self.verifiers:
             raise ValueError("no verifier actors to score with")
-        for i, request in enumerate(requests):
-            await self.sup.send(self.verifiers[i % len(self.verifiers)], request)
-        for _ in requests:
-            yield await self._next(self._rewards, self.verifiers, "a reward")
+        target = min(self.verifiers, key=lambda name: (self._scoring[name], name))
+        self._scoring[target] += 1
+        await self.sup.send(target, request)
+
+    async def reward(self) -> Reward:
+        """The next reward to arrive."""
+        return await self._next(self._rewards, self.verifiers, "a reward")
 
     async def train(
         self,

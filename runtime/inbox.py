@@ -29,10 +29,11 @@ class Inbox:
             self.control_event.set()
             self._cond.notify()
 
-    def put_data(self, item: Any) -> bool:
-        """Queues `item`; False (and nothing queued) when the data lane is full."""
+    def put_data(self, item: Any, *, force: bool = False) -> bool:
+        """Queues `item`; False (and nothing queued) when the data lane is full, unless `force`: work the
+        coordinator sends is bounded by what it asked for (its credits), and is never refused."""
         with self._cond:
-            if len(self._data) >= self.capacity:
+            if len(self._data) >= self.capacity and not force:
                 return False
             self._data.append(item)
             self._cond.notify()

@@ -188,7 +188,10 @@ class ActorIO(threading.Thread):
             if isinstance(msg, Ping):  # answered here: measures the transport, not the compute loop
                 self._send(self.control, self._codec.encode(Pong(seq=msg.seq, sent_ns=msg.sent_ns)))
                 continue
-            self.inbox.put_control((COORDINATOR, msg))
+            if str(msg.kind).startswith("control."):
+                self.inbox.put_control((COORDINATOR, msg))
+            else:  # work from the coordinator (requests, groups, scores) queues behind control, never ahead
+                self.inbox.put_data((COORDINATOR, msg), force=True)
 
     def _on_data(self) -> None:
         while self.inbox.has_room():

@@ -127,6 +127,7 @@ class Supervisor:
         heartbeat_s: float = 1.0,
         missed_beats: int = 3,
         handshake_timeout_s: float = 120.0,
+        inbox_size: int = 10_000,
         curve: CurveKeys | None = None,
         log: Any = None,
     ) -> None:
@@ -143,7 +144,8 @@ class Supervisor:
         self._router = make_socket(self.ctx, zmq.ROUTER, bind=self.control_endpoint)
         self._codec = Codec()
         self._procs: dict[str, _Proc] = {}
-        self.inbox: asyncio.Queue[tuple[str, Message]] = asyncio.Queue(maxsize=10_000)
+        self.inbox: asyncio.Queue[tuple[str, Message]] = asyncio.Queue(maxsize=inbox_size)
+        self._backpressure = False  # the receive loop waits for inbox room (liveness is not judged then)
         self.deaths: asyncio.Queue[ActorDied] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
@@ -302,13 +304,20 @@ class Supervisor:
                 self._emit("ready", actor=sender)
             elif isinstance(msg, Dead):
                 self._mark_dead(entry, msg.reason, msg.exit_code)
+            elif not self.inbox.full():
+                self.inbox.put_nowait((sender, msg))
             else:
+                # Backpressure, never a drop: stop reading until the coordinator catches up, so the actors'
+                # sends queue in zmq and their IO threads park them. Silence is no sign of death meanwhile.
+                self._emit("inbox_full_backpressure", sender=sender, kind=msg.kind, level="warning")
+                self._backpressure = True
                 try:
-                    self.inbox.put_nowait((sender, msg))
-                except asyncio.QueueFull:
-                    # Never block this loop: it is also what hears heartbeats. Bulk data does not come
-                    # here, so a full inbox means the coordinator is stuck; say so loudly.
-                    self._emit("inbox_full_dropped", sender=sender, kind=msg.kind, level="error")
+                    await self.inbox.put((sender, msg))
+                finally:
+                    self._backpressure = False
+                    now = time.monotonic()
+                    for p in self._procs.values():
+                        p.last_seen = max(p.last_seen, now)  # unheard while this loop waited
 
     # -- liveness -----------------------------------------------------------------------------------
 
@@ -331,7 +340,7 @@ class Supervisor:
                     continue
                 # Liveness is judged once an actor is ready: until then it may be busy loading a model
                 # on its compute thread while its IO thread still beats.
-                if p.ready and now - p.last_seen > limit:
+                if p.ready and not self._backpressure and now - p.last_seen > limit:
                     self._mark_dead(p, f"no heartbeat for {now - p.last_seen:.2f}s", None)
                     with contextlib.suppress(ProcessLookupError):
                         p.proc.kill()

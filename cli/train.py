@@ -1,0 +1,484 @@
+"""`slipstream train`: the synchronous GRPO loop, top to bottom.
+
+    slipstream train                                  # the demo: deploy/configs/demo.yaml (SmolLM2, this CPU)
+    slipstream train my.yaml learner.optim.lr=2e-6    # a config file, then key.sub=value overrides
+    slipstream train --baseline                       # the same run with no speculation, no drafter training
+    slipstream train --resume runs/train-…            # continue from the run's newest checkpoint
+
+One step: deal the step's prompts to the rollout actors → stream each completion to a verifier the moment
+it arrives (rewards overlap the tail), while idle rollout devices are leased to drafter training → preempt
+when the last completion is in → build GRPO groups → one learner step → the learner pushes the weights and
+every rollout acknowledges the new version. Each step's record goes to metrics.jsonl, the run's to
+summary.json. Configuration: `TrainConfig` (every field documented where it is declared).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import torch
+
+from slipstream.actors.drafter import DrafterActor
+from slipstream.actors.learner import LearnerActor
+from slipstream.actors.rollout import RolloutActor
+from slipstream.actors.verifier import VerifierActor
+from slipstream.engine import hub
+from slipstream.engine.grpo import LossConfig
+from slipstream.engine.policy_train import OptimConfig
+from slipstream.engine.sampling import MAX_SEED
+from slipstream.engine.tokenizer import Tokenizer
+from slipstream.engine.tuner import TunerConfig
+from slipstream.protocols.learner import ScoredGroup
+from slipstream.protocols.reward import ScoreRequest
+from slipstream.protocols.rollout import Completion, GenerateRequest, SamplingSpec
+from slipstream.runtime import config as run_config
+from slipstream.runtime.coordinator import Coordinator, StepMetrics
+from slipstream.runtime.progress import ProgressFactory, silent
+from slipstream.runtime.supervisor import ActorSpec, Supervisor
+from slipstream.runtime.transport import actor_name
+from slipstream.tasks.datasets import Row, chat_prompt_ids, reasoning_gym_rows
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+GROUP_BITS = 20  # a group's sampling seed is (run seed << 20) | group id
+
+
+class RolloutSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    devices: Positive = 2  # rollout actors, one device (here: one pinned core) each
+    spec_mode: Literal["rejection", "reproducible"] = (
+        "reproducible"  # reproducible: tokens independent of speculation
+    )
+    tuner: TunerConfig = TunerConfig()  # buckets and speculation arms ("off" alone = plain decoding)
+
+
+class DrafterSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    enabled: bool = True  # train an EAGLE drafter in leased idle device time
+    init_from: str = (
+        ""  # an exported head to start from ("" = untrained; the tuner keeps it off until it pays)
+    )
+    batch_tokens: Positive = 512  # tokens per drafter step: bounds the preemption latency
+    lr: float = 1e-3
+    publish_every_steps: Positive = 10
+
+
+class VerifierSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    actors: Positive = 1
+    workers: Positive = 1  # reward worker processes per verifier actor
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # per reward call; past it the sample is invalid
+
+
+class LearnerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    ranks: Positive = 1  # data-parallel learner ranks (gloo on CPU)
+    threads: Positive = 2  # torch threads per rank: the rollouts are idle while the learner trains
+    optim: OptimConfig = OptimConfig()
+    loss: LossConfig = LossConfig()
+
+
+class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    model: str = "smollm2-135m"  # model directory or registry name
+    task: str = "chain_sum"  # reasoning-gym task name, or a JSONL file of {question, answer}
+    task_options: dict[str, Any] = {}  # the reasoning-gym task's own options (difficulty)
+    reward: str = ""  # "pkg.mod:fn"; "" = the task's scorer (reasoning-gym) or math-verify (JSONL)
+    system_prompt: str = ""  # a system turn before every question ("" = none)
+    steps: Positive = 8
+    prompts_per_step: Positive = 8
+    group_size: Annotated[int, msgspec.Meta(ge=2)] = 4  # responses per prompt (G)
+    max_tokens: Positive = 128
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
+    seed: Annotated[int, msgspec.Meta(ge=0, lt=MAX_SEED >> GROUP_BITS)] = 0
+    checkpoint_every: Annotated[int, msgspec.Meta(ge=0)] = 0  # steps between checkpoints (0 = only the last)
+    rollout: RolloutSection = RolloutSection()
+    drafter: DrafterSection = DrafterSection()
+    verifier: VerifierSection = VerifierSection()
+    learner: LearnerSection = LearnerSection()
+
+
+class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One line of metrics.jsonl."""
+
+    step: int
+    reward_mean: float  # over valid samples
+    correct_share: float  # valid samples with reward >= 1
+    nonzero_adv_share: float  # groups whose rewards differ (they carry the gradient)
+    invalid: int  # samples whose reward failed (masked out)
+    tokens: int
+    mean_response_tokens: float
+    step_s: float
+    rollout_s: float
+    reward_s: float  # from the last completion to the last reward
+    learn_s: float
+    sync_s: float  # weight push until every rollout acknowledged
+    accept_length: float
+    arms: dict[str, int]
+    idle_device_s: float
+    reclaimed_s: float
+    loss: float
+    grad_norm: float
+    mismatch_logp_abs_max: float
+    policy_version: int
+
+
+def load_config(path: Path | str | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    return run_config.load(path, TrainConfig, overrides)
+
+
+def dataset(cfg: TrainConfig, count: int) -> list[Row]:
+    """The first `count` rows of the run's data, in order (the data cursor is a row index)."""
+    if cfg.task.endswith(".jsonl"):
+        rows = []
+        for n, line in enumerate(Path(cfg.task).read_text().splitlines(), 1):
+            if line.strip():
+                item = json.loads(line)
+                if "question" not in item or "answer" not in item:
+                    raise ValueError(f"{cfg.task}:{n}: a row needs 'question' and 'answer'")
+                rows.append(
+                    Row(question=item["question"], answer=item["answer"], metadata=item.get("metadata", {}))
+                )
+        if len(rows) < count:
+            raise ValueError(f"task: {cfg.task} holds {len(rows)} rows, the run needs {count}")
+        return rows[:count]
+    return reasoning_gym_rows(cfg.task, count, cfg.seed, **cfg.task_options)
+
+
+def default_reward(cfg: TrainConfig) -> str:
+    if cfg.reward:
+        return cfg.reward
+    name = "math_verify" if cfg.task.endswith(".jsonl") else "reasoning_gym"
+    return f"slipstream.tasks.rewards:{name}"
+
+
+def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from: str) -> list[ActorSpec]:
+    """Every process of the run. On this CPU a device is a core: rollout r and drafter r share core r."""
+    devices = cfg.rollout.devices
+    cores = max(1, os.cpu_count() or 1)
+    rollouts = [actor_name(RolloutActor.role, r) for r in range(devices)]
+    drafters = [actor_name(DrafterActor.role, r) for r in range(devices)]
+    train_drafter = cfg.drafter.enabled and not baseline
+    tuner = TunerConfig(buckets=cfg.rollout.tuner.buckets, arms=["off"]) if baseline else cfg.rollout.tuner
+    max_len = 1024 + cfg.max_tokens  # prompts of reasoning tasks are short; a longer one is refused, named
+    specs = [
+        ActorSpec.of(
+            RolloutActor,
+            rank=r,
+            config=RolloutActor.Config(
+                model=cfg.model,
+                max_batch=-(-cfg.prompts_per_step // devices) * cfg.group_size,
+                max_len=max_len,
+                spec_mode=cfg.rollout.spec_mode,
+                tuner=msgspec.structs.replace(tuner, seed=cfg.seed + r),
+                drafter=cfg.drafter.init_from if train_drafter else "",
+                hidden_to=drafters if train_drafter else [],
+            ),
+            cpus=[r % cores],
+        )
+        for r in range(devices)
+    ]
+    if train_drafter:
+        specs += [
+            ActorSpec.of(
+                DrafterActor,
+                rank=r,
+                config=DrafterActor.Config(
+                    model=cfg.model,
+                    batch_tokens=cfg.drafter.batch_tokens,
+                    lr=cfg.drafter.lr,
+                    publish_to=rollouts,
+                    publish_every_steps=cfg.drafter.publish_every_steps,
+                    world_size=devices,
+                    init_from=cfg.drafter.init_from,
+                    seed=cfg.seed,
+                ),
+                cpus=[r % cores],
+            )
+            for r in range(devices)
+        ]
+    specs += [
+        ActorSpec.of(
+            VerifierActor,
+            rank=r,
+            config=VerifierActor.Config(
+                reward=default_reward(cfg), workers=cfg.verifier.workers, timeout_s=cfg.verifier.timeout_s
+            ),
+        )
+        for r in range(cfg.verifier.actors)
+    ]
+    specs += [
+        ActorSpec.of(
+            LearnerActor,
+            rank=r,
+            config=LearnerActor.Config(
+                model=cfg.model,
+                optim=cfg.learner.optim,
+                loss=cfg.learner.loss,
+                world_size=cfg.learner.ranks,
+                resume_from=resume_from,
+                seed=cfg.seed,
+            ),
+            threads=cfg.learner.threads,
+        )
+        for r in range(cfg.learner.ranks)
+    ]
+    return specs
+
+
+async def train(
+    cfg: TrainConfig,
+    run_dir: Path,
+    *,
+    baseline: bool = False,
+    resume: bool = False,
+    progress: ProgressFactory = silent,
+    log: Any = None,
+) -> dict[str, Any]:
+    """Runs the loop; returns the summary also written to run_dir/summary.json."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = hub.resolve(cfg.model)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    state = _read_state(run_dir) if resume else {"step": 0, "checkpoint": ""}
+    start = int(state["step"])
+    rows = dataset(cfg, cfg.steps * cfg.prompts_per_step)
+    system = cfg.system_prompt or None
+    prompts = [chat_prompt_ids(tokenizer, row.question, system=system) for row in rows]
+    sampling = SamplingSpec(
+        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_tokens,
+        stop_token_ids=sorted(tokenizer.stop_ids),
+    )  # fmt: skip
+    specs = actor_specs(cfg, run_dir, baseline=baseline, resume_from=str(state["checkpoint"]))
+    rollouts = [actor_name(RolloutActor.role, r) for r in range(cfg.rollout.devices)]
+    with_drafters = cfg.drafter.enabled and not baseline
+    drafters = [actor_name(DrafterActor.role, r) for r in range(cfg.rollout.devices)] if with_drafters else []
+    verifiers = [actor_name(VerifierActor.role, r) for r in range(cfg.verifier.actors)]
+    learners = [actor_name(LearnerActor.role, r) for r in range(cfg.learner.ranks)]
+    sup = Supervisor(run_dir, log=log)
+    records: list[StepRecord] = []
+    metrics_file = (run_dir / "metrics.jsonl").open("a")
+    try:
+        await sup.start(specs)
+        async with Coordinator(
+            sup,
+            rollouts=rollouts,
+            drafters=dict(zip(rollouts, drafters, strict=False)),
+            verifiers=verifiers,
+            learners=learners,
+            log=log,
+        ) as coord:
+            version = start
+            if start > 0:  # the resumed learner hands its weights to the fresh rollouts first
+                await coord.train(start, [], version=start, push_to=rollouts)
+                await coord.weights_applied(start)
+            for step in range(start, cfg.steps):
+                chunk = range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step)
+                with progress(f"step {step + 1}/{cfg.steps}", len(chunk) * cfg.group_size) as bar:
+                    record, groups_out = await _step(
+                        coord, cfg, step, version, chunk, rows, prompts, tokenizer, sampling, bar.advance
+                    )
+                    learned = time.monotonic()
+                    checkpoint = ""
+                    if (
+                        cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0
+                    ) or step + 1 == cfg.steps:
+                        checkpoint = str(run_dir / "checkpoints" / f"step-{step + 1}" / "learner.pt")
+                    # The line where weights are pushed: the learner trains, then sends every rollout v + 1.
+                    stats = await coord.train(
+                        step, groups_out, version=version + 1, push_to=rollouts, checkpoint=checkpoint
+                    )
+                    learn_s = time.monotonic() - learned
+                    await coord.weights_applied(version + 1)
+                    version += 1
+                    sync_s = time.monotonic() - learned - learn_s
+                    lead = stats[0]
+                    record = msgspec.structs.replace(
+                        record,
+                        learn_s=round(learn_s, 3),
+                        sync_s=round(sync_s, 3),
+                        step_s=round(record.step_s + learn_s + sync_s, 3),
+                        loss=lead.loss,
+                        grad_norm=lead.grad_norm,
+                        mismatch_logp_abs_max=lead.metrics.get("mismatch_logp_abs_max", 0.0),
+                        policy_version=version,
+                    )
+                _write_samples(run_dir / "samples" / f"step-{step}.jsonl", groups_out, tokenizer)
+                if checkpoint:
+                    _write_state(run_dir, {"step": step + 1, "checkpoint": checkpoint})
+                records.append(record)
+                metrics_file.write(msgspec.json.encode(record).decode() + "\n")
+                metrics_file.flush()
+                if log is not None:
+                    log.info("step", **msgspec.structs.asdict(record))
+    finally:
+        metrics_file.close()
+        await sup.shutdown(reason="training finished")
+    summary = _summary(cfg, records, run_dir, baseline=baseline)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+async def _step(
+    coord: Coordinator,
+    cfg: TrainConfig,
+    step: int,
+    version: int,
+    chunk: range,
+    rows: list[Row],
+    prompts: list[list[int]],
+    tokenizer: Tokenizer,
+    sampling: SamplingSpec,
+    advance: Any,
+) -> tuple[StepRecord, list[ScoredGroup]]:
+    """Rollout with rewards streaming, then the groups; the record's learn/sync fields are filled later."""
+    started = time.monotonic()
+    requests = [
+        GenerateRequest(
+            group_id=g,
+            prompt_ids=torch.tensor(prompts[g], dtype=torch.int64),
+            num_samples=cfg.group_size,
+            seed=(cfg.seed << GROUP_BITS) | g,
+            sampling=sampling,
+            policy_version=version,
+        )
+        for g in chunk
+    ]
+    completions: dict[tuple[int, int], Completion] = {}
+    async for completion in coord.rollout(requests):
+        key = (completion.group_id, completion.sample_index)
+        completions[key] = completion
+        row = rows[completion.group_id]
+        # Each completion goes to a verifier at once: rewards overlap the rollout's tail.
+        await coord.score(
+            ScoreRequest(
+                group_id=completion.group_id,
+                sample_index=completion.sample_index,
+                prompt=row.question,
+                completion=tokenizer.decode(completion.token_ids.tolist(), skip_special_tokens=True),
+                row_json=json.dumps(
+                    {"question": row.question, "answer": row.answer, "metadata": row.metadata}
+                ),
+                policy_version=completion.policy_version,
+            )
+        )
+        advance()
+    rollout_end = time.monotonic()
+    metrics: StepMetrics = await coord.finish_step()  # every lease released, every rollout idle
+    rewards: dict[tuple[int, int], float | None] = {}
+    while len(rewards) < len(completions):
+        reward = await coord.reward()
+        rewards[(reward.group_id, reward.sample_index)] = reward.reward
+    reward_s = time.monotonic() - rollout_end
+    groups = []
+    for g in chunk:
+        done = [completions[(g, i)] for i in range(cfg.group_size)]
+        groups.append(
+            ScoredGroup(
+                step=step,
+                group_id=g,
+                prompt_ids=torch.tensor(prompts[g], dtype=torch.int64),
+                # A request the rollout could not serve comes back as an "error" completion: invalid.
+                response_ids=[c.token_ids for c in done],
+                behaviour_logprobs=[c.logprobs for c in done],
+                rewards=[None if c.finish_reason == "error" else rewards[(g, i)] for i, c in enumerate(done)],
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k,
+                policy_version=version,
+            )
+        )
+    valid = [r for grp in groups for r in grp.rewards if r is not None]
+    mixed = sum(len({r for r in grp.rewards if r is not None}) > 1 for grp in groups)
+    tokens = sum(len(c.token_ids) for c in completions.values())
+    record = StepRecord(
+        step=step,
+        reward_mean=round(sum(valid) / len(valid), 4) if valid else math.nan,
+        correct_share=round(sum(r >= 1.0 for r in valid) / len(valid), 4) if valid else math.nan,
+        nonzero_adv_share=round(mixed / len(groups), 4),
+        invalid=sum(r is None for grp in groups for r in grp.rewards),
+        tokens=tokens,
+        mean_response_tokens=round(tokens / max(len(completions), 1), 1),
+        step_s=round(time.monotonic() - started, 3),
+        rollout_s=round(metrics.rollout_s, 3),
+        reward_s=round(reward_s, 3),
+        learn_s=0.0,
+        sync_s=0.0,
+        accept_length=round(metrics.accept_length, 3),
+        arms=dict(metrics.arms),
+        idle_device_s=round(metrics.idle_device_s, 3),
+        reclaimed_s=round(metrics.reclaimed_s, 3),
+        loss=0.0,
+        grad_norm=0.0,
+        mismatch_logp_abs_max=0.0,
+        policy_version=version,
+    )
+    return record, groups
+
+
+def _summary(cfg: TrainConfig, records: list[StepRecord], run_dir: Path, *, baseline: bool) -> dict[str, Any]:
+    steps = [msgspec.structs.asdict(r) for r in records]
+    first, last = (steps[0], steps[-1]) if steps else ({}, {})
+    return {
+        "run_dir": str(run_dir),
+        "baseline": baseline,
+        "config": msgspec.to_builtins(cfg),
+        "steps": steps,
+        "first_reward": first.get("reward_mean"),
+        "last_reward": last.get("reward_mean"),
+        "invalid": sum(r.invalid for r in records),
+        "step_s_mean": round(sum(r.step_s for r in records) / max(len(records), 1), 3),
+    }
+
+
+def render(summary: dict[str, Any]) -> str:
+    """The run's summary as a table, one row per step."""
+    head = (
+        f"{'step':>4} {'reward':>7} {'correct':>7} {'mixed':>6} {'inval':>5} {'tok':>6} {'step s':>7} "
+        f"{'roll':>6} {'rew':>5} {'learn':>6} {'sync':>5} {'accept':>6} {'idle s':>6} {'reclaim':>7}"
+    )
+    lines = [head]
+    for r in summary["steps"]:
+        lines.append(
+            f"{r['step']:>4} {r['reward_mean']:>7.3f} {r['correct_share']:>7.3f} {r['nonzero_adv_share']:>6.2f} "
+            f"{r['invalid']:>5} {r['tokens']:>6} {r['step_s']:>7.1f} {r['rollout_s']:>6.1f} {r['reward_s']:>5.2f} "
+            f"{r['learn_s']:>6.1f} {r['sync_s']:>5.2f} {r['accept_length']:>6.2f} {r['idle_device_s']:>6.1f} "
+            f"{r['reclaimed_s']:>7.1f}"
+        )
+    lines.append(
+        f"reward {summary['first_reward']} -> {summary['last_reward']} over {len(summary['steps'])} steps; "
+        f"{summary['invalid']} invalid samples; summary.json and metrics.jsonl in {summary['run_dir']}"
+    )
+    return "\n".join(lines)
+
+
+def _write_samples(path: Path, groups: list[ScoredGroup], tokenizer: Tokenizer) -> None:
+    """Every response of the step with its reward, for reading what the policy does (JSON lines)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as out:
+        for group in groups:
+            for i, (ids, reward) in enumerate(zip(group.response_ids, group.rewards, strict=True)):
+                tokens = ids.tolist()
+                out.write(json.dumps({
+                    "group_id": group.group_id, "sample_index": i, "reward": reward,
+                    "text": tokenizer.decode(tokens), "token_ids": tokens,
+                }) + "\n")  # fmt: skip
+
+
+def _read_state(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "checkpoints" / "state.json"
+    if not path.is_file():
+        raise ValueError(f"--resume {run_dir}: no checkpoint in this run directory ({path} is missing)")
+    return json.loads(path.read_text())
+
+
+def _write_state(run_dir: Path, state: dict[str, Any]) -> None:
+    path = run_dir / "checkpoints" / "state.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, path)  # atomic, written after the learner's checkpoint it names
+
+
+__all__ = ["StepRecord", "TrainConfig", "actor_specs", "load_config", "render", "train"]
