@@ -10,8 +10,9 @@ second; arms change speed, never output (tested). Its state persists across step
 Between iterations it swaps in the newest `DrafterUpdate` (mid-generation: drafts change, outputs do not)
 and applies a complete `WeightUpdate` once no request is in flight, so no response mixes two policies.
 Non-obvious: sample i of a group samples with `sample_seed(request.seed, i)` (engine/sampling.py, as
-`generate` seeds request i), so its tokens depend on its seed alone; tuner rewards skip iterations with
-prefill in them. The update rules and the other choices in full: docs/actors.md.
+`generate` seeds request i), so in the default reproducible mode its tokens depend on its seed alone;
+tuner rewards skip iterations with prefill in them. A request it cannot serve is answered with error
+completions naming the problem. The update rules and the other choices in full: docs/actors.md.
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ class RolloutActor(Actor):
         max_batch: int = 32  # concurrent sequences (KV cache slots)
         max_len: int = 2048  # prompt + response tokens per sequence
         token_budget: int = 0  # tokens per forward pass; 0 = sized from max_batch and the arms
-        spec_mode: Literal["rejection", "reproducible"] = "rejection"  # how sampled rows are verified
+        # How sampled rows are verified. "reproducible" (the RL default): a sample's tokens depend on its seed
+        # alone, so speculation, the tuner and batch composition never change what is learned, and a run
+        # replays; "rejection" keeps the target's law only (each token still exact in distribution).
+        spec_mode: Literal["rejection", "reproducible"] = "reproducible"
         tuner: TunerConfig = TunerConfig()  # buckets and arms; arms ["off"] = plain decoding
         drafter: str = ""  # exported EAGLE head to start with (e.g. `drafter warmup --out`); "" = untrained
         draft_vocab: int = 4096  # EAGLE proposes among this many most frequent observed tokens (0 = all)
@@ -136,7 +140,16 @@ class RolloutActor(Actor):
                 have=self.policy_version,
             )
         sampling = msg.sampling
-        prompt = msg.prompt_ids.tolist()
+        ids = msg.prompt_ids
+        if ids.dtype != torch.int64 or ids.dim() != 1:
+            # Checked at the boundary: a float id would be truncated, a 2-D one would fail deep in the engine.
+            why = f"prompt_ids must be a 1-D int64 tensor, got {ids.dtype} of shape {tuple(ids.shape)}"
+            self.log.error("bad_request", group_id=msg.group_id, error=why)
+            for i in range(msg.num_samples):
+                self._send_completion(msg.group_id, i, [], [], "error", 0.0)
+            self._idle_sent = False
+            return
+        prompt = ids.tolist()
         for i in range(msg.num_samples):
             request_id = f"{msg.group_id}:{i}"
             try:

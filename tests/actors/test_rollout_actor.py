@@ -291,3 +291,23 @@ def test_real_processes_stream_completions_go_idle_and_swap_in_the_trained_draft
     assert "drafter_swapped" in events and "idle" in events
     assert events.count("tuner_decision") == len(iterations) >= 1
     assert version > 0
+
+
+@pytest.mark.parametrize(
+    "prompt_ids",
+    [torch.tensor([[1, 2], [3, 4]]), torch.tensor(5), torch.tensor([1.0, 2.7])],
+    ids=["2d", "0d", "float"],
+)
+def test_a_request_it_cannot_serve_is_answered_with_errors(
+    tiny: Path, tmp_path: Path, prompt_ids: torch.Tensor
+) -> None:
+    actor, out = make_actor(tiny, tmp_path, max_batch=4)
+    bad = msgspec.structs.replace(request(7, [1, 2, 3], 3, 1.0), prompt_ids=prompt_ids)
+    actor.on_generate(bad, "coordinator")
+    drain(actor)
+    done = out.of(Completion)
+    assert sorted(c.sample_index for c in done) == [0, 1, 2]
+    assert {c.finish_reason for c in done} == {"error"} and all(len(c.token_ids) == 0 for c in done)
+    actor.on_generate(request(8, [1, 2, 3], 2, 1.0, max_tokens=4), "coordinator")  # and it keeps serving
+    drain(actor)
+    assert sum(c.group_id == 8 for c in out.of(Completion)) == 2
