@@ -6,9 +6,9 @@
     python -m slipstream.benchmarks.rollout --json                   # without the CLI (the same defaults)
 
 Real processes: 2 rollout actors, one core and one thread each ("2 devices"), and in the adaptive mode
-2 drafter actors that train one EAGLE head. The bench is the coordinator: it deals whole groups
-round-robin (GRPO siblings share one rollout's n-gram tables), leases a device to its drafter the moment
-that device's rollout reports Idle, and preempts every lease when the last completion arrives. Each mode
+2 drafter actors that train one EAGLE head. The bench is a client of `runtime/coordinator.py`, as the RL
+loop is: whole groups are dealt by expected work (GRPO siblings share one rollout's n-gram tables), an idle
+device is leased to its drafter, and every lease is preempted when the last completion arrives. Each mode
 runs `steps` RL steps on fresh prompts, the same for every mode; the first warms the tuner and the online
 drafter, the others are measured and summed (one step's makespan is noisy on a shared machine).
 
@@ -21,8 +21,6 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import itertools
 import json
 import sys
 import tempfile
@@ -44,13 +42,12 @@ from slipstream.engine.tokenizer import Tokenizer
 from slipstream.engine.tuner import Tuner, TunerConfig
 from slipstream.engine.warmup import warmup
 from slipstream.engine.weights import load_model
-from slipstream.protocols.control import Idle, Lease, Preempt, Released
-from slipstream.protocols.drafter import DrafterStats
-from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats, SamplingSpec
+from slipstream.protocols.rollout import GenerateRequest, IterationStats, SamplingSpec
 from slipstream.runtime import config as run_config
+from slipstream.runtime.coordinator import Coordinator
 from slipstream.runtime.progress import bar
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
-from slipstream.runtime.transport import actor_name, parse_actor_name
+from slipstream.runtime.transport import actor_name
 from slipstream.tasks.datasets import task_prompts
 
 __all__ = [
@@ -67,7 +64,6 @@ __all__ = [
 Mode = Literal["plain", "ngram", "adaptive"]
 MODES: tuple[Mode, ...] = ("plain", "ngram", "adaptive")
 DEVICES = 2
-PHASE_TIMEOUT_S = 3600.0
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 
 
@@ -298,25 +294,27 @@ async def run_phase(
     )
     sup = Supervisor(run_dir, heartbeat_s=1.0)
     await sup.start(rollout_specs(config, mode, model, max_len, drafter, max_batch))
-    last_trained: dict[int, float] = {}
+    rollouts = [actor_name(RolloutActor.role, r) for r in range(DEVICES)]
+    # Only the adaptive mode has drafters: the coordinator leases an idle device to the one sharing it.
+    drafters = (
+        {r: actor_name(DrafterActor.role, i) for i, r in enumerate(rollouts)} if mode == "adaptive" else {}
+    )
     steps = []
     try:
-        for step, prompts in enumerate(prompt_sets):
-            figures = await _coordinate(
-                sup, mode, prompts, config.samples, sampling, config.seed + step, group_base=step * 10_000,
-                last_trained=last_trained, bucketing=bucketing, trace=trace,
-            )  # fmt: skip
-            steps.append(figures)
+        async with Coordinator(sup, rollouts=rollouts, drafters=drafters) as coord:
+            for step, prompts in enumerate(prompt_sets):
+                figures = await _step(
+                    coord, mode, prompts, config.samples, sampling, config.seed + step, group_base=step * 10_000,
+                    bucketing=bucketing, trace=trace,
+                )  # fmt: skip
+                steps.append(figures)
         return steps
     finally:
         await sup.shutdown(grace_s=10.0)
 
 
-_lease_ids = itertools.count(1)
-
-
-async def _coordinate(
-    sup: Supervisor,
+async def _step(
+    coord: Coordinator,
     mode: Mode,
     prompts: list[list[int]],
     samples: int,
@@ -324,113 +322,57 @@ async def _coordinate(
     seed: int,
     *,
     group_base: int,
-    last_trained: dict[int, float],
     bucketing: Tuner,
     trace: list[dict[str, Any]] | None = None,
 ) -> _Step:
-    """One synchronous rollout step. last_trained (drafter rank -> its training seconds so far, from
-    DrafterStats) carries across steps; every IterationStats is appended to `trace` (when given) with its
-    arrival time from the step's start."""
-    adaptive = mode == "adaptive"
-    expected = len(prompts) * samples
-    responses: dict[tuple[int, int], list[int]] = {}
+    """One synchronous rollout step through the coordinator; every IterationStats is summed per bucket
+    and appended to `trace` (when given) with its arrival time from the step's start."""
     committed: dict[int, int] = defaultdict(int)  # by bucket index
     seq_iters: dict[int, int] = defaultdict(int)
     bucket_s: dict[int, float] = defaultdict(float)  # device-seconds of decode iterations, by bucket
     arms: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    idle_at: dict[int, float] = {}
-    leases: dict[int, int] = {}  # drafter rank -> lease id
-    trained_at_lease: dict[int, float] = {}
-    awaiting_stats: set[int] = set()  # released drafters whose DrafterStats is still on its way
-    released_ms: list[float] = []
-    finish: dict[str, int] = defaultdict(int)
-
     started = time.monotonic()
-    for i, prompt in enumerate(prompts):
-        group = group_base + i
-        await sup.send(
-            actor_name(RolloutActor.role, i % DEVICES),
-            GenerateRequest(
-                group_id=group,
-                prompt_ids=torch.tensor(prompt, dtype=torch.int64),
-                num_samples=samples,
-                seed=seed * 1_000_003 + group,
-                sampling=sampling,
-                policy_version=0,
-            ),
+
+    def on_iteration(sender: str, msg: IterationStats) -> None:
+        if msg.batch_size == 0:  # a prefill-only pass: it says nothing about decoding
+            return
+        label = bucketing.bucket(msg.batch_size)
+        committed[label] += msg.committed
+        seq_iters[label] += msg.batch_size
+        bucket_s[label] += msg.iter_s
+        arms[label][msg.arm] += 1
+        if trace is not None:
+            trace.append({"mode": mode, "group_base": group_base, "t": round(time.monotonic() - started, 4),
+                          **msgspec.structs.asdict(msg)})  # fmt: skip
+
+    coord.on_iteration = on_iteration
+    requests = [
+        GenerateRequest(
+            group_id=group_base + i,
+            prompt_ids=torch.tensor(prompt, dtype=torch.int64),
+            num_samples=samples,
+            seed=seed * 1_000_003 + group_base + i,
+            sampling=sampling,
+            policy_version=0,
         )
-    ended = None
-    deadline = started + PHASE_TIMEOUT_S
-    # Every rollout reports Idle right after its last completion: wait for all, so none trails into the next step.
-    while ended is None or leases or awaiting_stats or len(idle_at) < DEVICES:
-        if not sup.deaths.empty():
-            died = sup.deaths.get_nowait()
-            raise RuntimeError(f"{died.name} died during the {mode} phase: {died.reason}")
-        try:
-            # Wake at least every second, so an actor that dies while all are quiet is noticed.
-            sender, msg = await asyncio.wait_for(sup.inbox.get(), timeout=1.0)
-        except TimeoutError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"{mode} phase: no progress before the {PHASE_TIMEOUT_S:.0f} s limit"
-                ) from None
-            continue
-        now = time.monotonic()
-        if isinstance(msg, Completion):
-            responses[(msg.group_id, msg.sample_index)] = msg.token_ids.tolist()
-            finish[msg.finish_reason] += 1
-            if len(responses) == expected:
-                ended = now
-                for rank, lease_id in leases.items():  # the step is over: give the devices back
-                    preempt = Preempt(lease_id=lease_id, reason="rollout done", sent_ns=time.time_ns())
-                    await sup.send(actor_name(DrafterActor.role, rank), preempt)
-                deadline = now + 30.0
-        elif isinstance(msg, IterationStats):
-            if msg.batch_size == 0:  # a prefill-only pass: it says nothing about decoding
-                continue
-            label = bucketing.bucket(msg.batch_size)
-            committed[label] += msg.committed
-            seq_iters[label] += msg.batch_size
-            bucket_s[label] += msg.iter_s
-            if trace is not None:
-                trace.append({"mode": mode, "group_base": group_base, "t": round(now - started, 4),
-                              **msgspec.structs.asdict(msg)})  # fmt: skip
-            arms[label][msg.arm] += 1
-        elif isinstance(msg, Idle):
-            if msg.rank in idle_at:
-                continue
-            idle_at[msg.rank] = now
-            if adaptive and ended is None:
-                # The line where an idle device goes to drafter training.
-                lease_id = next(_lease_ids)
-                trained_at_lease[msg.rank] = last_trained.get(msg.rank, 0.0)
-                lease = Lease(lease_id=lease_id, device=f"cpu:{msg.rank}", threads=1, cpus=[msg.rank])
-                await sup.send(actor_name(DrafterActor.role, msg.rank), lease)
-                leases[msg.rank] = lease_id
-        elif isinstance(msg, DrafterStats):
-            last_trained[msg.rank] = msg.elapsed_s
-            awaiting_stats.discard(msg.rank)
-        elif isinstance(msg, Released):
-            _, rank = parse_actor_name(sender)
-            leases.pop(rank, None)
-            awaiting_stats.add(rank)  # a drafter reports its training seconds right after releasing
-            released_ms.append(msg.latency_ns / 1e6)
-    assert ended is not None
-    makespan = ended - started
+        for i, prompt in enumerate(prompts)
+    ]
+    responses: dict[tuple[int, int], list[int]] = {}
+    async for completion in coord.rollout(requests):
+        responses[(completion.group_id, completion.sample_index)] = completion.token_ids.tolist()
+    m = await coord.finish_step()  # every rollout idle, every lease released and accounted
     return _Step(
-        makespan_s=round(makespan, 3),
+        makespan_s=round(m.rollout_s, 3),
         tokens=sum(len(r) for r in responses.values()),
         accept_length={bucketing.label(b): round(committed[b] / seq_iters[b], 3) for b in sorted(seq_iters)},
         arms={bucketing.label(b): dict(arms[b]) for b in sorted(arms)},
         decode_s={bucketing.label(b): round(bucket_s[b], 2) for b in sorted(bucket_s)},
         bucket_s=dict(bucket_s),
         bucket_tokens=dict(committed),
-        idle_device_s=round(sum(max(0.0, ended - t) for t in idle_at.values()), 3),
-        reclaimed_s=round(
-            sum(max(0.0, last_trained.get(rank, 0.0) - t0) for rank, t0 in trained_at_lease.items()), 3
-        ),
-        preempt_ms=[round(x, 2) for x in released_ms],
-        finish_reasons=dict(finish),
+        idle_device_s=round(m.idle_device_s, 3),
+        reclaimed_s=round(m.reclaimed_s, 3),
+        preempt_ms=[round(x, 2) for x in m.preempt_ms],
+        finish_reasons=dict(m.finish_reasons),
         responses=responses,
     )
 

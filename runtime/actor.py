@@ -176,3 +176,9 @@ class Actor:
             busy = self.step()
             if busy and time.perf_counter() - started > 1.0:
                 self.log.debug("long_step", seconds=time.perf_counter() - started)
+        # Shutdown jumps the queue (control lane): what was already delivered is still handed to its handler,
+        # so an actor that answers every request (the verifier) answers these too, in on_stop.
+        while (got := self.inbox.get(timeout=0)) is not None:
+            _, (sender, msg) = got
+            if not isinstance(msg, Shutdown):
+                self.dispatch(msg, sender)

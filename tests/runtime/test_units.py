@@ -156,9 +156,14 @@ def test_control_is_served_before_data_and_shutdown_stops() -> None:
         echo.inbox.put_data(("peer:0", Ping(seq=seq, sent_ns=0)))
     echo.inbox.put_control(("coordinator", Preempt(lease_id=4, reason="x", sent_ns=0)))
     echo.inbox.put_control(("coordinator", Shutdown(reason="done")))
+    order: list[str] = []
+    dispatch = echo.dispatch
+    echo.dispatch = lambda msg, sender: order.append(type(msg).__name__) or dispatch(msg, sender)  # type: ignore[method-assign]
     echo.serve(idle_wait_s=0.01)
     assert echo.preempted == 4
-    assert out.sent == []  # the data lane never ran: both control messages came first
+    # Both control messages came first; the data delivered before Shutdown is still handed over (answered).
+    assert order == ["Preempt", "Shutdown", "Ping", "Ping"]
+    assert [dest for dest, _ in out.sent] == ["peer:0", "peer:0"]  # both pings answered
 
 
 def test_failing_handler_is_logged_and_serving_continues() -> None:
