@@ -133,8 +133,8 @@ class LearnerActor(Actor):
         if self.rank == 0:
             if msg.checkpoint:
                 self._save(msg.checkpoint)
-            for dest in msg.push_to:
-                self.push(dest, msg.version)
+            if msg.push_to:
+                self.push(msg.push_to, msg.version)
         return True
 
     def samples(self, groups: list[ScoredGroup]) -> tuple[list[PolicySample], dict[str, float]]:
@@ -172,8 +172,8 @@ class LearnerActor(Actor):
         }
         return samples, counts
 
-    def push(self, dest: str, version: int) -> None:
-        """Sends every parameter to `dest` as checksummed buckets of about `bucket_bytes`."""
+    def push(self, dests: list[str], version: int) -> None:
+        """Sends every parameter to each of `dests` as checksummed buckets of about `bucket_bytes`."""
         buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
         size = 0
         for name, param in self.model.named_parameters():
@@ -185,20 +185,20 @@ class LearnerActor(Actor):
             size += tensor.nbytes
         for index, bucket in enumerate(buckets):
             names = [n for n, _ in bucket]
-            # Copies: frames leave zero-copy, and the next step must not change what is still in flight.
+            # One copy for every destination (frames leave zero-copy, and the next step must not change
+            # what is still in flight), and one checksum.
             tensors = [t.clone() for _, t in bucket]
-            self.send(
-                dest,
-                WeightUpdate(
-                    version=version,
-                    bucket=index,
-                    num_buckets=len(buckets),
-                    names=names,
-                    tensors=tensors,
-                    checksum=checksum(names, tensors),
-                ),
+            update = WeightUpdate(
+                version=version,
+                bucket=index,
+                num_buckets=len(buckets),
+                names=names,
+                tensors=tensors,
+                checksum=checksum(names, tensors),
             )
-        self.log.info("weights_pushed", dest=dest, version=version, buckets=len(buckets))
+            for dest in dests:
+                self.send(dest, update)
+        self.log.info("weights_pushed", dests=dests, version=version, buckets=len(buckets))
 
     def _save(self, path: str) -> None:
         target = Path(path)

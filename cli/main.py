@@ -65,6 +65,7 @@ def packaged_config(name: str) -> Path:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    import msgspec
     import uvloop
 
     from slipstream.cli import train
@@ -87,9 +88,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         cfg = train.load_config(config_path or packaged_config("demo.yaml"), overrides)
         run_dir = args.run_dir or Path(f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(msgspec_builtins(cfg)))
+        (run_dir / "config.json").write_text(json.dumps(msgspec.to_builtins(cfg)))
     log = logs.configure(role="coordinator", run_dir=run_dir, echo=args.verbose)
-    log.info("config", **msgspec_builtins(cfg))
+    log.info("config", **msgspec.to_builtins(cfg))
     summary = uvloop.run(
         train.train(
             cfg, run_dir, baseline=args.baseline, resume=args.resume is not None, progress=bar, log=log
@@ -97,12 +98,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
     )
     print(train.render(summary))
     return 0
-
-
-def msgspec_builtins(value: object) -> dict:
-    import msgspec
-
-    return msgspec.to_builtins(value)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -154,13 +154,23 @@ def default_reward(cfg: TrainConfig) -> str:
     return f"slipstream.tasks.rewards:{name}"
 
 
+def actor_names(cfg: TrainConfig, *, baseline: bool) -> tuple[list[str], list[str], list[str], list[str]]:
+    """Rollout, drafter (none for --baseline or a disabled drafter), verifier and learner actor names."""
+    devices = range(cfg.rollout.devices)
+    return (
+        [actor_name(RolloutActor.role, r) for r in devices],
+        [actor_name(DrafterActor.role, r) for r in devices] if cfg.drafter.enabled and not baseline else [],
+        [actor_name(VerifierActor.role, r) for r in range(cfg.verifier.actors)],
+        [actor_name(LearnerActor.role, r) for r in range(cfg.learner.ranks)],
+    )
+
+
 def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from: str) -> list[ActorSpec]:
     """Every process of the run. On this CPU a device is a core: rollout r and drafter r share core r."""
     devices = cfg.rollout.devices
     cores = max(1, os.cpu_count() or 1)
-    rollouts = [actor_name(RolloutActor.role, r) for r in range(devices)]
-    drafters = [actor_name(DrafterActor.role, r) for r in range(devices)]
-    train_drafter = cfg.drafter.enabled and not baseline
+    rollouts, drafters = actor_names(cfg, baseline=baseline)[:2]
+    train_drafter = bool(drafters)
     tuner = TunerConfig(buckets=cfg.rollout.tuner.buckets, arms=["off"]) if baseline else cfg.rollout.tuner
     max_len = 1024 + cfg.max_tokens  # prompts of reasoning tasks are short; a longer one is refused, named
     specs = [
@@ -174,7 +184,7 @@ def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from:
                 spec_mode=cfg.rollout.spec_mode,
                 tuner=msgspec.structs.replace(tuner, seed=cfg.seed + r),
                 drafter=cfg.drafter.init_from if train_drafter else "",
-                hidden_to=drafters if train_drafter else [],
+                hidden_to=drafters,
             ),
             cpus=[r % cores],
         )
@@ -251,11 +261,7 @@ async def train(
         stop_token_ids=sorted(tokenizer.stop_ids),
     )  # fmt: skip
     specs = actor_specs(cfg, run_dir, baseline=baseline, resume_from=str(state["checkpoint"]))
-    rollouts = [actor_name(RolloutActor.role, r) for r in range(cfg.rollout.devices)]
-    with_drafters = cfg.drafter.enabled and not baseline
-    drafters = [actor_name(DrafterActor.role, r) for r in range(cfg.rollout.devices)] if with_drafters else []
-    verifiers = [actor_name(VerifierActor.role, r) for r in range(cfg.verifier.actors)]
-    learners = [actor_name(LearnerActor.role, r) for r in range(cfg.learner.ranks)]
+    rollouts, drafters, verifiers, learners = actor_names(cfg, baseline=baseline)
     sup = Supervisor(run_dir, log=log)
     records: list[StepRecord] = []
     metrics_file = (run_dir / "metrics.jsonl").open("a")
