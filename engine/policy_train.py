@@ -12,7 +12,8 @@ Non-obvious choices:
   step over a flat buffer when torch.distributed is initialised (gloo on CPU, NCCL on GPU); every rank
   then takes the same optimizer step, so all ranks hold bitwise-equal weights.
 - Micro-batches pack length-sorted sequences up to `micro_batch_tokens` padded tokens: little padding,
-  bounded memory (logits are [tokens, vocab] float32 per micro-batch).
+  bounded memory (logits are [response tokens, vocab] float32 per micro-batch: the LM head runs on
+  response positions only).
 """
 
 from __future__ import annotations
@@ -110,6 +111,16 @@ def micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return groups
 
 
+def _adamw(params: list[torch.nn.Parameter], optim: OptimConfig) -> torch.optim.AdamW:
+    """AdamW, fused where this torch supports the parameters' device and dtype (~10x faster step on CPU
+    for 135M parameters, 0.11 s against 1.16 s), else the foreach implementation."""
+    kwargs = {"lr": optim.lr, "weight_decay": optim.weight_decay, "betas": optim.betas}
+    try:
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    except (RuntimeError, ValueError, TypeError):
+        return torch.optim.AdamW(params, **kwargs)
+
+
 @dataclass
 class _Totals:
     """Per-step sums over micro-batches (weighted by tokens) and maxima, reduced over ranks."""
@@ -149,9 +160,7 @@ class PolicyTrainer:
         if ref_model is not None:
             ref_model.requires_grad_(False)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=self.optim.lr, weight_decay=self.optim.weight_decay, betas=self.optim.betas
-        )
+        self.optimizer = _adamw(self.params, self.optim)
         self.steps = 0
 
     def step(self, samples: Sequence[PolicySample]) -> dict[str, Any]:
@@ -185,9 +194,32 @@ class PolicyTrainer:
         self.steps += 1
         return self._summary(totals, losses, grad_norm, num_tokens, num_seqs, world)
 
-    def _micro_step(
-        self, batch: list[PolicySample], num_tokens: int, num_seqs: int, device: torch.device
-    ) -> tuple[Tensor, dict[str, float], int]:
+    @torch.inference_mode()
+    def logprobs(self, samples: Sequence[PolicySample]) -> list[Tensor]:
+        """Each sample's response log-probs under the current weights and its processed distribution.
+
+        The same micro-batches and kernels as `step`, forward only: the "forward pass over the same tokens"
+        that the learner's cost is measured against (`slipstream bench e2e`), and a recompute of old
+        log-probs where a caller wants them."""
+        device = self.model.embed_tokens.weight.device
+        out: list[Tensor] = [torch.empty(0) for _ in samples]
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        for group in micro_batches(lengths, self.optim.micro_batch_tokens):
+            index = [i for i in group if samples[i].response_ids]
+            if not index:
+                continue
+            batch = [samples[i] for i in index]
+            ids, rows, tokens, sampling, per_token = self._inputs(batch, device)
+            logp = processed_logprobs(self.model.forward_train(ids, rows=rows), tokens, **sampling)
+            for i, part in zip(index, torch.split(logp, per_token), strict=True):
+                out[i] = part.cpu()
+        return out
+
+    def _inputs(
+        self, batch: list[PolicySample], device: torch.device
+    ) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor], list[int]]:
+        """(input ids [B, L - 1], response rows of the flattened positions, response tokens, per-token
+        sampling parameters, response lengths) for one micro-batch."""
         ids, _ = pad_sequences(
             [torch.tensor([*s.prompt_ids, *s.response_ids], dtype=torch.int64) for s in batch], pad=0
         )
@@ -199,7 +231,7 @@ class PolicyTrainer:
                 + torch.arange(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + len(s.response_ids))
                 for b, s in enumerate(batch)
             ]
-        ).to(device)  # [tokens] rows of the flattened [B * (L - 1), V] logits
+        ).to(device)  # [tokens] rows of the flattened [B * (L - 1)] positions
         tokens = torch.cat([torch.as_tensor(s.response_ids, dtype=torch.int64) for s in batch]).to(device)
         per_token = [len(s.response_ids) for s in batch]
 
@@ -216,15 +248,18 @@ class PolicyTrainer:
             "top_p": params("top_p", torch.float32),
             "top_k": params("top_k", torch.int64),
         }
-        logits = self.model.forward_train(ids[:, :-1])  # [B, L - 1, V]
-        flat = logits.reshape(-1, logits.shape[-1]).index_select(0, rows)  # [tokens, V]
-        logp = processed_logprobs(flat, tokens, **sampling)
+        return ids[:, :-1], rows, tokens, sampling, per_token
+
+    def _micro_step(
+        self, batch: list[PolicySample], num_tokens: int, num_seqs: int, device: torch.device
+    ) -> tuple[Tensor, dict[str, float], int]:
+        ids, rows, tokens, sampling, per_token = self._inputs(batch, device)
+        logits = self.model.forward_train(ids, rows=rows)  # [tokens, V]: response rows only
+        logp = processed_logprobs(logits, tokens, **sampling)
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_logits = self.ref_model.forward_train(ids[:, :-1])
-                ref_flat = ref_logits.reshape(-1, ref_logits.shape[-1]).index_select(0, rows)
-                ref = processed_logprobs(ref_flat, tokens, **sampling)
+                ref = processed_logprobs(self.ref_model.forward_train(ids, rows=rows), tokens, **sampling)
         pad = lambda x: pad_sequences(list(torch.split(x, per_token)))  # noqa: E731
         logp_padded, mask = pad(logp)
         behaviour = torch.cat([torch.as_tensor(s.behaviour_logprobs, dtype=torch.float32) for s in batch])

@@ -67,6 +67,20 @@ def test_step_zero_logprobs_match_the_rollout_and_ratio_is_one(make_checkpoint) 
     assert stats["clip_frac_low"] == stats["clip_frac_high"] == 0.0
 
 
+def test_forward_pass_logprobs_match_the_rollout_and_head_rows_match_full_logits(make_checkpoint) -> None:
+    model_dir = make_checkpoint()
+    samples = rollout(model_dir)
+    trainer = PolicyTrainer(load_model(model_dir), optim=OptimConfig(micro_batch_tokens=24))
+    logprobs = trainer.logprobs(samples)  # the forward pass `bench e2e` measures the learner against
+    for sample, logp in zip(samples, logprobs, strict=True):
+        assert logp.shape == (len(sample.response_ids),)
+        assert torch.allclose(logp, torch.tensor(sample.behaviour_logprobs), atol=1e-4)
+    ids = torch.tensor([[5, 17, 33, 2, 9, 40], [1, 2, 3, 4, 5, 6]])
+    full = trainer.model.forward_train(ids).reshape(-1, trainer.model.config.vocab_size)
+    rows = torch.tensor([1, 4, 7, 11])
+    assert torch.allclose(trainer.model.forward_train(ids, rows=rows), full[rows], atol=1e-6)
+
+
 def test_a_planted_logprob_shift_is_seen_as_mismatch(make_checkpoint) -> None:
     model_dir = make_checkpoint()
     samples = rollout(model_dir)
