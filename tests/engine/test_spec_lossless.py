@@ -3,11 +3,14 @@
 - Greedy: token-identical to plain decoding for every drafter (n-gram, self/oracle) and strategy (chain
   depth 1/3/7, tree), 200+ requests of mixed lengths in continuous batches with chunked prefill, on tiny
   models with and without GQA.
-- Reproducible mode: token-identical to plain decoding with the same seeds (mixed temperature/top-p/top-k).
+- Reproducible mode: token-identical to plain decoding with the same seeds (mixed temperature/top-p/top-k),
+  also when a request's rounds alternate between no draft, an accepted draft and a rejected one (noise is
+  keyed by position, not by round).
 - Rejection mode: the law of the first two generated tokens under speculation matches the exact law of
-  plain sampling (computed from the model) — a chi-square goodness-of-fit test at false-alarm rate
-  ALPHA = 1e-3 on a tiny model with an 8-token vocabulary and a drafter whose distribution differs from
-  the target's — and the same test rejects a planted bug (no residual resampling), so a pass is evidence.
+  plain sampling (computed from the model) under top-k, top-p and both — a chi-square goodness-of-fit test
+  at false-alarm rate ALPHA = 1e-3 over all cases on a tiny model with an 8-token vocabulary and a drafter
+  whose distribution differs from the target's — and the same test rejects a planted bug (no residual
+  resampling; top-p dropped from the target), so a pass is evidence.
 
 Models run in float64, so that "identical tokens" is not at the mercy of float32 near-ties between a row
 computed alone and the same row computed inside a larger matrix multiply. Prompts repeat short motifs and
@@ -17,13 +20,16 @@ accepts nothing proves nothing), and also rejected (asserted: rollback is exerci
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import replace
 
 import pytest
 import torch
+from torch import Tensor
 
-from slipstream.engine import verify
+from slipstream.engine import speculator, verify
 from slipstream.engine.drafters import Draft, Drafter, DraftState, NGramDrafter, OracleDrafter
 from slipstream.engine.generator import Completion, Generator, Request
 from slipstream.engine.model import Transformer
@@ -149,12 +155,97 @@ def test_reproducible_mode_is_token_identical_to_plain_sampling(make_checkpoint)
         assert sum(c.accepted for c in sampled) > 0, method  # drafts were accepted on sampled rows too
 
 
+class IntermittentDrafter(Drafter):
+    """Cycles each request through three kinds of round: no draft, the recorded continuation (accepted
+    whole), the continuation with its last token changed (rejected there, or at once for one token).
+
+    Requests start the cycle at different rounds, so a batch's pass mixes all three kinds. `rounds` logs
+    (position, kind) per request.
+    """
+
+    uses_hidden = False
+    KINDS = ("empty", "replay", "junk")
+
+    def __init__(self, recorded: dict[str, list[int]]) -> None:
+        self.oracle = OracleDrafter(recorded)
+        self.rounds: dict[Hashable, list[tuple[int, str]]] = {}
+        self.start: dict[Hashable, int] = {}
+
+    def propose(self, states: Sequence[DraftState], depth: int, topk: int, verify: int) -> list[Draft]:
+        drafts = []
+        for state in states:
+            start = self.start.setdefault(state.request_id, len(self.start))
+            log = self.rounds.setdefault(state.request_id, [])
+            kind = self.KINDS[(start + len(log)) % 3]
+            draft = Draft.empty()
+            if kind != "empty":
+                draft = self.oracle.propose([state], depth, topk, verify)[0]
+                if kind == "junk" and len(draft) > 0:
+                    tokens = draft.tokens.clone()
+                    tokens[-1] = (tokens[-1] + 1) % VOCAB
+                    draft = Draft.chain(tokens)
+            log.append((state.position, kind if len(draft) > 0 else "empty"))
+            drafts.append(draft)
+        return drafts
+
+
+def nongreedy_params(rng: random.Random, i: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=rng.choice([0.6, 1.0]),
+        top_p=rng.choice([1.0, 0.9]),
+        top_k=rng.choice([0, 20]),
+        seed=2000 + i,
+        max_tokens=rng.randint(12, 32),
+    )
+
+
+@pytest.mark.parametrize("count", [1, 24])
+def test_reproducible_mode_keeps_noise_positions_across_empty_and_drafted_rounds(
+    make_checkpoint, count: int
+) -> None:
+    """Sampling noise is keyed by (seed, position) alone: a request whose rounds alternate between no
+    draft, an accepted draft and a rejected one still samples plain decoding's tokens."""
+    model = load_model(make_checkpoint("llama", seed=11), dtype=torch.float64)
+    requests = repetitive_requests(count, seed=8, params=nongreedy_params)
+    reference, _ = run(model, requests)
+    drafter = IntermittentDrafter({c.request_id: c.prompt_ids + c.token_ids for c in reference})
+    spec = SpecConfig(method="self", mode="reproducible", depth=3)
+    completions, stats = run(model, requests, spec=spec, drafters={"self": drafter})
+    assert_same_output(completions, reference, logprob_atol=1e-6)
+    assert_accounting(completions, stats)
+    # Not vacuous: every request has drafts accepted after an empty round, and rejections happened.
+    for c in completions:
+        kinds = [kind for _, kind in drafter.rounds[c.request_id]]
+        assert "empty" in kinds and "replay" in kinds[kinds.index("empty") + 1 :], (c.request_id, kinds)
+        assert c.accepted > 0, c.request_id
+    assert stats["drafted"] > stats["accepted"]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Rejection mode: a statistical test on an 8-token vocabulary.
 
 SMALL = {"vocab_size": 8, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
 PROMPT = [3, 1, 4]
-PARAMS = {"temperature": 0.9, "top_k": 6}
+# top_p is chosen so the nucleus cuts tokens of this model's distributions: the test asserts that it forbids
+# outcomes worth over 5% of the law of the same settings without top-p.
+SETTINGS = {
+    "top-k": SamplingParams(temperature=0.9, top_k=6),
+    "top-p": SamplingParams(temperature=0.9, top_p=0.8),
+    "top-p+top-k": SamplingParams(temperature=0.9, top_p=0.85, top_k=5),
+}
+# (draft shape, sampling settings, planted bug, samples per run). Samples: enough that each planted bug's
+# statistic lands far above the critical value (the tree path verifies request by request, so it gets
+# fewer to stay fast).
+LAW_CASES = [
+    ("chain", "top-k", "_residual", 4000),
+    ("point_mass", "top-k", "_residual", 4000),
+    ("tree", "top-k", "_without", 2500),
+    ("chain", "top-p", "no_top_p", 4000),
+    ("point_mass", "top-p+top-k", "no_top_p", 4000),
+]
+# Bonferroni: each case tests at ALPHA / len(LAW_CASES), so with correct speculation the cases together
+# fail with probability at most ALPHA over the choice of seeds, however many cases there are.
+LAW_ALPHA = ALPHA / len(LAW_CASES)
 
 
 class SkewedDrafter(Drafter):
@@ -207,10 +298,12 @@ def exact_law(model: Transformer, params: SamplingParams) -> torch.Tensor:
     return joint.view(vocab, vocab, vocab).sum(0).reshape(-1)
 
 
-def speculative_law_samples(model: Transformer, drafter: Drafter, spec: SpecConfig, n: int) -> torch.Tensor:
+def speculative_law_samples(
+    model: Transformer, drafter: Drafter, spec: SpecConfig, params: SamplingParams, n: int
+) -> torch.Tensor:
     """[n] t2 * V + t3 of n requests decoded with speculation (distinct seeds, the same prompt)."""
     requests = [
-        Request(request_id=str(i), prompt_ids=PROMPT, params=SamplingParams(**PARAMS, seed=i, max_tokens=4))
+        Request(request_id=str(i), prompt_ids=PROMPT, params=replace(params, seed=i, max_tokens=4))
         for i in range(n)
     ]
     gen = Generator(
@@ -222,31 +315,45 @@ def speculative_law_samples(model: Transformer, drafter: Drafter, spec: SpecConf
     return tokens[:, 0] * model.config.vocab_size + tokens[:, 1]
 
 
-# Samples per run: enough that each planted bug's statistic lands far above the critical value (the tree
-# path verifies request by request, so it gets fewer to stay fast).
-@pytest.mark.parametrize(
-    ("shape", "bug", "n"),
-    [("chain", "_residual", 4000), ("point_mass", "_residual", 4000), ("tree", "_without", 2500)],
-)
+def plant(monkeypatch: pytest.MonkeyPatch, bug: str) -> None:
+    """A bug the law test must catch."""
+    if bug == "no_top_p":
+        # The rejection-mode target ignores top-p: drafts are verified against the un-truncated law.
+        def untruncated(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
+            return processed_probs(logits, temperature, torch.ones_like(top_p), top_k)
+
+        monkeypatch.setattr(speculator, "processed_probs", untruncated)
+    else:
+        # After a rejection draw from q itself instead of the residual (chains), or keep the rejected
+        # child in q (trees).
+        monkeypatch.setattr(verify, bug, lambda q, *rest: q.clone())
+
+
+@pytest.mark.parametrize(("shape", "setting", "bug", "n"), LAW_CASES)
 def test_rejection_mode_has_the_law_of_plain_sampling(
-    make_checkpoint, monkeypatch, shape: str, bug: str, n: int
+    make_checkpoint, monkeypatch, shape: str, setting: str, bug: str, n: int
 ) -> None:
     model = load_model(make_checkpoint("llama", seed=2, **SMALL), dtype=torch.float64)
-    exact = exact_law(model, SamplingParams(**PARAMS))
-    # The drafter favours what the target dislikes: many rejections, a large residual correction.
-    draft_probs = torch.softmax(-2 * exact.view(8, 8).sum(0).clamp_min(1e-6).log(), 0).float()
+    params = SETTINGS[setting]
+    exact = exact_law(model, params)
+    without_top_p = exact if params.top_p == 1 else exact_law(model, replace(params, top_p=1.0))
+    # Not vacuous: the nucleus forbids outcomes that the same settings without top-p give real mass.
+    if params.top_p < 1:
+        assert float(without_top_p[exact == 0].sum()) > 0.05, setting
+    # The drafter favours what the target without top-p dislikes — the tokens the nucleus cuts: many
+    # rejections, a large residual correction, and with top-p dropped from the target, forbidden outcomes.
+    draft_probs = torch.softmax(-2 * without_top_p.view(8, 8).sum(0).clamp_min(1e-6).log(), 0).float()
     # "eagle" is the method that runs a model-based drafter handed in: here the skewed one.
     spec = SpecConfig(method="eagle", depth=2, topk=2 if shape == "tree" else 1, mode="rejection")
 
-    samples = speculative_law_samples(model, SkewedDrafter(draft_probs, shape), spec, n)
+    samples = speculative_law_samples(model, SkewedDrafter(draft_probs, shape), spec, params, n)
     stat, dof = chi2_statistic(samples, exact)
-    critical = chi2_critical(dof, ALPHA)
+    critical = chi2_critical(dof, LAW_ALPHA)
     assert stat < critical, f"lossless speculation failed the test: chi2 {stat:.1f} >= {critical:.1f}"
 
-    # Planted bug: after a rejection draw from q itself instead of the residual (chains), or keep the
-    # rejected child in q (trees). The same test must catch it.
-    monkeypatch.setattr(verify, bug, lambda q, *rest: q.clone())
-    stat, _ = chi2_statistic(
-        speculative_law_samples(model, SkewedDrafter(draft_probs, shape), spec, n), exact
-    )
+    # The same test must catch a planted bug; an outcome the exact law forbids rejects it outright.
+    plant(monkeypatch, bug)
+    samples = speculative_law_samples(model, SkewedDrafter(draft_probs, shape), spec, params, n)
+    forbidden = int((exact[samples] == 0).sum())
+    stat = chi2_statistic(samples, exact)[0] if forbidden == 0 else math.inf
     assert stat > critical, f"the test missed the planted bug: chi2 {stat:.1f} < {critical:.1f}"
