@@ -175,7 +175,7 @@ class ModeFigures(msgspec.Struct, frozen=True, kw_only=True):
     makespan_s: float  # first request sent → last completion received, summed over the measured steps
     tokens: int  # response tokens in the measured steps
     tokens_per_s: float  # tokens / makespan_s
-    accept_length: dict[str, float]  # last step, per bucket: committed tokens per sequence-iteration
+    accept_length: dict[str, float]  # last step, per bucket: 1 + accepted draft tokens per sequence-iteration
     arms: dict[str, dict[str, int]]  # last step, per bucket: decode iterations per arm the tuner chose
     decode_s: dict[str, float]  # last step, per bucket: device-seconds of decode iterations
     idle_device_s: float  # device-seconds between a rollout going Idle and the end of its step
@@ -328,6 +328,7 @@ async def _step(
     """One synchronous rollout step through the coordinator; every IterationStats is summed per bucket
     and appended to `trace` (when given) with its arrival time from the step's start."""
     committed: dict[int, int] = defaultdict(int)  # by bucket index
+    accepted: dict[int, int] = defaultdict(int)
     seq_iters: dict[int, int] = defaultdict(int)
     bucket_s: dict[int, float] = defaultdict(float)  # device-seconds of decode iterations, by bucket
     arms: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -338,6 +339,7 @@ async def _step(
             return
         label = bucketing.bucket(msg.batch_size)
         committed[label] += msg.committed
+        accepted[label] += msg.accepted
         seq_iters[label] += msg.batch_size
         bucket_s[label] += msg.iter_s
         arms[label][msg.arm] += 1
@@ -364,7 +366,10 @@ async def _step(
     return _Step(
         makespan_s=round(m.rollout_s, 3),
         tokens=sum(len(r) for r in responses.values()),
-        accept_length={bucketing.label(b): round(committed[b] / seq_iters[b], 3) for b in sorted(seq_iters)},
+        # 1 + accepted per sequence-iteration, as StepMetrics: committed also counts prefill-born tokens.
+        accept_length={
+            bucketing.label(b): round(1 + accepted[b] / seq_iters[b], 3) for b in sorted(seq_iters)
+        },
         arms={bucketing.label(b): dict(arms[b]) for b in sorted(arms)},
         decode_s={bucketing.label(b): round(bucket_s[b], 2) for b in sorted(bucket_s)},
         bucket_s=dict(bucket_s),

@@ -1,11 +1,13 @@
 """The `slipstream` command line.
 
+    slipstream train [CONFIG] [key=value …] [--baseline] [--resume RUN]   # GRPO; no CONFIG = the demo
     slipstream smoke                       # real actor processes exchanging tensors: checks the wiring
     slipstream bench transport --json      # transport figures as one JSON object
     slipstream models pull smollm2-135m    # convert the embedded model offline, print its directory
     slipstream generate --model smollm2-135m --prompts p.jsonl [--spec ngram] --json
     slipstream bench decode --json         # plain vs speculative decode tokens/s at batch 1/4/16/32
     slipstream bench rollout [--config F] [key=value …] --json   # deploy/configs/bench-rollout.yaml
+    slipstream bench e2e [--config F] [key=value …] --json       # train vs --baseline, learner cost
     slipstream logs RUN [--follow] [--role R] [--level L] [--event E]
 
 Every subcommand is named here from the start; one whose feature has not landed yet says so plainly
@@ -25,9 +27,6 @@ NOT_YET = {
     "trace": "span export to Chrome-trace JSON (observability)",
     "report": "PNG run reports (observability)",
     "launch": "multi-node launch from a topology file (deploy)",
-}
-BENCH_NOT_YET = {
-    "e2e": "the end-to-end RL step benchmark",
 }
 
 
@@ -55,6 +54,31 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from slipstream.cli import generate
 
     return generate.run(args)
+
+
+def _bench_e2e(args: argparse.Namespace) -> int:
+    import msgspec
+    import uvloop
+
+    from slipstream.benchmarks import e2e
+    from slipstream.cli import train
+    from slipstream.runtime import logs
+    from slipstream.runtime.progress import bar
+
+    # The demo's config at 4 steps unless the command line says otherwise (a bad key fails here).
+    cfg = train.load_config(args.config or packaged_config("demo.yaml"), ["steps=4", *args.overrides])
+    root = Path(args.run_dir or f"runs/bench-e2e-{time.strftime('%Y%m%d-%H%M%S')}")
+
+    def run(run_dir: Path, baseline: bool) -> dict[str, Any]:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(msgspec.to_builtins(cfg)))
+        log = logs.configure(role="coordinator", run_dir=run_dir, echo=False)
+        return uvloop.run(train.train(cfg, run_dir, baseline=baseline, progress=bar, log=log))
+
+    threads = args.threads or cfg.learner.threads
+    result = e2e.run(run, root, threads=threads)
+    print(msgspec.json.encode(result).decode() if args.json else e2e.render(result))
+    return 0
 
 
 def packaged_config(name: str) -> Path:
@@ -101,11 +125,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    if args.what in BENCH_NOT_YET:
-        return _not_yet(f"bench {args.what}", BENCH_NOT_YET[args.what])
-    if args.what != "rollout" and (args.config is not None or args.overrides):
-        raise ValueError(f"--config and key=value overrides are for bench rollout, not bench {args.what}")
+    if args.what not in ("rollout", "e2e") and (args.config is not None or args.overrides):
+        raise ValueError(f"--config and key=value overrides are for bench rollout and e2e, not {args.what}")
     import msgspec
+
+    if args.what == "e2e":
+        return _bench_e2e(args)
 
     if args.what == "rollout":
         from slipstream.benchmarks import rollout
@@ -287,18 +312,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "bench",
-        help="benchmarks printing JSON: transport, decode, rollout (e2e: not yet)",
+        help="benchmarks printing JSON: transport, decode, rollout, e2e",
         description="Benchmarks; each prints one JSON object with --json (fields: docs/benchmarks.md). "
         "bench rollout reads deploy/configs/bench-rollout.yaml (or --config F), then its flags, then "
-        "KEY=VALUE overrides such as prompts=4 or tuner.buckets=[1,4].",
+        "KEY=VALUE overrides such as prompts=4 or tuner.buckets=[1,4]. bench e2e runs `slipstream train` "
+        "and its --baseline on the same config (default: deploy/configs/demo.yaml with steps=4, then "
+        "KEY=VALUE overrides), then times the learner against a forward pass on the run's samples.",
     )
-    s.add_argument("what", choices=["transport", "decode", "rollout", *BENCH_NOT_YET])
+    s.add_argument("what", choices=["transport", "decode", "rollout", "e2e"])
     s.add_argument(
-        "overrides", nargs="*", metavar="KEY=VALUE", help="rollout: config overrides (key.sub=value)"
+        "overrides", nargs="*", metavar="KEY=VALUE", help="rollout, e2e: config overrides (key.sub=value)"
     )
     s.add_argument("--json", action="store_true", help="one JSON object on stdout")
     s.add_argument(
-        "--config", type=Path, default=None, help="rollout: a YAML config (default: the packaged one)"
+        "--config", type=Path, default=None, help="rollout, e2e: a YAML config (default: the packaged one)"
     )
     s.add_argument(
         "--model", default=None, help="decode, rollout: model directory or name (default smollm2-135m)"
@@ -309,7 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--repeats", type=int, default=1, help="decode: interleaved rounds (median per config)")
     s.add_argument(
-        "--threads", type=int, default=None, help="decode: torch threads (default OMP_NUM_THREADS)"
+        "--threads",
+        type=int,
+        default=None,
+        help="decode: torch threads (default OMP_NUM_THREADS); e2e: learner-cost threads (learner.threads)",
     )
     s.add_argument("--task", default=None, help="rollout: reasoning-gym task (task=)")
     s.add_argument(
@@ -338,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="decode, rollout: an exported EAGLE drafter (decode: adds eagle rows)",
     )
+    s.add_argument("--run-dir", type=Path, default=None, help="e2e: where both runs go (runs/bench-e2e-…)")
 
     s = sub.add_parser("logs", help="print a run's logs, merged by time; --follow streams live events")
     s.add_argument("run", help="run directory")

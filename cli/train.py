@@ -80,6 +80,9 @@ class LearnerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
 
 
 class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    device: Literal["cpu", "cuda"] = (
+        "cpu"  # cuda: refused at start until the CUDA engine path lands (issue 13)
+    )
     model: str = "smollm2-135m"  # model directory or registry name
     task: str = "chain_sum"  # reasoning-gym task name, or a JSONL file of {question, answer}
     task_options: dict[str, Any] = {}  # the reasoning-gym task's own options (difficulty)
@@ -248,6 +251,11 @@ async def train(
     log: Any = None,
 ) -> dict[str, Any]:
     """Runs the loop; returns the summary also written to run_dir/summary.json."""
+    if cfg.device != "cpu":
+        raise ValueError(
+            f"device: {cfg.device!r} is not available in this build: the engine runs on the CPU only "
+            "(the CUDA path is issue 13, not built); set device: cpu"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     model_dir = hub.resolve(cfg.model)
     tokenizer = Tokenizer.from_dir(model_dir)
@@ -460,15 +468,17 @@ def render(summary: dict[str, Any]) -> str:
 
 
 def _write_samples(path: Path, groups: list[ScoredGroup], tokenizer: Tokenizer) -> None:
-    """Every response of the step with its reward, for reading what the policy does (JSON lines)."""
+    """Every response of the step with its reward, for reading what the policy does and replaying the
+    learner on it (`bench e2e`), as JSON lines."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as out:
         for group in groups:
+            prompt = group.prompt_ids.tolist()
             for i, (ids, reward) in enumerate(zip(group.response_ids, group.rewards, strict=True)):
                 tokens = ids.tolist()
                 out.write(json.dumps({
                     "group_id": group.group_id, "sample_index": i, "reward": reward,
-                    "text": tokenizer.decode(tokens), "token_ids": tokens,
+                    "text": tokenizer.decode(tokens), "token_ids": tokens, "prompt_ids": prompt,
                 }) + "\n")  # fmt: skip
 
 

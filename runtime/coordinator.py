@@ -57,6 +57,7 @@ class StepMetrics:
     rollout_s: float = 0.0
     tokens: int = 0
     committed: int = 0
+    accepted: int = 0  # draft tokens accepted over the step's decode iterations
     sequence_iterations: int = 0  # sum of batch sizes over decode iterations
     iterations: int = 0
     arms: dict[str, int] = field(default_factory=dict)
@@ -67,8 +68,9 @@ class StepMetrics:
 
     @property
     def accept_length(self) -> float:
-        """Committed tokens per sequence-iteration over the step's decode iterations (1.0 = no gain)."""
-        return self.committed / self.sequence_iterations if self.sequence_iterations else 0.0
+        """Tokens per decoding sequence per target pass: 1 + accepted draft tokens per sequence-iteration
+        (exactly 1.0 without speculation; `committed` would also count first tokens born of prefill)."""
+        return 1.0 + self.accepted / self.sequence_iterations if self.sequence_iterations else 0.0
 
 
 _lease_ids = itertools.count(1)
@@ -155,6 +157,7 @@ class Coordinator:
             if msg.batch_size > 0:  # a prefill-only pass says nothing about decoding
                 m.iterations += 1
                 m.committed += msg.committed
+                m.accepted += msg.accepted
                 m.sequence_iterations += msg.batch_size
                 m.arms[msg.arm] = m.arms.get(msg.arm, 0) + 1
             if self.on_iteration is not None:
@@ -256,9 +259,14 @@ class Coordinator:
             settled, self.rollouts + list(table.drafter_of.values()), "leases released", timeout_s
         )
         m = self._metrics
-        m.idle_device_s = sum(max(0.0, ended - t) for t in table.idle_at.values())
+        idle = {r: max(0.0, ended - t) for r, t in table.idle_at.items()}
+        m.idle_device_s = sum(idle.values())
+        # A drafter's training seconds during its lease, capped by its device's idle window: a step it
+        # finishes after the last completion (the preemption latency) reclaims nothing.
         m.reclaimed_s = sum(
-            max(0.0, table.trained.get(d, 0.0) - t0) for d, t0 in table.trained_at_lease.items()
+            min(idle.get(r, 0.0), max(0.0, table.trained.get(d, 0.0) - table.trained_at_lease[d]))
+            for r, d in table.drafter_of.items()
+            if d in table.trained_at_lease
         )
         table.trained_at_lease.clear()
         m.preempt_ms = list(table.preempt_ms)

@@ -106,3 +106,39 @@ def test_resume_continues_with_the_same_data_and_weights(tiny_chat: Path, tmp_pa
 
     # The same questions (the data cursor) decoded by the same policy (restored weights and seeds).
     assert responses(parts) == responses(whole)
+
+
+def test_bench_e2e_runs_both_modes_and_times_the_learner(tiny_chat: Path, tmp_path: Path) -> None:
+    from slipstream.benchmarks import e2e
+
+    cfg = config(tiny_chat, steps=2)
+
+    def run(run_dir: Path, baseline: bool) -> dict[str, Any]:
+        run_dir.mkdir(parents=True)
+        (run_dir / "config.json").write_text(json.dumps(msgspec.to_builtins(cfg)))
+        return uvloop.run(train.train(cfg, run_dir, baseline=baseline))
+
+    result = e2e.run(run, tmp_path, cost_steps=2, threads=1)
+    assert result.steps == 2 and len(result.slipstream.step_s_each) == len(result.baseline.step_s_each) == 2
+    assert result.slipstream.reclaimed_s > 0 and result.baseline.reclaimed_s == 0  # no drafter in baseline
+    assert result.baseline.accept_length == 1.0  # plain decoding: one token per target forward
+    assert result.speedup_step > 0 and result.slipstream.tokens_per_s > 0
+    cost = result.learner
+    assert cost.steps == 2 and len(cost.forward_s) == len(cost.train_s) == 2
+    assert cost.sequence_tokens > cost.response_tokens > 0
+    assert cost.cost_x > 1  # forward + backward + optimizer cost more than the forward alone
+    decoded = json.loads(msgspec.json.encode(result))
+    assert decoded["learner"]["cost_x"] == cost.cost_x and "speedup_rollout" in decoded
+    assert "learner cost per token" in e2e.render(result)
+
+
+def test_the_gpu_config_is_checked_and_refused_at_start_naming_the_device(tmp_path: Path) -> None:
+    from slipstream.cli.main import packaged_config
+    from slipstream.engine.tuner import parse_arm
+
+    cfg = train.load_config(packaged_config("gpu-7b.yaml"))  # every key valid: a typo would fail here
+    assert cfg.device == "cuda" and cfg.group_size == 16 and cfg.learner.loss.tis_cap == 2.0
+    assert all(parse_arm(arm) for arm in cfg.rollout.tuner.arms)
+    with pytest.raises(ValueError, match="device: 'cuda' is not available"):
+        uvloop.run(train.train(cfg, tmp_path / "run"))
+    assert not (tmp_path / "run").exists()  # refused before anything started

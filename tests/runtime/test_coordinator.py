@@ -82,6 +82,9 @@ def test_rollout_deals_by_expected_work_leases_idle_devices_and_preempts_at_the_
             assert dealt[0] != dealt[1] == dealt[2] == dealt[3]
             sup.deliver("rollout:1", IterationStats(rank=1, iteration=0, batch_size=4, arm="ngram:d3",
                                                     drafted=8, accepted=4, committed=8, iter_s=0.1))  # fmt: skip
+            # A plain pass whose 2 decoding rows commit 3 tokens (a prefill finished in it): no speculation.
+            sup.deliver("rollout:0", IterationStats(rank=0, iteration=0, batch_size=2, arm="off",
+                                                    drafted=0, accepted=0, committed=3, iter_s=0.1))  # fmt: skip
             for g, name in dealt.items():
                 if name == "rollout:1":
                     for i in range(requests[g].num_samples):
@@ -109,8 +112,10 @@ def test_rollout_deals_by_expected_work_leases_idle_devices_and_preempts_at_the_
             sup.deliver("rollout:0", Idle(role="rollout", rank=0, policy_version=0))
             metrics = await coord.finish_step()
             assert metrics.tokens == 16 and metrics.finish_reasons == {"stop": 8}
-            assert metrics.accept_length == 2.0 and metrics.arms == {"ngram:d3": 1}
-            assert metrics.idle_device_s > 0 and metrics.reclaimed_s == 0.5
+            # 1 + accepted / sequence-iterations: the prefill-born token does not count as a gain.
+            assert metrics.accept_length == 1 + 4 / 6 and metrics.arms == {"ngram:d3": 1, "off": 1}
+            # Reclaimed = the drafter's 0.5 training seconds capped by its device's idle window (~0.05 s).
+            assert 0 < metrics.reclaimed_s <= metrics.idle_device_s and metrics.reclaimed_s < 0.5
             assert metrics.preempt_ms == [5.0]
 
     run(main())

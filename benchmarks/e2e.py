@@ -1,0 +1,223 @@
+"""`slipstream bench e2e`: whole RL steps, Slipstream against `--baseline`, side by side in one invocation.
+
+    slipstream bench e2e --json                       # deploy/configs/demo.yaml with steps=4
+    slipstream bench e2e --config my.yaml steps=6 --json
+
+The same config, seeds, prompts and reward run twice: with speculation and drafter training in idle device
+time, then as the baseline (plain decoding, no drafter). Reported per run: seconds per step and its split
+(rollout / reward / learn / sync), rollout tokens/s, accept length, idle and reclaimed device-seconds;
+across runs: speedups, and how many steps' samples were token-identical (all of them in reproducible mode:
+speculation changes speed, never tokens). Then the learner's cost per token: on each of the first steps'
+real samples, the forward pass that computes their log-probs (`PolicyTrainer.logprobs`) and a full
+training step (forward, backward, AdamW) over the same micro-batches, interleaved; the cost is their
+ratio. Runs the loop through a callable the CLI passes in (benchmarks do not import cli/). Fields:
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from slipstream.engine import hub
+from slipstream.engine.grpo import LossConfig, group_advantages
+from slipstream.engine.policy_train import OptimConfig, PolicySample, PolicyTrainer
+from slipstream.engine.weights import load_model
+
+__all__ = ["E2EResult", "LearnerCost", "RunFigures", "learner_cost", "render", "run", "run_figures"]
+
+TrainFn = Callable[[Path, bool], dict[str, Any]]  # (run directory, baseline) -> the run's summary
+
+
+class RunFigures(msgspec.Struct, frozen=True, kw_only=True):
+    """One run, reduced over its steps (times are means per step; device-seconds are sums)."""
+
+    wall_s: float
+    step_s: float
+    rollout_s: float
+    reward_s: float
+    learn_s: float
+    sync_s: float
+    step_s_each: list[float]
+    rollout_tokens: int
+    tokens_per_s: float  # rollout tokens / rollout seconds
+    accept_length: float  # tokens per target forward, token-weighted over steps (1.0 = no speculation)
+    idle_device_s: float
+    reclaimed_s: float  # idle device-seconds leased to drafter training
+    reclaimed_share: float
+    first_reward: float | None
+    last_reward: float | None
+    invalid: int
+
+
+class LearnerCost(msgspec.Struct, frozen=True, kw_only=True):
+    threads: int
+    steps: int  # sample batches measured
+    response_tokens: int  # per batch, mean
+    sequence_tokens: int  # prompt + response tokens per batch, mean
+    forward_s: list[float]
+    train_s: list[float]
+    cost_x_each: list[float]
+    cost_x: float  # median over batches: train step seconds / forward-pass seconds, same tokens
+
+
+class E2EResult(msgspec.Struct, frozen=True, kw_only=True):
+    run_dir: str
+    steps: int
+    slipstream: RunFigures
+    baseline: RunFigures
+    speedup_step: float  # baseline seconds per step / Slipstream's
+    speedup_rollout: float
+    identical_sample_steps: int  # steps whose every response is token-identical across the two runs
+    learner: LearnerCost
+
+
+def run(train: TrainFn, root: Path, *, cost_steps: int = 3, threads: int = 2) -> E2EResult:
+    """Both runs under `root` (slipstream/, baseline/), then the learner's cost on the first run's samples."""
+    figures, summaries = {}, {}
+    for name, baseline in (("slipstream", False), ("baseline", True)):
+        started = time.monotonic()
+        summaries[name] = train(root / name, baseline)
+        figures[name] = run_figures(summaries[name], time.monotonic() - started)
+    steps = len(summaries["slipstream"]["steps"])
+    identical = sum(_samples(root / "slipstream", s) == _samples(root / "baseline", s) for s in range(steps))
+    slip, base = figures["slipstream"], figures["baseline"]
+    return E2EResult(
+        run_dir=str(root),
+        steps=steps,
+        slipstream=slip,
+        baseline=base,
+        speedup_step=round(base.step_s / slip.step_s, 3),
+        speedup_rollout=round(base.rollout_s / slip.rollout_s, 3),
+        identical_sample_steps=identical,
+        learner=learner_cost(root / "slipstream", steps=min(cost_steps, steps), threads=threads),
+    )
+
+
+def run_figures(summary: dict[str, Any], wall_s: float) -> RunFigures:
+    steps = summary["steps"]
+    if not steps:
+        raise ValueError(f"{summary.get('run_dir')}: the run recorded no steps")
+    mean = lambda key: round(statistics.fmean(s[key] for s in steps), 3)  # noqa: E731
+    tokens = sum(s["tokens"] for s in steps)
+    rollout_s = sum(s["rollout_s"] for s in steps)
+    idle = sum(s["idle_device_s"] for s in steps)
+    reclaimed = sum(s["reclaimed_s"] for s in steps)
+    return RunFigures(
+        wall_s=round(wall_s, 1),
+        step_s=mean("step_s"),
+        rollout_s=mean("rollout_s"),
+        reward_s=mean("reward_s"),
+        learn_s=mean("learn_s"),
+        sync_s=mean("sync_s"),
+        step_s_each=[s["step_s"] for s in steps],
+        rollout_tokens=tokens,
+        tokens_per_s=round(tokens / rollout_s, 1) if rollout_s > 0 else 0.0,
+        accept_length=round(sum(s["accept_length"] * s["tokens"] for s in steps) / max(tokens, 1), 3),
+        idle_device_s=round(idle, 2),
+        reclaimed_s=round(reclaimed, 2),
+        reclaimed_share=round(reclaimed / idle, 3) if idle > 0 else 0.0,
+        first_reward=summary.get("first_reward"),
+        last_reward=summary.get("last_reward"),
+        invalid=int(summary.get("invalid", 0)),
+    )
+
+
+def learner_cost(run_dir: Path, *, steps: int, threads: int) -> LearnerCost:
+    """Forward pass vs training step on the run's recorded samples (prompt + response ids), interleaved."""
+    config = json.loads((run_dir / "config.json").read_text())
+    learner = config.get("learner", {})
+    trainer = PolicyTrainer(
+        load_model(hub.resolve(config["model"])),
+        optim=msgspec.convert(learner.get("optim", {}), OptimConfig),
+        loss=msgspec.convert(learner.get("loss", {}), LossConfig),
+    )
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    forward_s, train_s, response, sequence = [], [], [], []
+    try:
+        for step in range(steps):
+            samples = _policy_samples(run_dir, step, config)
+            started = time.perf_counter()
+            logprobs = trainer.logprobs(samples)  # the forward pass over the same tokens
+            forward_s.append(time.perf_counter() - started)
+            samples = [
+                dataclasses.replace(s, behaviour_logprobs=lp.tolist())
+                for s, lp in zip(samples, logprobs, strict=True)
+            ]
+            started = time.perf_counter()
+            trainer.step(samples)
+            train_s.append(time.perf_counter() - started)
+            response.append(sum(len(s.response_ids) for s in samples))
+            sequence.append(sum(len(s.prompt_ids) + len(s.response_ids) for s in samples))
+    finally:
+        torch.set_num_threads(previous)
+    ratios = [t / f for t, f in zip(train_s, forward_s, strict=True)]
+    return LearnerCost(
+        threads=threads,
+        steps=steps,
+        response_tokens=round(statistics.fmean(response)),
+        sequence_tokens=round(statistics.fmean(sequence)),
+        forward_s=[round(x, 3) for x in forward_s],
+        train_s=[round(x, 3) for x in train_s],
+        cost_x_each=[round(x, 3) for x in ratios],
+        cost_x=round(statistics.median(ratios), 3),
+    )
+
+
+def _samples(run_dir: Path, step: int) -> list[list[int]]:
+    path = run_dir / "samples" / f"step-{step}.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["token_ids"] for r in sorted(rows, key=lambda r: (r["group_id"], r["sample_index"]))]
+
+
+def _policy_samples(run_dir: Path, step: int, config: dict[str, Any]) -> list[PolicySample]:
+    path = run_dir / "samples" / f"step-{step}.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    groups: dict[int, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(r["group_id"], []).append(r)
+    samples = []
+    for members in groups.values():
+        rewards = torch.tensor([float("nan") if r["reward"] is None else r["reward"] for r in members])
+        advantages = group_advantages(rewards[None, :], ~rewards.isnan()[None, :]).advantages[0]
+        for r, adv in zip(members, advantages.tolist(), strict=True):
+            samples.append(
+                PolicySample(
+                    prompt_ids=r["prompt_ids"],
+                    response_ids=r["token_ids"],
+                    behaviour_logprobs=[0.0] * len(r["token_ids"]),  # replaced by the measured forward's
+                    advantage=adv,
+                    temperature=config.get("temperature", 1.0),
+                    top_p=config.get("top_p", 1.0),
+                    top_k=config.get("top_k", 0),
+                )
+            )
+    return samples
+
+
+def render(result: E2EResult) -> str:
+    lines = [f"{'':>11} {'step s':>7} {'roll':>6} {'reward':>6} {'learn':>6} {'sync':>5} {'tok/s':>6} "
+             f"{'accept':>6} {'idle s':>6} {'reclaim':>7} {'reward first→last':>18}"]  # fmt: skip
+    for name in ("slipstream", "baseline"):
+        f: RunFigures = getattr(result, name)
+        lines.append(
+            f"{name:>11} {f.step_s:>7.1f} {f.rollout_s:>6.1f} {f.reward_s:>6.2f} {f.learn_s:>6.1f} "
+            f"{f.sync_s:>5.2f} {f.tokens_per_s:>6.1f} {f.accept_length:>6.2f} {f.idle_device_s:>6.1f} "
+            f"{f.reclaimed_s:>7.1f} {f.first_reward!s:>8} → {f.last_reward!s:<8}"
+        )
+    cost = result.learner
+    lines.append(
+        f"speedup: step {result.speedup_step}x, rollout {result.speedup_rollout}x; identical samples in "
+        f"{result.identical_sample_steps}/{result.steps} steps; learner cost per token {cost.cost_x}x a "
+        f"forward pass ({cost.threads} threads, {cost.sequence_tokens} tokens per batch, {cost.steps} batches)"
+    )
+    return "\n".join(lines)
