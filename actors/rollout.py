@@ -64,6 +64,9 @@ class RolloutActor(Actor):
         retune_drafter_versions: int = 100  # drafter versions (training steps) after which eagle is retried
         completions_to: list[str] = msgspec.field(default_factory=lambda: [COORDINATOR])
         policy_version: int = 0  # version of the weights loaded from `model`
+        # After applying an update, hash the live parameters bucket by bucket and compare with the learner's
+        # checksums: proves the model now holds exactly the learner's weights (one hash pass per update).
+        verify_applied_weights: bool = False
 
         def __post_init__(self) -> None:
             if self.max_batch < 1:
@@ -268,14 +271,28 @@ class RolloutActor(Actor):
         version = self._ready_version
         assert version is not None
         params = dict(self.model.named_parameters())
+        updates = self._staged.pop(version)
         with torch.no_grad():
-            for update in self._staged.pop(version).values():
+            for update in updates.values():
                 for name, tensor in zip(update.names, update.tensors, strict=True):
                     params[name].copy_(tensor)  # bumps the tensor version: prepacked weights repack
         self.policy_version = version
         self._ready_version = None
-        self.log.info("weights_applied", version=version)
-        self.send(COORDINATOR, WeightAck(version=version, role=self.role, rank=self.rank, ok=True))
+        error = None
+        if self.config.verify_applied_weights:
+            differing = [
+                u.bucket
+                for u in updates.values()
+                if checksum(u.names, [params[n] for n in u.names]) != u.checksum
+            ]
+            if differing:
+                error = f"applied weights differ from the learner's in buckets {sorted(differing)}"
+                self.log.error("weights_differ", version=version, buckets=sorted(differing))
+        self.log.info("weights_applied", version=version, verified=self.config.verify_applied_weights)
+        self.send(
+            COORDINATOR,
+            WeightAck(version=version, role=self.role, rank=self.rank, ok=error is None, error=error),
+        )
 
     # -- decoding -------------------------------------------------------------------------------------
 

@@ -54,6 +54,7 @@ class RolloutSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
         "reproducible"  # reproducible: tokens independent of speculation
     )
     tuner: TunerConfig = TunerConfig()  # buckets and speculation arms ("off" alone = plain decoding)
+    verify_weights: bool = False  # re-hash the applied weights against the learner's: proves sync exact
 
 
 class DrafterSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -188,6 +189,7 @@ def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from:
                 tuner=msgspec.structs.replace(tuner, seed=cfg.seed + r),
                 drafter=cfg.drafter.init_from if train_drafter else "",
                 hidden_to=drafters,
+                verify_applied_weights=cfg.rollout.verify_weights,
             ),
             cpus=[r % cores],
         )

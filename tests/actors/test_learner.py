@@ -153,3 +153,26 @@ def test_checkpoint_then_resume_continues_the_same_run(tiny: Path, tmp_path: Pat
     train(resumed, nxt, version=2)
     for (name, a), b in zip(first.model.named_parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b), name  # same optimizer state: the same second step
+
+
+def test_applied_weights_are_rehashed_against_the_learners_checksums(tiny: Path, tmp_path: Path) -> None:
+    groups = scored_groups(tiny, tmp_path, [[1.0, 0.0], [0.0, 1.0]])
+    learner, sent = make_learner(tiny, tmp_path, optim={"lr": 1e-3}, bucket_bytes=4096)
+    train(learner, groups, version=1, push_to=["rollout:0"])
+    updates = sent.of(WeightUpdate)
+    rollout, out = make_actor(tiny, tmp_path / "rollout2", verify_applied_weights=True)
+    for update in updates:
+        rollout.on_weights(update, "learner:0")
+    assert [a.ok for a in out.of(WeightAck)] == [True] and rollout.policy_version == 1
+
+    # A planted apply bug: a staged tensor changes after its bucket passed the receipt check.
+    learner2, sent2 = make_learner(tiny, tmp_path / "l2", optim={"lr": 1e-3}, bucket_bytes=4096)
+    train(learner2, groups, version=1, push_to=["rollout:0"])
+    rollout2, out2 = make_actor(tiny, tmp_path / "rollout3", verify_applied_weights=True)
+    *first, last = sent2.of(WeightUpdate)
+    for update in first:
+        rollout2.on_weights(update, "learner:0")
+    rollout2._staged[1][first[0].bucket].tensors[0].add_(1.0)
+    rollout2.on_weights(last, "learner:0")
+    (ack,) = out2.of(WeightAck)
+    assert not ack.ok and f"buckets [{first[0].bucket}]" in (ack.error or "")

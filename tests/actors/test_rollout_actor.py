@@ -20,7 +20,6 @@ import uvloop
 
 from slipstream.actors.drafter import DrafterActor
 from slipstream.actors.rollout import RolloutActor
-from slipstream.engine.sampling import SamplingParams
 from slipstream.engine.weights import load_model
 from slipstream.protocols.base import Message
 from slipstream.protocols.control import Idle, Lease
@@ -32,7 +31,7 @@ from slipstream.runtime.inbox import Inbox
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
 from tests.engine.conftest import build_checkpoint
 from tests.engine.test_sampling import ALPHA, chi2_critical, chi2_statistic
-from tests.engine.test_spec_lossless import PARAMS, PROMPT, SMALL, SkewedDrafter, exact_law
+from tests.engine.test_spec_lossless import PROMPT, SETTINGS, SMALL, SkewedDrafter, exact_law
 
 SPEC_ARMS = ["off", "ngram:d3", "eagle:d3", "eagle:d2k2v4"]
 
@@ -124,7 +123,8 @@ def test_output_is_token_identical_with_and_without_the_tuner(
 
 def test_rejection_mode_with_the_tuner_has_the_law_of_plain_sampling(tmp_path: Path) -> None:
     model_dir = build_checkpoint(tmp_path / "small", seed=2, **SMALL)
-    exact = exact_law(load_model(model_dir, dtype=torch.float64), SamplingParams(**PARAMS))
+    params = SETTINGS["top-k"]
+    exact = exact_law(load_model(model_dir, dtype=torch.float64), params)
     tuner = {"buckets": [1], "arms": ["off", "eagle:d2"], "epsilon": 0.5, "hold": 1, "seed": 3}
     actor, out = make_actor(model_dir, tmp_path / "run", max_batch=64, tuner=tuner, hidden_to=["drafter:0"])
     # The drafter favours what the target dislikes: many rejections, a large residual correction.
@@ -134,7 +134,7 @@ def test_rejection_mode_with_the_tuner_has_the_law_of_plain_sampling(tmp_path: P
     actor.on_generate(
         GenerateRequest(
             group_id=0, prompt_ids=torch.tensor(PROMPT), num_samples=n, seed=7, policy_version=0,
-            sampling=SamplingSpec(temperature=PARAMS["temperature"], top_k=PARAMS["top_k"], max_tokens=4),
+            sampling=SamplingSpec(temperature=params.temperature, top_k=params.top_k, max_tokens=4),
         ),
         "coordinator",
     )  # fmt: skip

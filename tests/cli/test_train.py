@@ -55,6 +55,9 @@ def config(model: Path, **overrides: Any) -> train.TrainConfig:
         "temperature": 1.0,
         "checkpoint_every": 2,
         "drafter": {"batch_tokens": 64},
+        # Every rollout re-hashes its weights after each update against the learner's checksums, so each
+        # acknowledged version below asserts bitwise-equal weights across the processes.
+        "rollout": {"verify_weights": True},
         "learner": {"threads": 1, "optim": {"lr": 1e-3}},
     }
     return msgspec.convert({**base, **overrides}, train.TrainConfig)
@@ -64,7 +67,10 @@ def test_three_steps_learn_sync_and_train_the_drafter_in_idle_time(tiny_chat: Pa
     run_dir = tmp_path / "run"
     summary = uvloop.run(train.train(config(tiny_chat), run_dir))
     steps = summary["steps"]
-    assert [s["policy_version"] for s in steps] == [1, 2, 3]  # every rollout acknowledged each version
+    # Every rollout acknowledged each version, having re-hashed its weights to the learner's (bitwise).
+    assert [s["policy_version"] for s in steps] == [1, 2, 3]
+    applied = [json.loads(line) for line in (run_dir / "logs" / "rollout-0.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in applied if r["event"] == "weights_applied" and r["verified"]] == [1, 2, 3]
     assert all(s["nonzero_adv_share"] > 0 for s in steps)  # the reward differed inside groups
     assert all(s["grad_norm"] > 0 for s in steps)  # so the policy moved
     assert all(s["mismatch_logp_abs_max"] < 1e-4 for s in steps[:1])  # step 0: learner reads the rollout
