@@ -109,7 +109,7 @@ class LearnerActor(Actor):
         self._pending = None
         groups = sorted(self._groups.pop(msg.step, []), key=lambda g: g.group_id)
         started = time.perf_counter()
-        samples, counts = self.samples(groups)
+        samples, counts = policy_samples(groups, self.config.loss)
         if msg.num_groups == 0:  # push only (a resumed run hands its weights to fresh rollouts)
             stats = {"loss": 0.0, "grad_norm": 0.0, "tokens": 0}
         else:
@@ -136,41 +136,6 @@ class LearnerActor(Actor):
             if msg.push_to:
                 self.push(msg.push_to, msg.version)
         return True
-
-    def samples(self, groups: list[ScoredGroup]) -> tuple[list[PolicySample], dict[str, float]]:
-        """The step's training samples (valid ones, with group advantages) and what was left out."""
-        loss = self.config.loss
-        if not groups:
-            return [], {"groups": 0.0, "invalid_samples": 0.0, "zero_adv_share": 0.0}
-        size = max(len(g.rewards) for g in groups)
-        rewards = torch.zeros(len(groups), size, dtype=torch.float64)
-        valid = torch.zeros(len(groups), size, dtype=torch.bool)
-        for i, g in enumerate(groups):
-            for j, r in enumerate(g.rewards):
-                if r is not None:
-                    rewards[i, j], valid[i, j] = r, True
-        adv = group_advantages(rewards, valid, normalize_std=loss.normalize_std)
-        keep = adv.sample_mask(loss.drop_zero_adv_groups)
-        samples = [
-            PolicySample(
-                prompt_ids=g.prompt_ids.tolist(),
-                response_ids=g.response_ids[j].tolist(),
-                behaviour_logprobs=g.behaviour_logprobs[j].tolist(),
-                advantage=float(adv.advantages[i, j]),
-                temperature=g.temperature,
-                top_p=g.top_p,
-                top_k=g.top_k,
-            )
-            for i, g in enumerate(groups)
-            for j in range(len(g.rewards))
-            if keep[i, j] and len(g.response_ids[j]) > 0
-        ]
-        counts = {
-            "groups": float(len(groups)),
-            "invalid_samples": float(sum(r is None for g in groups for r in g.rewards)),
-            "zero_adv_share": float(adv.zero_adv_share),
-        }
-        return samples, counts
 
     def push(self, dests: list[str], version: int) -> None:
         """Sends every parameter to each of `dests` as checksummed buckets of about `bucket_bytes`."""
@@ -221,6 +186,43 @@ class LearnerActor(Actor):
         self.log.info("checkpoint_loaded", path=path, version=self.version)
 
 
+def policy_samples(
+    groups: list[ScoredGroup], loss: LossConfig
+) -> tuple[list[PolicySample], dict[str, float]]:
+    """A step's training samples (valid ones, with group advantages) and what was left out."""
+    if not groups:
+        return [], {"groups": 0.0, "invalid_samples": 0.0, "zero_adv_share": 0.0}
+    size = max(len(g.rewards) for g in groups)
+    rewards = torch.zeros(len(groups), size, dtype=torch.float64)
+    valid = torch.zeros(len(groups), size, dtype=torch.bool)
+    for i, g in enumerate(groups):
+        for j, r in enumerate(g.rewards):
+            if r is not None:
+                rewards[i, j], valid[i, j] = r, True
+    adv = group_advantages(rewards, valid, normalize_std=loss.normalize_std)
+    keep = adv.sample_mask(loss.drop_zero_adv_groups)
+    samples = [
+        PolicySample(
+            prompt_ids=g.prompt_ids.tolist(),
+            response_ids=g.response_ids[j].tolist(),
+            behaviour_logprobs=g.behaviour_logprobs[j].tolist(),
+            advantage=float(adv.advantages[i, j]),
+            temperature=g.temperature,
+            top_p=g.top_p,
+            top_k=g.top_k,
+        )
+        for i, g in enumerate(groups)
+        for j in range(len(g.rewards))
+        if keep[i, j] and len(g.response_ids[j]) > 0
+    ]
+    counts = {
+        "groups": float(len(groups)),
+        "invalid_samples": float(sum(r is None for g in groups for r in g.rewards)),
+        "zero_adv_share": float(adv.zero_adv_share),
+    }
+    return samples, counts
+
+
 def _check_group(msg: ScoredGroup) -> str | None:
     """Why a decoded group cannot be trained on (dtype, rank, lengths), or None."""
     n = len(msg.rewards)
@@ -249,4 +251,4 @@ def _without_samples(msg: ScoredGroup) -> ScoredGroup:
     )
 
 
-__all__ = ["LearnerActor"]
+__all__ = ["LearnerActor", "policy_samples"]

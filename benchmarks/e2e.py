@@ -27,10 +27,12 @@ from typing import Any
 import msgspec
 import torch
 
+from slipstream.actors.learner import policy_samples
 from slipstream.engine import hub
-from slipstream.engine.grpo import LossConfig, group_advantages
+from slipstream.engine.grpo import LossConfig
 from slipstream.engine.policy_train import OptimConfig, PolicySample, PolicyTrainer
 from slipstream.engine.weights import load_model
+from slipstream.protocols.learner import ScoredGroup
 
 __all__ = ["E2EResult", "LearnerCost", "RunFigures", "learner_cost", "render", "run", "run_figures"]
 
@@ -135,17 +137,18 @@ def learner_cost(run_dir: Path, *, steps: int, threads: int) -> LearnerCost:
     """Forward pass vs training step on the run's recorded samples (prompt + response ids), interleaved."""
     config = json.loads((run_dir / "config.json").read_text())
     learner = config.get("learner", {})
+    loss = msgspec.convert(learner.get("loss", {}), LossConfig)
     trainer = PolicyTrainer(
         load_model(hub.resolve(config["model"])),
         optim=msgspec.convert(learner.get("optim", {}), OptimConfig),
-        loss=msgspec.convert(learner.get("loss", {}), LossConfig),
+        loss=loss,
     )
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     forward_s, train_s, response, sequence = [], [], [], []
     try:
         for step in range(steps):
-            samples = _policy_samples(run_dir, step, config)
+            samples = _policy_samples(run_dir, step, config, loss)
             started = time.perf_counter()
             logprobs = trainer.logprobs(samples)  # the forward pass over the same tokens
             forward_s.append(time.perf_counter() - started)
@@ -173,35 +176,39 @@ def learner_cost(run_dir: Path, *, steps: int, threads: int) -> LearnerCost:
     )
 
 
+def _rows(run_dir: Path, step: int) -> list[dict[str, Any]]:
+    """samples/step-N.jsonl, ordered by (group, sample)."""
+    path = run_dir / "samples" / f"step-{step}.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(rows, key=lambda r: (r["group_id"], r["sample_index"]))
+
+
 def _samples(run_dir: Path, step: int) -> list[list[int]]:
-    path = run_dir / "samples" / f"step-{step}.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r["token_ids"] for r in sorted(rows, key=lambda r: (r["group_id"], r["sample_index"]))]
+    return [r["token_ids"] for r in _rows(run_dir, step)]
 
 
-def _policy_samples(run_dir: Path, step: int, config: dict[str, Any]) -> list[PolicySample]:
-    path = run_dir / "samples" / f"step-{step}.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def _policy_samples(run_dir: Path, step: int, config: dict[str, Any], loss: LossConfig) -> list[PolicySample]:
+    """The step's recorded responses as the learner would train on them (its own advantages and masks);
+    behaviour log-probs are placeholders, replaced by the measured forward pass's."""
     groups: dict[int, list[dict[str, Any]]] = {}
-    for r in rows:
+    for r in _rows(run_dir, step):
         groups.setdefault(r["group_id"], []).append(r)
-    samples = []
-    for members in groups.values():
-        rewards = torch.tensor([float("nan") if r["reward"] is None else r["reward"] for r in members])
-        advantages = group_advantages(rewards[None, :], ~rewards.isnan()[None, :]).advantages[0]
-        for r, adv in zip(members, advantages.tolist(), strict=True):
-            samples.append(
-                PolicySample(
-                    prompt_ids=r["prompt_ids"],
-                    response_ids=r["token_ids"],
-                    behaviour_logprobs=[0.0] * len(r["token_ids"]),  # replaced by the measured forward's
-                    advantage=adv,
-                    temperature=config.get("temperature", 1.0),
-                    top_p=config.get("top_p", 1.0),
-                    top_k=config.get("top_k", 0),
-                )
-            )
-    return samples
+    scored = [
+        ScoredGroup(
+            step=step,
+            group_id=g,
+            prompt_ids=torch.tensor(members[0]["prompt_ids"]),
+            response_ids=[torch.tensor(r["token_ids"], dtype=torch.int64) for r in members],
+            behaviour_logprobs=[torch.zeros(len(r["token_ids"])) for r in members],
+            rewards=[r["reward"] for r in members],
+            temperature=config.get("temperature", 1.0),
+            top_p=config.get("top_p", 1.0),
+            top_k=config.get("top_k", 0),
+            policy_version=step,
+        )
+        for g, members in groups.items()
+    ]
+    return policy_samples(scored, loss)[0]
 
 
 def render(result: E2EResult) -> str:

@@ -21,7 +21,10 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from slipstream.cli.train import TrainConfig
 
 NOT_YET = {
     "trace": "span export to Chrome-trace JSON (observability)",
@@ -58,27 +61,39 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _bench_e2e(args: argparse.Namespace) -> int:
     import msgspec
-    import uvloop
 
     from slipstream.benchmarks import e2e
     from slipstream.cli import train
-    from slipstream.runtime import logs
-    from slipstream.runtime.progress import bar
 
     # The demo's config at 4 steps unless the command line says otherwise (a bad key fails here).
     cfg = train.load_config(args.config or packaged_config("demo.yaml"), ["steps=4", *args.overrides])
     root = Path(args.run_dir or f"runs/bench-e2e-{time.strftime('%Y%m%d-%H%M%S')}")
-
-    def run(run_dir: Path, baseline: bool) -> dict[str, Any]:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(msgspec.to_builtins(cfg)))
-        log = logs.configure(role="coordinator", run_dir=run_dir, echo=False)
-        return uvloop.run(train.train(cfg, run_dir, baseline=baseline, progress=bar, log=log))
-
-    threads = args.threads or cfg.learner.threads
-    result = e2e.run(run, root, threads=threads)
+    result = e2e.run(
+        lambda run_dir, baseline: _run_training(cfg, run_dir, baseline=baseline),
+        root,
+        threads=args.threads or cfg.learner.threads,
+    )
     print(msgspec.json.encode(result).decode() if args.json else e2e.render(result))
     return 0
+
+
+def _run_training(
+    cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume: bool = False, echo: bool = False
+) -> dict[str, Any]:
+    """One `slipstream train` run: config.json (a fresh run), the coordinator's log, the loop; its summary."""
+    import msgspec
+    import uvloop
+
+    from slipstream.cli import train
+    from slipstream.runtime import logs
+    from slipstream.runtime.progress import bar
+
+    if not resume:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(msgspec.to_builtins(cfg)))
+    log = logs.configure(role="coordinator", run_dir=run_dir, echo=echo)
+    log.info("config", **msgspec.to_builtins(cfg))
+    return uvloop.run(train.train(cfg, run_dir, baseline=baseline, resume=resume, progress=bar, log=log))
 
 
 def packaged_config(name: str) -> Path:
@@ -89,13 +104,8 @@ def packaged_config(name: str) -> Path:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    import msgspec
-    import uvloop
-
     from slipstream.cli import train
     from slipstream.runtime import config as run_config
-    from slipstream.runtime import logs
-    from slipstream.runtime.progress import bar
 
     overrides = list(args.overrides)
     config_path = args.config
@@ -111,14 +121,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = train.load_config(config_path or packaged_config("demo.yaml"), overrides)
         run_dir = args.run_dir or Path(f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(msgspec.to_builtins(cfg)))
-    log = logs.configure(role="coordinator", run_dir=run_dir, echo=args.verbose)
-    log.info("config", **msgspec.to_builtins(cfg))
-    summary = uvloop.run(
-        train.train(
-            cfg, run_dir, baseline=args.baseline, resume=args.resume is not None, progress=bar, log=log
-        )
+    summary = _run_training(
+        cfg, run_dir, baseline=args.baseline, resume=args.resume is not None, echo=args.verbose
     )
     print(train.render(summary))
     return 0

@@ -56,7 +56,6 @@ class StepMetrics:
 
     rollout_s: float = 0.0
     tokens: int = 0
-    committed: int = 0
     accepted: int = 0  # draft tokens accepted over the step's decode iterations
     sequence_iterations: int = 0  # sum of batch sizes over decode iterations
     iterations: int = 0
@@ -69,7 +68,7 @@ class StepMetrics:
     @property
     def accept_length(self) -> float:
         """Tokens per decoding sequence per target pass: 1 + accepted draft tokens per sequence-iteration
-        (exactly 1.0 without speculation; `committed` would also count first tokens born of prefill)."""
+        (exactly 1.0 without speculation; counting committed tokens would include first tokens born of prefill)."""
         return 1.0 + self.accepted / self.sequence_iterations if self.sequence_iterations else 0.0
 
 
@@ -156,7 +155,6 @@ class Coordinator:
             m = self._metrics
             if msg.batch_size > 0:  # a prefill-only pass says nothing about decoding
                 m.iterations += 1
-                m.committed += msg.committed
                 m.accepted += msg.accepted
                 m.sequence_iterations += msg.batch_size
                 m.arms[msg.arm] = m.arms.get(msg.arm, 0) + 1

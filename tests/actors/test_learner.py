@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import torch
 
-from slipstream.actors.learner import LearnerActor
+from slipstream.actors.learner import LearnerActor, policy_samples
 from slipstream.protocols.learner import ScoredGroup, StepStats, TrainStep, WeightAck, WeightUpdate
 from slipstream.protocols.rollout import Completion
 from slipstream.runtime.inbox import Inbox
@@ -121,7 +121,7 @@ def test_a_corrupted_bucket_is_refused_and_the_old_weights_stay(tiny: Path, tmp_
 def test_invalid_samples_leave_the_loss(tiny: Path, tmp_path: Path) -> None:
     groups = scored_groups(tiny, tmp_path, [[1.0, None, 0.0, None], [None, None, None, None]])
     learner, _ = make_learner(tiny, tmp_path)
-    samples, counts = learner.samples(groups)
+    samples, counts = policy_samples(groups, learner.config.loss)
     assert counts["invalid_samples"] == 6.0
     assert len(samples) == 2  # the two valid samples of group 0; group 1 has none
     assert sorted(s.advantage for s in samples) == pytest.approx([-0.7071067, 0.7071067], abs=1e-6)
