@@ -10,9 +10,9 @@ so rollout and learner log-probs agree.
 Non-obvious choices (figures: docs/engine.md, "Model"):
 - q/k/v and gate/up are fused into single projections; the loader splits HF tensors into them.
 - GQA without repeating K/V: query heads sharing a KV head fold into the query-length axis.
-- On CPU, inference projections use oneDNN with prepacked weights, repacked when a weight's version
-  changes. The path is probed per dtype: a CPU without AVX-512 has no packed bf16 linear, so bf16 takes
-  F.linear there. Training (grad enabled) always uses F.linear.
+- On CPU, inference projections use oneDNN with prepacked weights, repacked when a weight's storage or
+  version changes (an in-place weight update bumps the version). Whether the packed path runs is the
+  probed switch of engine/device.py; elsewhere (CUDA, training with grad) projections are F.linear.
 - Decode attention is matmul → softmax → matmul with an additive mask; RoPE tables are built once, in
   float32 as transformers computes them.
 """
@@ -27,43 +27,8 @@ from torch import Tensor, nn
 
 from slipstream.engine.batch import AttentionGroup, BatchLayout
 from slipstream.engine.config import ModelConfig
+from slipstream.engine.device import onednn_linear_ok
 from slipstream.engine.kv_cache import KVCache
-
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)  # dtypes the packed path is tried for
-_onednn_enabled = True
-_onednn_works: dict[torch.dtype, bool] = {}  # probe result per dtype, made on first use
-
-
-def set_onednn_linear(enabled: bool) -> None:
-    """Turn the oneDNN packed-weight path on (for each dtype where this torch build and CPU run it) or off,
-    process-wide."""
-    global _onednn_enabled
-    _onednn_enabled = enabled
-    _onednn_works.clear()
-
-
-def _onednn_ok(dtype: torch.dtype) -> bool:
-    works = _onednn_works.get(dtype)
-    if works is None:
-        works = _onednn_works[dtype] = dtype in _ONEDNN_DTYPES and _probe_onednn(dtype)
-    return works
-
-
-def _probe_onednn(dtype: torch.dtype) -> bool:
-    """Whether a packed linear runs in `dtype` here. Per dtype: a CPU without AVX-512 (AVX2 only) runs the
-    float32 path but refuses the bf16 reorder ("bf16 path needs the cpu support avx_ne_convert or
-    avx512bw…"), so bf16 falls back to F.linear there."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        with torch.inference_mode():
-            packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2, dtype=dtype), None)
-            out = torch.ops.mkldnn._linear_pointwise(
-                torch.ones(1, 2, dtype=dtype), packed, None, "none", [], ""
-            )
-        return bool(torch.equal(out, torch.full((1, 2), 2.0, dtype=dtype)))
-    except (AttributeError, RuntimeError):
-        return False
 
 
 class _PackedWeight:
@@ -88,11 +53,8 @@ class _PackedWeight:
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, pack: _PackedWeight) -> Tensor:
-    if (
-        _onednn_enabled
-        and x.device.type == "cpu"
-        and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
-        and _onednn_ok(weight.dtype)
+    if onednn_linear_ok(x.device, weight.dtype) and not (
+        torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)
     ):
         return torch.ops.mkldnn._linear_pointwise(x, pack.get(weight), bias, "none", [], "")
     return F.linear(x, weight, bias)

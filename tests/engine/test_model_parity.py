@@ -20,8 +20,9 @@ from safetensors.torch import load_file, save_file
 
 from slipstream.engine.batch import BatchLayout
 from slipstream.engine.config import ModelConfig, dtype_from_name, dtype_name
+from slipstream.engine.device import set_onednn_linear
 from slipstream.engine.kv_cache import KVCache
-from slipstream.engine.model import Transformer, set_onednn_linear
+from slipstream.engine.model import Transformer
 from slipstream.engine.tree import tree_attention_mask
 from slipstream.engine.weights import hf_state_dict, load_model
 
@@ -164,7 +165,7 @@ def test_bfloat16_and_head(make_checkpoint: Callable[..., Path]) -> None:
 # Run in a child process: oneDNN reads ONEDNN_MAX_CPU_ISA once, when it first dispatches.
 AVX2_BF16_FORWARD = """
 import json, sys, torch
-from slipstream.engine import model as native
+from slipstream.engine import device as native
 from slipstream.engine.weights import load_model
 
 model = load_model(sys.argv[1], dtype=torch.bfloat16)
@@ -176,7 +177,7 @@ except RuntimeError as e:
     bf16_reorder = str(e)
 with torch.inference_mode():
     logits = model.forward_train(ids)
-    probes = {str(d): native._onednn_ok(d) for d in (torch.float32, torch.bfloat16)}
+    probes = {str(d): native.onednn_linear_ok(torch.device("cpu"), d) for d in (torch.float32, torch.bfloat16)}
     native.set_onednn_linear(False)  # every projection through F.linear
     reference = model.forward_train(ids)
 print(json.dumps({"bf16_reorder": bf16_reorder, "probes": probes, "equal": torch.equal(logits, reference)}))

@@ -1,0 +1,112 @@
+"""Where engine tensors live: the `device` setting every actor takes, and the one probed switch for what
+is specific to a device kind.
+
+`parse_device` reads a setting ("cpu", "cuda", "cuda:1") and names the field when it is not a device;
+`require_device` refuses, at start and naming the field, a device this host cannot run (no CUDA, an index
+past the GPU count). Everything else in the engine is one code path: tensors are made on the device of
+the model or cache they work with, and the CPU suite runs the functions a CUDA run runs.
+
+What differs by device kind sits here, behind `Capabilities` (probed once per device and dtype):
+- CPU: inference projections through oneDNN with prepacked weights, probed per dtype — a CPU without
+  AVX-512 refuses the bf16 reorder ("bf16 path needs the cpu support avx_ne_convert or avx512bw…"), so
+  bf16 takes F.linear there; torch threads are pinned per actor by the runtime, not here.
+- CUDA: NCCL for the learner's process group; no oneDNN. CUDA graphs for small-batch decode are not
+  built yet (no GPU was lent to the sessions that built this: docs/gpu.md lists what waits for one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "Capabilities",
+    "capabilities",
+    "onednn_linear_ok",
+    "parse_device",
+    "require_device",
+    "set_onednn_linear",
+]
+
+DEVICE_KINDS = ("cpu", "cuda")
+
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)  # dtypes the packed path is tried for
+_onednn_enabled = True
+_onednn_works: dict[torch.dtype, bool] = {}  # probe result per dtype, made on first use
+
+
+def parse_device(name: str | torch.device, *, field: str = "device") -> torch.device:
+    """The torch device a setting names; ValueError naming `field` for anything but cpu / cuda[:N]."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{field}: {name!r} is not a device (cpu, cuda or cuda:N)") from exc
+    if device.type not in DEVICE_KINDS:
+        raise ValueError(f"{field}: {name!r} is not a device this engine runs on (cpu, cuda or cuda:N)")
+    return device
+
+
+def require_device(name: str | torch.device, *, field: str = "device") -> torch.device:
+    """`parse_device`, then refuse a device this host cannot run, naming `field` and what is missing."""
+    device = parse_device(name, field=field)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"{field}: {str(name)!r} is not available: torch {torch.__version__} sees no CUDA device "
+                "(torch.cuda.is_available() is False); set device: cpu"
+            )
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"{field}: {str(name)!r} is not available: this host has {count} CUDA device(s)")
+    return device
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one device runs beyond the common path."""
+
+    kind: str
+    """"cpu" or "cuda"."""
+    dist_backend: str
+    """torch.distributed backend for ranks on this kind: "gloo" on CPU, "nccl" on CUDA."""
+    cuda_graphs: bool
+    """Whether decode steps may be captured as CUDA graphs (not built yet: always False)."""
+
+
+def capabilities(device: str | torch.device) -> Capabilities:
+    kind = parse_device(device).type
+    return Capabilities(kind=kind, dist_backend="nccl" if kind == "cuda" else "gloo", cuda_graphs=False)
+
+
+def set_onednn_linear(enabled: bool) -> None:
+    """Turn the oneDNN packed-weight path on (for each dtype where this torch build and CPU run it) or off,
+    process-wide."""
+    global _onednn_enabled
+    _onednn_enabled = enabled
+    _onednn_works.clear()
+
+
+def onednn_linear_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether an inference projection in `dtype` on `device` takes the packed oneDNN path."""
+    if not _onednn_enabled or device.type != "cpu":
+        return False
+    works = _onednn_works.get(dtype)
+    if works is None:
+        works = _onednn_works[dtype] = dtype in _ONEDNN_DTYPES and _probe_onednn(dtype)
+    return works
+
+
+def _probe_onednn(dtype: torch.dtype) -> bool:
+    """Whether a packed linear runs in `dtype` here (per dtype: AVX2-only CPUs refuse the bf16 reorder)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        with torch.inference_mode():
+            packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(2, 2, dtype=dtype), None)
+            out = torch.ops.mkldnn._linear_pointwise(
+                torch.ones(1, 2, dtype=dtype), packed, None, "none", [], ""
+            )
+        return bool(torch.equal(out, torch.full((1, 2), 2.0, dtype=dtype)))
+    except (AttributeError, RuntimeError):
+        return False
