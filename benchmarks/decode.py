@@ -30,6 +30,7 @@ import msgspec
 import torch
 
 from slipstream.engine import eagle_export, hub
+from slipstream.engine.device import require_device
 from slipstream.engine.drafters import Drafter, NGramDrafter, OracleDrafter
 from slipstream.engine.generator import Completion, Generator, Request
 from slipstream.engine.model import Transformer
@@ -39,7 +40,21 @@ from slipstream.engine.tokenizer import Tokenizer
 from slipstream.engine.weights import load_model
 from slipstream.tasks.datasets import reasoning_gym_rows
 
-__all__ = ["ARMS", "EAGLE_ARMS", "Arm", "DecodeResult", "DecodeRow", "bench_prompts", "main", "render", "run"]
+__all__ = [
+    "ARMS",
+    "EAGLE_ARMS",
+    "Arm",
+    "DecodeResult",
+    "DecodeRow",
+    "Tally",
+    "bench_prompts",
+    "bench_requests",
+    "interleaved_round",
+    "main",
+    "record_outputs",
+    "render",
+    "run",
+]
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_BATCHES = (1, 4, 16, 32)
@@ -122,6 +137,7 @@ class DecodeResult(msgspec.Struct, frozen=True, kw_only=True):
     self_mode: str  # how the self-draft (oracle) rows are verified
     timing: str  # how a config's time is taken
     drafter: str | None  # the EAGLE head behind the eagle rows (None: no eagle rows)
+    device: str = "cpu"  # where the model ran
     wall_s: float  # the whole run, seconds
 
 
@@ -194,7 +210,7 @@ def bench_prompts(
 
 
 @dataclass
-class _Tally:
+class Tally:
     """One config's totals over one round."""
 
     seconds: float = 0.0
@@ -210,7 +226,7 @@ class _Tally:
         self.accepted += completion.accepted
 
 
-def _requests(prompts: Sequence[list[int]], max_tokens: int, temperature: float = 1.0) -> list[Request]:
+def bench_requests(prompts: Sequence[list[int]], max_tokens: int, temperature: float = 1.0) -> list[Request]:
     # Seed i for prompt i whatever the batch: the recording run and every config see the same requests.
     return [
         Request(
@@ -240,19 +256,21 @@ def _generator(
         drafter = OracleDrafter(recorded)
     else:
         drafter = NGramDrafter()
-    return Generator.for_requests(model, requests, spec=spec, drafters={arm.spec: drafter}, eos_token_ids=())
+    return Generator.for_requests(
+        model, requests, spec=spec, drafters={arm.spec: drafter}, eos_token_ids=()
+    )
 
 
-def _round(
+def interleaved_round(
     model: Transformer,
     requests: list[Request],
     arms: Sequence[Arm],
     recorded: dict[str, list[int]],
     drafter_dir: Path | None = None,
-) -> list[_Tally]:
+) -> list[Tally]:
     """Every arm decodes `requests` once, one iteration each in turn; returns each arm's totals."""
     gens = [_generator(model, requests, arm, recorded, drafter_dir) for arm in arms]
-    tallies = [_Tally() for _ in arms]
+    tallies = [Tally() for _ in arms]
     for gen in gens:
         for request in requests:
             gen.add(request)
@@ -275,7 +293,7 @@ def _round(
     return tallies
 
 
-def _record(model: Transformer, requests: list[Request]) -> dict[str, list[int]]:
+def record_outputs(model: Transformer, requests: list[Request]) -> dict[str, list[int]]:
     """Plain outputs (prompt + response) by request id, for the self-draft oracle; also the warm-up."""
     gen = Generator.for_requests(model, requests, eos_token_ids=())
     return {c.request_id: [*c.prompt_ids, *c.token_ids] for c in gen.generate(requests)}
@@ -293,6 +311,7 @@ def run(
     log: bool = True,
     drafter: Path | None = None,
     temperature: float = 1.0,
+    device: str = "cpu",
 ) -> DecodeResult:
     """Run the benchmark (see the module docstring). drafter: an exported EAGLE head; its rows
     (`EAGLE_ARMS`) are added to `arms`. temperature: of every request (> 0: the oracle rows need a
@@ -315,7 +334,7 @@ def run(
     started = time.perf_counter()
     name = model or DEFAULT_MODEL
     path = hub.resolve(name)
-    target = load_model(path)
+    target = load_model(path, device=require_device(device, field="--device"))
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
     prompts, source = bench_prompts(tokenizer, max(batches), prompt_tokens, vocab=target.config.vocab_size)
 
@@ -326,14 +345,14 @@ def run(
     say(f"{name}, {torch.get_num_threads()} threads, prompts from {source}")
     rows: list[DecodeRow] = []
     for batch in batches:
-        requests = _requests(prompts[:batch], max_tokens, temperature)
+        requests = bench_requests(prompts[:batch], max_tokens, temperature)
         t0 = time.perf_counter()
-        recorded = _record(target, requests)
+        recorded = record_outputs(target, requests)
         say(f"batch {batch}: recorded the plain run for self-draft in {time.perf_counter() - t0:.1f} s")
-        rounds: list[list[_Tally]] = []
+        rounds: list[list[Tally]] = []
         for r in range(repeats):
             t0 = time.perf_counter()
-            rounds.append(_round(target, requests, arms, recorded, drafter))
+            rounds.append(interleaved_round(target, requests, arms, recorded, drafter))
             rates = ", ".join(
                 f"{arm.label} {t.tokens / t.seconds:.0f}" for arm, t in zip(arms, rounds[-1], strict=True)
             )
@@ -376,6 +395,7 @@ def run(
         self_mode="reproducible: the oracle replays an untimed plain run with the same seeds",
         timing="configs interleaved per iteration; median tokens/s over repeats; prefill included",
         drafter=None if drafter is None else str(drafter),
+        device=str(target.lm_head_weight.device),
         wall_s=round(time.perf_counter() - started, 1),
     )
 
@@ -405,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--drafter", type=Path, default=None, help="an exported EAGLE head: adds eagle rows")
     p.add_argument("--json", action="store_true", help="one JSON object (DecodeResult) on stdout")
     args = p.parse_args(argv)
@@ -416,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
         drafter=args.drafter,
         temperature=args.temperature,
+        device=args.device,
     )
     print(msgspec.json.encode(result).decode() if args.json else render(result))
     return 0

@@ -135,6 +135,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     if args.what == "e2e":
         return _bench_e2e(args)
+    if args.what == "gpu":
+        from slipstream.benchmarks import gpu
+
+        # Exits 2 at once, naming the missing device, on a host without CUDA.
+        return gpu.main([*(["--json"] if args.json else []), *(["--quick"] if args.quick else [])])
 
     if args.what == "rollout":
         from slipstream.benchmarks import rollout
@@ -156,6 +161,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             threads=args.threads,
             drafter=args.drafter,
             temperature=args.temperature if args.temperature is not None else 1.0,
+            device=args.device,
         )
         print(msgspec.json.encode(result).decode() if args.json else decode.render(result))
         return 0
@@ -316,14 +322,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "bench",
-        help="benchmarks printing JSON: transport, decode, rollout, e2e",
+        help="benchmarks printing JSON: transport, decode, rollout, e2e, gpu",
         description="Benchmarks; each prints one JSON object with --json (fields: docs/benchmarks.md). "
         "bench rollout reads deploy/configs/bench-rollout.yaml (or --config F), then its flags, then "
         "KEY=VALUE overrides such as prompts=4 or tuner.buckets=[1,4]. bench e2e runs `slipstream train` "
         "and its --baseline on the same config (default: deploy/configs/demo.yaml with steps=4, then "
-        "KEY=VALUE overrides), then times the learner against a forward pass on the run's samples.",
+        "KEY=VALUE overrides), then times the learner against a forward pass on the run's samples. bench gpu "
+        "is the GPU runbook (docs/gpu.md); it exits at once where there is no CUDA device.",
     )
-    s.add_argument("what", choices=["transport", "decode", "rollout", "e2e"])
+    s.add_argument("what", choices=["transport", "decode", "rollout", "e2e", "gpu"])
+    s.add_argument("--device", default="cpu", help="decode: cpu, cuda or cuda:N")
+    s.add_argument("--quick", action="store_true", help="gpu: one shape, batches 1/16/128")
     s.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help="rollout, e2e: config overrides (key.sub=value)"
     )

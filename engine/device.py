@@ -54,7 +54,7 @@ def require_device(name: str | torch.device, *, field: str = "device") -> torch.
         if not torch.cuda.is_available():
             raise ValueError(
                 f"{field}: {str(name)!r} is not available: torch {torch.__version__} sees no CUDA device "
-                "(torch.cuda.is_available() is False); set device: cpu"
+                "(torch.cuda.is_available() is False)"
             )
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
