@@ -1,0 +1,68 @@
+"""Placement: which device, cores and threads each actor of a run gets. Decided here, never in an actor.
+
+A *device* is what one rollout actor owns: a GPU on a CUDA host, a core on a CPU host. Drafter r shares
+rollout r's device (it trains there only while that rollout is idle: the coordinator's lease), so a
+rollout and its drafter are always placed together. Learner ranks get GPUs of their own when the host has
+enough (rollouts + ranks ≤ GPUs), else they share the rollouts' GPUs from the first (synchronous RL: the
+rollouts are idle while the learner trains). On a CPU host rollout r and drafter r are pinned to core
+r mod cores with one thread each, and the learner takes `learner_threads` unpinned threads.
+
+    place("cuda", rollouts=6, learners=2, learner_threads=2, cores=16, gpus=8)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Placement", "Slot", "place"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one actor runs."""
+
+    device: str
+    """"cpu" or "cuda:N": what the actor's `device` setting receives."""
+    threads: int = 1
+    """torch/OpenMP threads in the actor's process."""
+    cpus: list[int] = field(default_factory=list)
+    """Cores to pin the process to (empty: no pinning)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    rollouts: list[Slot]
+    drafters: list[Slot]
+    """drafters[r] is rollout r's slot: the pairing the coordinator leases by."""
+    learners: list[Slot]
+
+
+def place(
+    kind: str, *, rollouts: int, learners: int, learner_threads: int, cores: int, gpus: int = 0
+) -> Placement:
+    """Slots for `rollouts` rollout actors (and their drafters) and `learners` learner ranks on a host of
+    `cores` cores and `gpus` GPUs; `kind` is the run's device setting ("cpu" or "cuda")."""
+    if rollouts < 1 or learners < 1:
+        raise ValueError(
+            f"placement needs at least one rollout and one learner, got {rollouts} and {learners}"
+        )
+    if kind == "cpu":
+        cores = max(1, cores)
+        pinned = [Slot("cpu", threads=1, cpus=[r % cores]) for r in range(rollouts)]
+        return Placement(
+            rollouts=pinned,
+            drafters=list(pinned),
+            learners=[Slot("cpu", threads=learner_threads) for _ in range(learners)],
+        )
+    if kind != "cuda":
+        raise ValueError(f"device: {kind!r} is not a device kind (cpu or cuda)")
+    if gpus < 1:
+        raise ValueError("device: 'cuda' needs at least one GPU, this host has none")
+    # GPU actors do their work on the GPU: one host thread each keeps 16-core hosts from oversubscription.
+    gpu = [Slot(f"cuda:{r % gpus}", threads=1) for r in range(rollouts)]
+    first = rollouts if rollouts + learners <= gpus else 0
+    return Placement(
+        rollouts=gpu,
+        drafters=list(gpu),
+        learners=[Slot(f"cuda:{(first + i) % gpus}", threads=learner_threads) for i in range(learners)],
+    )
