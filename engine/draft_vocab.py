@@ -5,7 +5,9 @@ SmolLM2 in fp32, 13 ms per step on one CPU core, as much as the rest of a chain)
 verified by the target over the full vocabulary, so restricting which tokens a drafter may propose changes
 speed, never output. `DraftVocabulary` keeps the `size` most frequent tokens counted so far (prompts and
 committed responses, plus optional priors such as the head's training data) and a packed copy of their LM
-head rows, re-chosen as the counts move: EAGLE-3's reduced draft vocabulary, learnt online.
+head rows, re-chosen as the counts move: EAGLE-3's reduced draft vocabulary, learnt online. The rows are
+a copy, so they are re-gathered whenever the LM head changes (a rollout applies weight updates in place:
+the check is the head tensor's storage and version counter, per draft call).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class DraftVocabulary:
         self._distinct = 0
         self._counted_since = 0  # tokens counted since the vocabulary was last chosen
         self._held: tuple[Tensor, Tensor, _PackedWeight] | None = None  # (ids [U], head rows [U, d], pack)
+        self._held_from: tuple[int, int] | None = None  # (data_ptr, _version) of the head the rows copy
 
     @property
     def vocab_size(self) -> int:
@@ -89,13 +92,24 @@ class DraftVocabulary:
             or self._counted_since >= RECHOOSE_EVERY
             or (held < self.size and self._distinct >= held + max(1, held // 16))
         ):
-            ids = torch.tensor(self.counts).topk(min(self.size, self._distinct)).indices.sort().values  # [U]
+            device = self.target.lm_head_weight.device
+            counts = torch.tensor(self.counts, device=device)  # [V]
+            ids = counts.topk(min(self.size, self._distinct)).indices.sort().values  # [U]
             if self._held is None or not torch.equal(ids, self._held[0]):
-                weight = self.target.lm_head_weight
-                # A normal tensor, not an inference one: its prepacked copy is keyed by its version counter.
-                with torch.inference_mode(False):
-                    rows = weight.detach().index_select(0, ids.to(weight.device)).contiguous()  # [U, d]
-                self._held = (ids.to(weight.device), rows, _PackedWeight())
+                self._gather(ids)
             self._counted_since = 0
+        assert self._held is not None
+        weight = self.target.lm_head_weight
+        if (weight.data_ptr(), weight._version) != self._held_from:
+            self._gather(self._held[0])  # the head changed under the rows (an in-place weight update)
         ids, rows, pack = self._held
         return _linear(outs.to(rows.dtype), rows, None, pack), ids
+
+    def _gather(self, ids: Tensor) -> None:
+        """Hold the LM head's rows of `ids` [U] (on the head's device), with a fresh pack for them."""
+        weight = self.target.lm_head_weight
+        # A normal tensor, not an inference one: its prepacked copy is keyed by its version counter.
+        with torch.inference_mode(False):
+            rows = weight.detach().index_select(0, ids).contiguous()  # [U, d]
+        self._held = (ids, rows, _PackedWeight())
+        self._held_from = (weight.data_ptr(), weight._version)
