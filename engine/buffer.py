@@ -9,11 +9,13 @@ Non-obvious choices (the reasons: docs/engine.md, "Drafter buffer"):
 - `sample_batch` fills batches newest first from the current policy version, plus a share taken from the
   longest responses of earlier versions: newest-first alone would bias the drafter towards short answers.
 - Memory is bounded in bytes (adding past the bound evicts the oldest arrivals); states are stored in
-  `dtype` (bf16 by default). Sequences longer than a batch are cropped to a random window of it.
+  `dtype` (bf16 by default), in host memory whatever device trains: only a batch moves (`PackedBatch.to`).
+  Sequences longer than a batch are cropped to a random window of it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import deque
 from dataclasses import dataclass
@@ -48,6 +50,10 @@ class PackedBatch:
     @property
     def num_tokens(self) -> int:
         return self.cu_seqlens[-1]
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        """The batch with its tensors on `device` (itself when they are there already)."""
+        return dataclasses.replace(self, token_ids=self.token_ids.to(device), hidden=self.hidden.to(device))
 
 
 @dataclass(frozen=True)

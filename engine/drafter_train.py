@@ -13,6 +13,7 @@ Non-obvious choices (measurements and the unroll's derivation: docs/engine.md, "
 - The unroll (`unrolled_forward`) trains step k on its own step k - 1 predictions, attending as it does
   when drafting; step losses are weighted by decay^k.
 - `DrafterTrainer.step` is one short optimizer step, so a drafter actor can honour a preemption between two.
+- Everything runs on the target's device; a batch may arrive on the host (`make_pairs` moves it).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ CE_VOCABS = ("full", "topk")
 
 # oneDNN-blocked copies of LM heads (W and its transpose), per weight tensor: the fast CPU matmul path
 # (`model._linear`) needs them, and building one costs ~100 ms for a 49k × 576 head, so they outlive a call.
+# The tensor object only finds the pair (and lets it die with the tensor); each pack is rebuilt when the
+# weight's data_ptr or version counter moves (`_PackedWeight`), so an in-place head update repacks.
 _PACKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -227,13 +230,14 @@ def make_pairs(target: Transformer, batch: PackedBatch, dtype: torch.dtype) -> D
         offsets.append(offsets[-1] + count)
         # Pair i drafts token i + 2; the first response token (index response_start) is never drafted.
         masks.append(local + 2 > batch.response_starts[s])
-    rows_in, rows_next = torch.cat(inputs), torch.cat(nexts)
+    # Index tensors are built on the host and moved once each.
+    rows_in, rows_next = torch.cat(inputs).to(device), torch.cat(nexts).to(device)
     states = batch.hidden.to(device=device, dtype=target.lm_head_weight.dtype)
     features = target_features(target, states)  # [N, d]
     return DraftPairs(
-        tokens=batch.token_ids.to(device)[rows_next.to(device)],
-        features=features[rows_in.to(device)].to(dtype),
-        target_features=features[rows_next.to(device)].to(dtype),
+        tokens=batch.token_ids.to(device)[rows_next],
+        features=features[rows_in].to(dtype),
+        target_features=features[rows_next].to(dtype),
         positions=torch.cat(positions).to(device),
         cu_seqlens=tuple(offsets),
         mask=torch.cat(masks).to(device),

@@ -1,5 +1,6 @@
 """Online drafter buffer: byte bound and eviction, bf16 storage, newest-first order with the long responses
-of earlier policy versions mixed in, cropping, and the completion window's alignment."""
+of earlier policy versions mixed in, cropping, the completion window's alignment, and batches moving to the
+training device."""
 
 from __future__ import annotations
 
@@ -148,3 +149,22 @@ def test_validation() -> None:
     assert OnlineBuffer(1 << 20).sample_batch(8) is None
     with pytest.raises(ValueError):
         OnlineBuffer(0)
+
+
+def test_batches_move_to_the_training_device_while_the_buffer_stays_on_the_host(device: torch.device) -> None:
+    buf = OnlineBuffer(1 << 20)
+    buf.add(*seq(6, 1.0), policy_version=0)
+    buf.add(torch.arange(5), torch.randn(5, D, device=device), 2, policy_version=1)
+    assert all(e.hidden.device.type == "cpu" for e in buf._entries)  # host memory, whatever the device
+    batch = buf.sample_batch(16)
+    assert batch is not None and batch.hidden.device.type == "cpu"
+    moved = batch.to(device)
+    assert moved.token_ids.device == moved.hidden.device == device
+    assert torch.equal(moved.hidden.cpu(), batch.hidden) and torch.equal(
+        moved.token_ids.cpu(), batch.token_ids
+    )
+    assert (moved.cu_seqlens, moved.response_starts, moved.policy_versions) == (
+        batch.cu_seqlens,
+        batch.response_starts,
+        batch.policy_versions,
+    )

@@ -1,5 +1,6 @@
 """Drafter training: the loss against a hand-computed case, training pairs, the unroll's attention pattern
-against an explicit re-run, the trainer's frozen target and checkpoints, and — end to end — online training
+against an explicit re-run, the trainer's frozen target and checkpoints, a head updated in place (its packed
+copies follow), training on the target's device, and — end to end — online training
 from an `OnlineBuffer` raising the greedy accept length of a tiny random target's drafter."""
 
 from __future__ import annotations
@@ -115,6 +116,49 @@ def test_head_cross_entropy_matches_autograd(small_chunks: None, dtype: torch.dt
             lambda p: head_cross_entropy(p, target, lm_head, row_weights)[0],
             (pred.detach().requires_grad_(),),
         )
+
+
+def test_packed_head_follows_an_in_place_update(small_chunks: None, device: torch.device) -> None:
+    """The loss, its gradient and the candidates use a head updated in place (the drafter actor's head
+    sync), not the packed copy of its old values: float32, whose CPU path runs on cached packs."""
+    gen = torch.Generator().manual_seed(5)
+    pred = torch.randn(10, 6, generator=gen).to(device).requires_grad_(True)
+    target = torch.randn(10, 6, generator=gen).to(device)
+    lm_head = torch.randn(40, 6, generator=gen).to(device)
+    new_head = torch.randn(40, 6, generator=gen).to(device)
+    row_weights = torch.full((10,), 0.1, device=device)
+    tokens = torch.tensor([0, 1], device=device)
+
+    def run(head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        loss, _ = head_cross_entropy(pred, target, head, row_weights)
+        (grad,) = torch.autograd.grad(loss, pred)
+        return loss.detach(), grad, ce_candidates(target, head, tokens, k=2)
+
+    before = run(lm_head)  # packs the old values
+    with torch.no_grad():
+        lm_head.copy_(new_head)
+    after, fresh = run(lm_head), run(new_head.clone())
+    for got, want in zip(after, fresh, strict=True):
+        torch.testing.assert_close(got, want)
+    assert not torch.allclose(after[0], before[0])
+
+
+def test_trainer_trains_on_the_targets_device(
+    make_checkpoint: Callable[..., Path], device: torch.device
+) -> None:
+    """Target parts, head, optimizer state and the batch's pairs on `device`; batches may come from the host."""
+    target = load_model(make_checkpoint("llama", seed=1), device=device)
+    target.requires_grad_(False)
+    torch.manual_seed(0)
+    head = EagleHead.for_target(target.config).to(device)
+    trainer = DrafterTrainer(head, target, unroll_steps=2)
+    batch = random_batch(target, [9, 12, 5], [3, 1, 0], seed=2)
+    pairs = make_pairs(target, batch, torch.float32)
+    assert {t.device for t in (pairs.tokens, pairs.features, pairs.positions, pairs.mask)} == {device}
+    for moved in (batch, batch.to(device)):
+        assert math.isfinite(trainer.step(moved)["loss"])
+    states = [t for s in trainer.optimizer.state.values() for t in s.values() if t.dim() > 0]
+    assert states and {t.device for t in [*states, *head.parameters()]} == {device}
 
 
 def test_restricted_ce_equals_full_ce_when_candidates_cover_the_vocabulary(small_chunks: None) -> None:
