@@ -172,7 +172,8 @@ def load_token_counts(path: str | Path) -> dict[int, int]:
 
 def load(path: str | Path, target: Transformer, **drafter_kwargs: Any) -> EagleDrafter:
     """An `EagleDrafter` for `target` from an exported directory (either server variant), in the target's
-    dtype; drafter_kwargs go to `EagleDrafter` (num_slots, max_len). Strict: every tensor must be known."""
+    dtype and on its device; drafter_kwargs go to `EagleDrafter` (num_slots, max_len). Strict: every
+    tensor must be known."""
     head, version = load_head(path, target)
     drafter = EagleDrafter(head, target, version=version, **drafter_kwargs)
     drafter.prime_counts(load_token_counts(path))
@@ -180,7 +181,8 @@ def load(path: str | Path, target: Transformer, **drafter_kwargs: Any) -> EagleD
 
 
 def load_head(path: str | Path, target: Transformer) -> tuple[EagleHead, int]:
-    """(the exported head in the target's dtype, its drafter version): `load` without a drafter's cache."""
+    """(the exported head in the target's dtype, on its device; its drafter version): `load` without a
+    drafter's cache."""
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
     config = ModelConfig.from_dict(raw)
@@ -192,8 +194,8 @@ def load_head(path: str | Path, target: Transformer) -> tuple[EagleHead, int]:
     bias = tensors.pop("fc.bias", None)
     if bias is not None and bool(bias.ne(0).any()):
         raise ValueError(f"{path}: fc.bias is non-zero; this head has no fc bias")
-    dtype = target.lm_head_weight.dtype
-    head = EagleHead(config).to(dtype)
+    weight = target.lm_head_weight
+    head = EagleHead(config).to(device=weight.device, dtype=weight.dtype)
     weights = _our_weights(head, tensors, str(path))
     head.load_state_dict(weights)
     return head, int(raw.get("slipstream", {}).get("drafter_version", 0))

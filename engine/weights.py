@@ -6,6 +6,8 @@ tensor with its destination parameter, row range and expected shape, and both di
 `hf_state_dict`) use it. Loading is strict: a missing tensor, a tensor we do not know, or a shape
 mismatch is an error naming it — a silently half-loaded policy would train on garbage. The model is built
 on the meta device first, so no time or memory goes into random initialisation that is overwritten.
+`load_head_parts` reads only the embedding, final norm and LM head (all a drafter uses of its target):
+the decoder layers are neither allocated nor read, so a drafter does not hold a second copy of the policy.
 """
 
 from __future__ import annotations
@@ -132,8 +134,9 @@ def load_hf_tensors(
     model: Transformer, tensors: Iterable[tuple[str, Tensor]], *, source: str = "checkpoint"
 ) -> None:
     """Copy HF-named tensors into `model` (casting to its dtype); every expected tensor must appear once."""
-    entries = {e.hf_name: e for e in hf_weight_map(model.config)}
     params = dict(model.named_parameters())
+    # Only the model's own parameters: a `load_head_parts` model has no layers to fill.
+    entries = {e.hf_name: e for e in hf_weight_map(model.config) if e.param in params}
     seen: set[str] = set()
     with torch.no_grad():
         for name, tensor in tensors:
@@ -170,19 +173,54 @@ def load_model(
     """Build a `Transformer` from a local HF model directory; dtype defaults to the config's."""
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
-    files = checkpoint_files(path)
     with torch.device("meta"):
         model = Transformer(config)
     model = model.to(dtype or config.dtype).to_empty(device=device)
-
-    def tensors() -> Iterable[tuple[str, Tensor]]:
-        for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as handle:
-                for name in handle.keys():
-                    yield name, handle.get_tensor(name)
-
-    load_hf_tensors(model, tensors(), source=str(path))
+    load_hf_tensors(model, _read_tensors(checkpoint_files(path)), source=str(path))
     return model.eval()
+
+
+HEAD_PARTS = ("embed_tokens.weight", "final_norm.weight", "lm_head.weight")
+"""The parameters `load_head_parts` holds (lm_head only for untied models)."""
+
+
+class _HeadParts(Transformer):
+    """A `Transformer` holding only HEAD_PARTS: its layers were never built, so it cannot run."""
+
+    def forward(self, *args: object, **kwargs: object) -> tuple[Tensor, Tensor]:
+        # Without layers a forward pass would be embed → head: plausible logits, silently wrong.
+        raise RuntimeError("a model from load_head_parts has no decoder layers; use load_model to run it")
+
+    forward_train = forward  # type: ignore[assignment]
+
+
+def load_head_parts(
+    path: str | Path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+) -> Transformer:
+    """The embedding, final norm and LM head of a checkpoint, as a `Transformer` without decoder layers.
+
+    What a drafter needs of its target (`eagle.py`): `config` still describes the whole model, but
+    `layers` is empty and their tensors are never read (nor their memory allocated), and running the
+    model raises. Strict like `load_model` for the tensors it reads.
+    """
+    path = Path(path)
+    config = ModelConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = _HeadParts(config)
+    model.layers = torch.nn.ModuleList()
+    model = model.to(dtype or config.dtype).to_empty(device=device)
+    wanted = {e.hf_name for e in hf_weight_map(config) if e.param in HEAD_PARTS}
+    load_hf_tensors(model, _read_tensors(checkpoint_files(path), wanted), source=str(path))
+    return model.eval()
+
+
+def _read_tensors(files: Iterable[Path], names: set[str] | None = None) -> Iterable[tuple[str, Tensor]]:
+    """(name, tensor) of every tensor in `files`, or only of `names`: the others are never read."""
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                if names is None or name in names:
+                    yield name, handle.get_tensor(name)
 
 
 def hf_state_dict(model: Transformer) -> dict[str, Tensor]:

@@ -13,6 +13,8 @@ Non-obvious choices (the reasoning is in docs/engine.md, "EAGLE head and drafter
 - Hot swap (`load_state`): with `rebuild=False` (what a rollout does) the cached K/V stay as the older
   weights computed them and only new pairs use the new ones — a drift that costs acceptance, never output.
 - Draft vocabulary (`draft_vocab.DraftVocabulary`): drafts use only the most frequent observed tokens.
+- Everything lives on the target's device (the head must share it); states arrive from the generator on
+  the host and are moved once per call, and drafted tokens go back to the host.
 """
 
 from __future__ import annotations
@@ -39,14 +41,19 @@ __all__ = ["EagleDrafter"]
 _Keys = tuple[Tensor, Tensor, Tensor]
 
 
-def _keys(states: Sequence[DraftState]) -> _Keys | None:
-    """Keys for drafting `states` with the sampler's noise, or None when no row is a keyed sampling row."""
+def _keys(states: Sequence[DraftState], device: torch.device) -> _Keys | None:
+    """Keys for drafting `states` with the sampler's noise (on `device`, with the logits they race), or None
+    when no row is a keyed sampling row."""
     if not any(state.keyed and not state.params.greedy for state in states):
         return None
-    temperature = torch.tensor([state.params.temperature if state.keyed else 0.0 for state in states])
-    seeds = torch.tensor([state.params.seed for state in states], dtype=torch.int64)
-    positions = torch.tensor([state.position for state in states], dtype=torch.int64)
-    return temperature, seeds, positions
+    temperature = [state.params.temperature if state.keyed else 0.0 for state in states]
+    seeds = [state.params.seed for state in states]
+    positions = [state.position for state in states]
+    return (
+        torch.tensor(temperature, device=device),
+        torch.tensor(seeds, dtype=torch.int64, device=device),
+        torch.tensor(positions, dtype=torch.int64, device=device),
+    )
 
 
 @dataclasses.dataclass(eq=False)
@@ -108,6 +115,10 @@ class EagleDrafter(Drafter):
         if head.config.hidden_size != target.config.hidden_size:
             raise ValueError(
                 f"head hidden_size {head.config.hidden_size} != target hidden_size {target.config.hidden_size}"
+            )
+        if head.fc.weight.device != target.lm_head_weight.device:
+            raise ValueError(
+                f"head on {head.fc.weight.device}, target on {target.lm_head_weight.device}: one device"
             )
         self.head = head.eval()
         self.target = target
@@ -292,6 +303,7 @@ class EagleDrafter(Drafter):
             tokens.append(torch.as_tensor(ids, dtype=torch.int64).reshape(-1))
             features.append(request.features[lo:hi])
             positions.append(torch.arange(lo, hi))
+        # Built on the host and moved once: one copy, not one per request.
         embeds = self.target.embed_tokens(torch.cat(tokens).to(device))
         x = self.head.fuse(embeds.to(features[0].dtype), torch.cat(features))  # [N, d]
         q, k, v = self.head.qkv(x, torch.cat(positions).to(device))
@@ -341,7 +353,7 @@ class EagleDrafter(Drafter):
     ) -> list[Tensor]:
         """Chains of k tokens for several requests at once (k - 1 batched head passes): argmax tokens, or
         keyed draws for sampling requests that verification draws with keyed noise."""
-        keys = _keys(states)
+        keys = _keys(states, self.head.fc.weight.device)
         outs = torch.stack([request.last_out for request in requests])  # [B, d]
         tokens = [self._draft_pick(outs, keys, 0)]  # [B] per step
         for j in range(1, k):
@@ -365,7 +377,8 @@ class EagleDrafter(Drafter):
         temperature = state.params.temperature
         scale = 1.0 / temperature if temperature > 0 else 1.0
         keyed = state.keyed and temperature > 0
-        seed = torch.tensor([state.params.seed], dtype=torch.int64)
+        device = self.head.fc.weight.device
+        seed = torch.tensor([state.params.seed], dtype=torch.int64, device=device)
 
         def scores(outs: Tensor, positions: list[int]) -> Tensor:
             logprobs = self._draft_logprobs(outs, scale)
@@ -373,7 +386,9 @@ class EagleDrafter(Drafter):
                 return logprobs
             # Rank children by the sampler's own race at their position (the target's token is drawn there).
             return keyed_rank(
-                logprobs, seed.expand(len(positions)), torch.tensor(positions, dtype=torch.int64)
+                logprobs,
+                seed.expand(len(positions)),
+                torch.tensor(positions, dtype=torch.int64, device=device),
             )
 
         root_out = request.last_out

@@ -1,12 +1,14 @@
 """EAGLE head and drafter: shapes and frozen shared parts, packed forward, the drafter's cache against a
 teacher-forced reference (chains and trees), request bookkeeping, hot swap, export → load round trips, the
-exported layout run by an independent (transformers) implementation, and lossless use in the Generator.
+exported layout run by an independent (transformers) implementation, the target's head parts loaded alone,
+drafting on the target's device, and lossless use in the Generator.
 
 Float64 targets make the reference comparisons exact up to rounding.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from collections import Counter
@@ -16,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from slipstream.engine.config import ModelConfig
@@ -31,7 +33,7 @@ from slipstream.engine.model import Transformer
 from slipstream.engine.sampling import SamplingParams
 from slipstream.engine.speculator import SpecConfig
 from slipstream.engine.tree import path_to
-from slipstream.engine.weights import load_model
+from slipstream.engine.weights import HEAD_PARTS, load_head_parts, load_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 HEAD_PARAMS = {
@@ -397,8 +399,6 @@ def test_exported_token_counts_prime_the_draft_vocabulary(target: Transformer, t
 
 
 def test_load_is_strict(target: Transformer, tmp_path: Path) -> None:
-    from safetensors.torch import save_file
-
     out = export(make_head(target), target.config, tmp_path / "strict", server="sglang")
     tensors = load_file(str(out / "model.safetensors"))
     save_file({**tensors, "fc.bias": torch.ones_like(tensors["fc.bias"])}, str(out / "model.safetensors"))
@@ -410,6 +410,66 @@ def test_load_is_strict(target: Transformer, tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="unknown tensors"):
         load(out, target)
+
+
+# -------------------------------------------------------------------------------------------------------
+# The target's parts, and the device
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_head_parts_are_the_targets_without_reading_its_layers(
+    make_checkpoint: Callable[..., Path], device: torch.device, tied: bool
+) -> None:
+    path = make_checkpoint("llama", tie_word_embeddings=tied)
+    full = load_model(path)
+    # Without the layers' tensors in the file it still loads: it never reads them.
+    tensors = load_file(str(path / "model.safetensors"))
+    save_file(
+        {k: v for k, v in tensors.items() if not k.startswith("model.layers.")},
+        str(path / "model.safetensors"),
+    )
+    with pytest.raises(ValueError, match="missing tensor"):
+        load_model(path)
+    parts = load_head_parts(path, device=device)
+    names = {name for name, _ in parts.named_parameters()}
+    assert names == set(HEAD_PARTS) - ({"lm_head.weight"} if tied else set())
+    assert len(parts.layers) == 0 and parts.config == full.config
+    for name, param in parts.named_parameters():
+        assert param.device == device and torch.equal(param.cpu(), full.get_parameter(name)), name
+    with pytest.raises(RuntimeError, match="no decoder layers"):
+        parts.forward_train(torch.zeros(1, 2, dtype=torch.int64))
+
+
+def test_drafter_drafts_on_the_targets_device(
+    make_checkpoint: Callable[..., Path], completions: list[Completion], device: torch.device, tmp_path: Path
+) -> None:
+    """An exported head loaded for a target on `device` drafts there (keyed chains and trees over a draft
+    vocabulary) what it drafts on the host, from states the generator hands over on the host."""
+    host = load_model(make_checkpoint("llama", seed=3), dtype=torch.float64)
+    out = export(make_head(host), host.config, tmp_path / "head")
+    on_device = load_model(make_checkpoint("llama", seed=3), dtype=torch.float64, device=device)
+    with pytest.raises(ValueError, match="one device"):
+        EagleDrafter(make_head(host).to("meta"), host)
+    params = SamplingParams(temperature=0.9, seed=4, max_tokens=24)
+    c = completions[2]
+    drafts: list[list[list[int]]] = []
+    for model in (host, on_device):
+        drafter = load(out, model, num_slots=2, max_len=64, draft_vocab=12)
+        assert drafter.head.fc.weight.device == model.lm_head_weight.device
+        got = []
+        for j in range(8):
+            tokens = [*c.prompt_ids, *c.token_ids[: j + 1]]
+            s = DraftState(
+                request_id="r", group_id=0, tokens=tokens, prompt_len=len(c.prompt_ids), params=params,
+                hidden=c.hidden[j : j + 1], keyed=True,
+            )  # fmt: skip
+            drafter.observe(s)
+            s = dataclasses.replace(s, hidden=c.hidden[:0])
+            for topk in (1, 2):
+                got.append(drafter.propose([s], depth=3, topk=topk, verify=4)[0].tokens.tolist())
+        assert drafter.vocab.ids is not None and drafter.vocab.ids.device == model.lm_head_weight.device
+        drafts.append(got)
+    assert all(drafts[0]) and drafts[0] == drafts[1]
 
 
 # -------------------------------------------------------------------------------------------------------
