@@ -2,6 +2,7 @@
 
     slipstream bench gpu --json                  # on a CUDA host: ≤ 20 minutes on one H100
     slipstream bench gpu --json --quick          # one shape, batches 1/16/128, a few minutes
+    slipstream bench gpu --json --shapes qwen2.5-7b --no-tests   # one shape (a device call is ≤ 10 min)
 
 One JSON object (`GpuResult`): the device, versions and date; the `gpu`-marked tests (pytest -m gpu); then
 per model shape (Qwen2.5-1.5B and -7B layouts with random bf16 weights, built here: nothing downloaded)
@@ -301,14 +302,25 @@ def gpu_tests(root: Path, timeout_s: int = 600) -> dict[str, Any]:
     return {"exit_code": done.returncode, "closing_line": last, **counts}
 
 
-def run(*, quick: bool = False, tests: bool = True, peer: bool = True, say: Any = print) -> GpuResult:
-    """The whole runbook on cuda (ValueError naming the device where there is none)."""
+def run(
+    *,
+    quick: bool = False,
+    shapes: Sequence[str] = (),
+    tests: bool = True,
+    peer: bool = True,
+    say: Any = print,
+) -> GpuResult:
+    """The runbook on cuda (ValueError naming the device where there is none); `shapes` picks SHAPES
+    (default: all, or the 1.5B alone with `quick`)."""
+    unknown = [n for n in shapes if n not in SHAPES]
+    if unknown:
+        raise ValueError(f"--shapes: {unknown} not among {list(SHAPES)}")
     device = require_device("cuda", field="device")
     started = time.perf_counter()
     root = Path(__file__).resolve().parents[1]
     tested = gpu_tests(root) if tests and (root / "tests").is_dir() else {"closing_line": "not run"}
     say(f"bench gpu: gpu tests: {tested.get('closing_line')}")
-    names = ["qwen2.5-1.5b"] if quick else list(SHAPES)
+    names = list(shapes) or (["qwen2.5-1.5b"] if quick else list(SHAPES))
     batches = QUICK_BATCHES if quick else BATCHES
     shapes = [bench_shape(n, SHAPES[n], device, batches=batches, peer=peer, say=say) for n in names]
     try:
@@ -337,6 +349,7 @@ def run(*, quick: bool = False, tests: bool = True, peer: bool = True, say: Any 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="slipstream bench gpu", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="one shape, batches 1/16/128")
+    p.add_argument("--shapes", default="", help=f"comma-separated subset of {','.join(SHAPES)}")
     p.add_argument("--no-tests", action="store_true", help="skip the gpu-marked tests")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' generate")
     p.add_argument("--json", action="store_true", help="one JSON object (GpuResult) on stdout")
@@ -347,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"slipstream bench gpu: {exc}", file=sys.stderr)
         return 2
     say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
-    result = run(quick=args.quick, tests=not args.no_tests, peer=not args.no_peer, say=say)
+    shapes = [n for n in args.shapes.split(",") if n]
+    result = run(quick=args.quick, shapes=shapes, tests=not args.no_tests, peer=not args.no_peer, say=say)
     print(
         msgspec.json.encode(result).decode()
         if args.json

@@ -139,7 +139,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from slipstream.benchmarks import gpu
 
         # Exits 2 at once, naming the missing device, on a host without CUDA.
-        return gpu.main([*(["--json"] if args.json else []), *(["--quick"] if args.quick else [])])
+        return gpu.main(args.gpu_args + (["--json"] if args.json else []))
 
     if args.what == "rollout":
         from slipstream.benchmarks import rollout
@@ -332,7 +332,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("what", choices=["transport", "decode", "rollout", "e2e", "gpu"])
     s.add_argument("--device", default="cpu", help="decode: cpu, cuda or cuda:N")
-    s.add_argument("--quick", action="store_true", help="gpu: one shape, batches 1/16/128")
     s.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help="rollout, e2e: config overrides (key.sub=value)"
     )
@@ -435,7 +434,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # bench's KEY=VALUE overrides may come after options too, which argparse leaves over.
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command in ("bench", "train") and all("=" in a and not a.startswith("-") for a in rest):
+    if args.command == "bench" and args.what == "gpu":
+        args.gpu_args, rest = (
+            [*args.overrides, *rest],
+            [],
+        )  # bench gpu parses its own flags (benchmarks/gpu.py)
+    elif (
+        rest and args.command in ("bench", "train") and all("=" in a and not a.startswith("-") for a in rest)
+    ):
         args.overrides = [*args.overrides, *rest]
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
