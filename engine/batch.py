@@ -12,6 +12,8 @@ Non-obvious choices (the reasons: docs/engine.md, "Batch layout"):
 - Masks are boolean [rows, 1, q_len, kv_len]; padding rows see key 0 only, so no row is fully masked.
 - Tree verification: draft nodes in topological order at cache positions start..start+n-1, an
   ancestor-or-self mask (`tree.tree_attention_mask`), RoPE position start + depth.
+- The plan is made on the cache's device from host ints (one small copy per index tensor); no
+  tensor is built on the CPU and moved, and nothing is read back.
 """
 
 from __future__ import annotations
@@ -126,19 +128,24 @@ class BatchLayout:
             offsets.append(offsets[-1] + n)
         num_tokens = offsets[-1]
 
-        index_in_seq = torch.cat([torch.arange(n) for n in num_new])  # [num_tokens]
-        seq_of_token = torch.repeat_interleave(torch.arange(len(slots)), torch.tensor(num_new))
-        write_positions = torch.tensor(starts)[seq_of_token] + index_in_seq
+        device = cache.device
+        # output_size: the repeat's length is known on the host, so the device is never asked for it.
+        seq_of_token = torch.repeat_interleave(
+            torch.arange(len(slots), device=device), _ints(num_new, device), output_size=num_tokens
+        )  # [num_tokens]
+        index_in_seq = torch.arange(num_tokens, device=device) - _ints(offsets[:-1], device)[seq_of_token]
+        token_starts = _ints(starts, device)[seq_of_token]
+        write_positions = token_starts + index_in_seq
         positions = write_positions
         if any(m is not None for m in masks):
             # A tree node's position is start + depth; its depth is its number of visible ancestors.
             depth = torch.cat(
                 [
-                    m.sum(-1) - 1 if m is not None else torch.arange(n)
+                    m.to(device).sum(-1) - 1 if m is not None else torch.arange(n, device=device)
                     for m, n in zip(masks, num_new, strict=True)
                 ]
             )
-            positions = torch.tensor(starts)[seq_of_token] + depth
+            positions = token_starts + depth
 
         if logit_rows is None:
             rows_list = [o - 1 for o in offsets[1:]]
@@ -148,21 +155,24 @@ class BatchLayout:
                 raise ValueError(f"logit rows {rows_list} outside [0, {num_tokens})")
         all_rows = rows_list == list(range(num_tokens))
 
-        device = cache.device
-        groups = _plan_groups(slots, num_new, starts, offsets, masks)
         return cls(
             slots=slots,
             num_new=num_new,
             starts=starts,
             cu_seqlens=tuple(offsets),
             tree_masks=masks,
-            positions=positions.to(device),
-            write_slots=torch.tensor(slots)[seq_of_token].to(device),
-            write_positions=write_positions.to(device),
-            logit_rows=None if all_rows else torch.tensor(rows_list, dtype=torch.int64, device=device),
+            positions=positions,
+            write_slots=_ints(slots, device)[seq_of_token],
+            write_positions=write_positions,
+            logit_rows=None if all_rows else _ints(rows_list, device),
             num_logits=len(rows_list),
-            groups=tuple(_to_device(g, device) for g in groups),
+            groups=tuple(_plan_groups(slots, num_new, starts, offsets, masks, device)),
         )
+
+
+def _ints(values: Sequence[int], device: torch.device) -> Tensor:
+    """Host ints as an int64 tensor made on `device` (one small copy)."""
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def _bucket(n: int) -> int:
@@ -176,6 +186,7 @@ def _plan_groups(
     starts: tuple[int, ...],
     offsets: list[int],
     masks: tuple[Tensor | None, ...],
+    device: torch.device,
 ) -> list[AttentionGroup]:
     buckets: dict[int, list[int]] = {}
     singles: list[int] = []
@@ -185,7 +196,7 @@ def _plan_groups(
         else:
             singles.append(i)
     groups = [
-        _padded_group(sorted(m, key=lambda i: slots[i]), slots, num_new, starts, offsets, masks)
+        _padded_group(sorted(m, key=lambda i: slots[i]), slots, num_new, starts, offsets, masks, device)
         for m in buckets.values()
     ]
     for i in singles:
@@ -201,7 +212,7 @@ def _plan_groups(
                 query_index=None,
                 token_rows=None,
                 output_index=None,
-                mask=_visibility([start], [n], [masks[i]], n, start + n)[:, None],
+                mask=_visibility([start], [n], [masks[i]], n, start + n, device)[:, None],
             )
         )
     return groups
@@ -214,6 +225,7 @@ def _padded_group(
     starts: tuple[int, ...],
     offsets: list[int],
     masks: tuple[Tensor | None, ...],
+    device: torch.device,
 ) -> AttentionGroup:
     """One call for `members` (sorted by slot): view over a compact slot range, else a gather."""
     member_slots = [slots[i] for i in members]
@@ -244,55 +256,40 @@ def _padded_group(
         and q_len == 1
         and token_rows == list(range(offsets[members[0]], offsets[members[0]] + rows))
     )
-    mask = _visibility(row_starts, row_new, row_masks, q_len, kv_len)[:, None]
+    mask = _visibility(row_starts, row_new, row_masks, q_len, kv_len, device)[:, None]
     return AttentionGroup(
         rows=rows,
         q_len=q_len,
         kv_len=kv_len,
         slot_start=lo,
-        slot_index=None if view else torch.tensor(member_slots, dtype=torch.int64),
+        slot_index=None if view else _ints(member_slots, device),
         token_slice=slice(token_rows[0], token_rows[0] + rows) if in_order else None,
-        query_index=None if in_order else torch.tensor(query_index, dtype=torch.int64),
-        token_rows=None if in_order else torch.tensor(token_rows, dtype=torch.int64),
-        output_index=None if in_order else torch.tensor(output_index, dtype=torch.int64),
+        query_index=None if in_order else _ints(query_index, device),
+        token_rows=None if in_order else _ints(token_rows, device),
+        output_index=None if in_order else _ints(output_index, device),
         mask=mask,
     )
 
 
 def _visibility(
-    starts: list[int], num_new: list[int], masks: list[Tensor | None], q_len: int, kv_len: int
+    starts: list[int],
+    num_new: list[int],
+    masks: list[Tensor | None],
+    q_len: int,
+    kv_len: int,
+    device: torch.device,
 ) -> Tensor:
-    """[rows, q_len, kv_len] bool: query k of row r sees its cached prefix and its allowed new tokens."""
-    start_t = torch.tensor(starts)[:, None]  # [rows, 1]
-    new_t = torch.tensor(num_new)[:, None]
-    query = torch.arange(q_len)[None, :]  # [1, q_len]
+    """[rows, q_len, kv_len] bool on `device`: query k of row r sees its cached prefix and its allowed new
+    tokens."""
+    start_t = _ints(starts, device)[:, None]  # [rows, 1]
+    new_t = _ints(num_new, device)[:, None]
+    query = torch.arange(q_len, device=device)[None, :]  # [1, q_len]
     real = query < new_t  # [rows, q_len]
     # Causal: query k sees keys < start + k + 1. Padding and dummy rows see key 0 only.
     limit = torch.where(real, start_t + query + 1, 1)
-    visible = torch.arange(kv_len)[None, None, :] < limit[:, :, None]  # [rows, q_len, kv_len]
+    visible = torch.arange(kv_len, device=device)[None, None, :] < limit[:, :, None]  # [rows, q_len, kv_len]
     for r, mask in enumerate(masks):
         if mask is not None:
             n, start = num_new[r], starts[r]
             visible[r, :n, start : start + n] = mask
     return visible
-
-
-def _to_device(group: AttentionGroup, device: torch.device) -> AttentionGroup:
-    if device.type == "cpu":
-        return group
-
-    def move(t: Tensor | None) -> Tensor | None:
-        return None if t is None else t.to(device, non_blocking=True)
-
-    return AttentionGroup(
-        rows=group.rows,
-        q_len=group.q_len,
-        kv_len=group.kv_len,
-        slot_start=group.slot_start,
-        slot_index=move(group.slot_index),
-        token_slice=group.token_slice,
-        query_index=move(group.query_index),
-        token_rows=move(group.token_rows),
-        output_index=move(group.output_index),
-        mask=group.mask.to(device),
-    )

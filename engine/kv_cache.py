@@ -96,8 +96,7 @@ class KVCache:
     @property
     def bytes_per_token(self) -> int:
         """Cache bytes one token occupies across all layers (K and V)."""
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
@@ -144,23 +143,25 @@ class KVCache:
 
         The pass wrote node i at position base_length + i. `accepted_node_indices` lists the path's nodes
         root first (increasing, since a parent precedes its children); afterwards positions
-        base_length..base_length+a-1 hold those nodes' K/V and the length is base_length + a.
+        base_length..base_length+a-1 hold those nodes' K/V and the length is base_length + a. The indices
+        are host data (a tensor is read once); the copy runs on the cache's device.
         """
         self._check(slot)
-        index = torch.as_tensor(accepted_node_indices, dtype=torch.int64).flatten()
-        count = index.numel()
+        if isinstance(accepted_node_indices, Tensor):
+            accepted_node_indices = accepted_node_indices.flatten().tolist()
+        nodes = [int(node) for node in accepted_node_indices]
+        count = len(nodes)
         written = self.lengths[slot] - base_length
         if base_length < 0 or written < count:
             raise ValueError(
                 f"slot {slot}: {count} accepted nodes but only {written} written after base {base_length}"
             )
         if count:
-            nodes = index.tolist()
             if min(nodes) < 0 or max(nodes) >= written or any(b <= a for a, b in itertools.pairwise(nodes)):
                 raise ValueError(f"slot {slot}: accepted nodes {nodes} must increase within [0, {written})")
             # A chain prefix is already in place; only a real branch needs moving.
             if nodes != list(range(count)):
-                source = (index + base_length).to(self.device)
+                source = torch.tensor([base_length + node for node in nodes], device=self.device)
                 for cache in (*self.keys, *self.values):
                     # index_select copies before the write, so overlapping source and target are safe.
                     cache[slot, :, base_length : base_length + count] = cache[slot].index_select(1, source)

@@ -4,7 +4,8 @@ Every random number here is a pure function of (request seed, position, stream, 
 counter-based hash (splitmix64), not a stateful generator: a request samples the same token at a position
 whatever shares its batch, and a drafter and the target can use the *same* noise, which makes "match"
 verification token-identical to plain decoding (`verify.py`). `sample_seed` derives each sample's seed
-from a run's or group's seed, the same way for `generate` and the rollout.
+from a run's or group's seed, the same way for `generate` and the rollout. Everything runs on the device of
+its inputs (logits, seeds, positions): the noise is hashed there, never made on the host and copied.
 
 Non-obvious choices (costs and details: docs/engine.md, "Sampling"):
 - The sampler is an exponential race (equivalently Gumbel-max), P(i) = p_i. Only the head of the
@@ -17,6 +18,7 @@ Non-obvious choices (costs and details: docs/engine.md, "Sampling"):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -118,12 +120,15 @@ def sample_seed(seed: int, index: int) -> int:
     return seed * MAX_SAMPLE_INDEX + index
 
 
-def params_tensors(params: list[SamplingParams]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Stack per-request params into (temperature [B], top_p [B], top_k [B], seeds [B]) tensors."""
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
-    seeds = torch.tensor([p.seed for p in params], dtype=torch.int64)
+def params_tensors(
+    params: Sequence[SamplingParams], device: torch.device | str | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Stack per-request params into (temperature [B], top_p [B], top_k [B], seeds [B]) tensors on `device`
+    (the logits' device; None: the CPU)."""
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
+    seeds = torch.tensor([p.seed for p in params], dtype=torch.int64, device=device)
     return temperature, top_p, top_k, seeds
 
 
@@ -167,7 +172,7 @@ def keyed_uniform(seeds: Tensor, positions: Tensor, stream: int, n: int) -> Tens
     Independent of batch composition and of n (a prefix of a longer draw is the shorter draw).
     """
     keys = _row_keys(seeds, positions, stream)  # [B]
-    return _uniform_at(keys[:, None], torch.arange(n, dtype=torch.int64)[None, :])
+    return _uniform_at(keys[:, None], torch.arange(n, dtype=torch.int64, device=keys.device)[None, :])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -190,7 +195,7 @@ def _argmax(x: Tensor) -> Tensor:
     """Row argmax [B] (first maximal index, like torch.argmax), via block maxima."""
     blocks = _blocks(x, float("-inf"))  # [B, nb, BLOCK]
     best_block = blocks.amax(-1).argmax(-1)  # [B]
-    inner = blocks[torch.arange(x.shape[0]), best_block].argmax(-1)
+    inner = blocks[torch.arange(x.shape[0], device=x.device), best_block].argmax(-1)
     return best_block * BLOCK + inner
 
 
@@ -224,7 +229,7 @@ def _cutoffs(probs: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
     rows, vocab = probs.shape
     k_keep = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)  # [R]
     nucleus = top_p < 1
-    thresholds = torch.empty(rows, dtype=probs.dtype)
+    thresholds = torch.empty(rows, dtype=probs.dtype, device=probs.device)
     pending: Tensor | None = None  # None = all rows
     width = 64
     # Escalate the partial-sort width until each row's cut-off lies inside it: most cut-offs are within the
@@ -240,11 +245,11 @@ def _cutoffs(probs: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
         k_mass = torch.where(kp >= vocab, sub.sum(-1), csum.gather(1, (limit - 1)[:, None])[:, 0])
         # Keep entry j while the mass strictly before it is below top_p of the (top-k) mass.
         before = csum - vals
-        col = torch.arange(width)[None, :]
+        col = torch.arange(width, device=probs.device)[None, :]
         keep = (col < limit[:, None]) & (~np_[:, None] | (before < (tp * k_mass)[:, None]))
         n_keep = keep.sum(-1).clamp_min(1)
         closed = (np_ & (n_keep < limit)) | (kp <= width) | (width == vocab)
-        ids = torch.arange(rows) if pending is None else pending
+        ids = torch.arange(rows, device=probs.device) if pending is None else pending
         thresholds[ids[closed]] = vals[closed].gather(1, (n_keep[closed] - 1)[:, None])[:, 0]
         if bool(closed.all()):
             return thresholds
@@ -316,9 +321,9 @@ def race_sample(
 
     keys = _row_keys(seeds, positions, stream)  # [B]
     arrival = -torch.log(_uniform_at(keys[hr], hc)) / hp  # E_i / p_i
-    best = torch.full((rows,), float("inf"), dtype=torch.float64)
+    best = torch.full((rows,), float("inf"), dtype=torch.float64, device=probs.device)
     best.scatter_reduce_(0, hr, arrival, reduce="amin")
-    winner = torch.full((rows,), vocab, dtype=torch.int64)
+    winner = torch.full((rows,), vocab, dtype=torch.int64, device=probs.device)
     is_min = arrival == best[hr]
     winner.scatter_reduce_(0, hr[is_min], hc[is_min], reduce="amin")
 
@@ -426,7 +431,7 @@ def sample(
     of the processed distribution (what the sampler used), 0 for greedy rows.
     """
     if bool((temperature <= 0).all()):  # all greedy: no distribution to build
-        return _argmax(logits.float()), torch.zeros(logits.shape[0])
+        return _argmax(logits.float()), logits.new_zeros(logits.shape[0], dtype=torch.float32)
     probs = processed_probs(logits, temperature, top_p, top_k)  # [B, V]
     tokens = race_sample(probs, seeds, positions)
     logprobs = probs.gather(1, tokens[:, None])[:, 0].log()

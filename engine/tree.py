@@ -54,26 +54,30 @@ class DraftTree:
         return tree_depths(self.parents)
 
 
-def chain_parents(k: int) -> Tensor:
-    """Parents of a chain of k tokens: [-1, 0, 1, …, k-2]."""
-    return torch.arange(k, dtype=torch.int64) - 1
+def chain_parents(k: int, device: torch.device | str | None = None) -> Tensor:
+    """Parents of a chain of k tokens: [-1, 0, 1, …, k-2], on `device` (None: the CPU)."""
+    return torch.arange(-1, k - 1, dtype=torch.int64, device=device)
 
 
-def tree_attention_mask(parents: Tensor) -> Tensor:
-    """bool [n, n]: node i attends to node j iff j is i or an ancestor of i.
+def tree_attention_mask(parents: Tensor, depth: int | None = None) -> Tensor:
+    """bool [n, n] on parents' device: node i attends to node j iff j is i or an ancestor of i.
 
-    The committed prefix is visible to every node; callers prepend it. Costs O(depth) tensor ops.
+    The committed prefix is visible to every node; callers prepend it. Costs O(depth) tensor ops; `depth`
+    (the most ancestors any node has), where the caller knows it, spares the host read per level that
+    otherwise finds where the walk ends.
     """
     n = parents.numel()
-    mask = torch.eye(n, dtype=torch.bool)
-    rows = torch.arange(n)
-    ancestor = parents.long().clone()
-    for _ in range(n):
+    mask = torch.eye(n, dtype=torch.bool, device=parents.device)
+    rows = torch.arange(n, device=parents.device)
+    parents = parents.long()
+    ancestor = parents
+    for _ in range(n if depth is None else depth):
         live = ancestor >= 0
-        if not bool(live.any()):
+        if depth is None and not bool(live.any()):
             break
-        mask[rows[live], ancestor[live]] = True
-        ancestor = torch.where(live, parents[ancestor.clamp_min(0)], -1)
+        at = ancestor.clamp_min(0)
+        mask[rows, at] |= live  # dead rows or no-ops at column 0: no data-dependent shapes
+        ancestor = torch.where(live, parents[at], -1)
     return mask
 
 
@@ -97,23 +101,32 @@ def path_to(parents: Tensor, node: int) -> list[int]:
     return path[::-1]
 
 
-def build_tree(expand: ExpandFn, depth: int, topk: int, verify: int) -> DraftTree:
+def build_tree(
+    expand: ExpandFn, depth: int, topk: int, verify: int, device: torch.device | str | None = None
+) -> DraftTree:
     """Build an EAGLE-2 draft tree of at most `verify` nodes and at most `depth` levels.
 
     Each level expands the `topk` best nodes of the previous level (by cumulative log-prob) into their
     `topk` most likely tokens; the final tree keeps the `verify` best candidates over all levels.
+    `device`: where the root's (empty) expand inputs are made (None: the CPU); every later tensor, and the
+    tree, is on the device of the log-probs `expand` returns.
     """
     for name, value in (("depth", depth), ("topk", topk), ("verify", verify)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    tokens = torch.empty(0, dtype=torch.int64)
-    parents = torch.empty(0, dtype=torch.int64)
-    scores = torch.empty(0, dtype=torch.float32)
-    levels = torch.empty(0, dtype=torch.int64)
-    frontier = torch.tensor([-1])
-    frontier_scores = torch.zeros(1)
+    tokens = torch.empty(0, dtype=torch.int64, device=device)
+    parents = torch.empty(0, dtype=torch.int64, device=device)
+    frontier = torch.tensor([-1], dtype=torch.int64, device=device)
+    logprobs = expand(tokens, parents, frontier).float()  # [1, V]
+    # Candidates live where the drafter's log-probs are (the same device when the caller names it).
+    device = logprobs.device
+    tokens, parents, frontier = tokens.to(device), parents.to(device), frontier.to(device)
+    scores = torch.empty(0, dtype=torch.float32, device=device)
+    levels = torch.empty(0, dtype=torch.int64, device=device)
+    frontier_scores = torch.zeros(1, device=device)
     for level in range(depth):
-        logprobs = expand(tokens, parents, frontier).float()  # [f, V]
+        if level:
+            logprobs = expand(tokens, parents, frontier).float()  # [f, V]
         width = min(topk, logprobs.shape[-1])
         top_lp, top_tok = logprobs.topk(width, dim=-1)  # [f, width]
         child_scores = (frontier_scores[:, None] + top_lp).reshape(-1)
@@ -122,7 +135,7 @@ def build_tree(expand: ExpandFn, depth: int, topk: int, verify: int) -> DraftTre
         tokens = torch.cat([tokens, top_tok.reshape(-1)[keep]])
         parents = torch.cat([parents, frontier.repeat_interleave(width)[keep]])
         scores = torch.cat([scores, child_scores[keep]])
-        levels = torch.cat([levels, torch.full((int(keep.sum()),), level)])
+        levels = torch.cat([levels, torch.full_like(child_scores, level, dtype=torch.int64)[keep]])
         new_scores = scores[first:]
         if new_scores.numel() == 0 or level == depth - 1:
             break
@@ -134,8 +147,8 @@ def build_tree(expand: ExpandFn, depth: int, topk: int, verify: int) -> DraftTre
 
 def _select(tokens: Tensor, parents: Tensor, scores: Tensor, levels: Tensor, verify: int) -> DraftTree:
     """The best `verify` candidates, each admitted only after its parent, in topological order."""
-    order = sorted(range(tokens.numel()), key=lambda i: (-float(scores[i]), int(levels[i]), i))
-    parent_of = parents.tolist()
+    score_of, level_of, parent_of = scores.tolist(), levels.tolist(), parents.tolist()
+    order = sorted(range(len(score_of)), key=lambda i: (-score_of[i], level_of[i], i))
     chosen: list[int] = []
     taken: set[int] = set()
     for i in order:
@@ -145,11 +158,13 @@ def _select(tokens: Tensor, parents: Tensor, scores: Tensor, levels: Tensor, ver
             chosen.append(i)
             taken.add(i)
     rank = {node: r for r, node in enumerate(chosen)}
-    chosen.sort(key=lambda i: (int(levels[i]), rank[i]))
+    chosen.sort(key=lambda i: (level_of[i], rank[i]))
     new_index = {old: new for new, old in enumerate(chosen)}
-    idx = torch.tensor(chosen, dtype=torch.int64)
+    idx = torch.tensor(chosen, dtype=torch.int64, device=tokens.device)
     return DraftTree(
         tokens=tokens[idx],
-        parents=torch.tensor([new_index.get(parent_of[i], -1) for i in chosen], dtype=torch.int64),
+        parents=torch.tensor(
+            [new_index.get(parent_of[i], -1) for i in chosen], dtype=torch.int64, device=tokens.device
+        ),
         scores=scores[idx],
     )

@@ -81,16 +81,22 @@ class Draft:
 
     @property
     def is_chain(self) -> bool:
-        return bool(torch.equal(self.parents, chain_parents(len(self))))
+        return bool(torch.equal(self.parents, chain_parents(len(self), self.parents.device)))
 
     @classmethod
-    def chain(cls, tokens: Sequence[int] | Tensor, draft_probs: Tensor | None = None) -> Draft:
-        tokens = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
-        return cls(tokens, chain_parents(tokens.numel()), draft_probs)
+    def chain(
+        cls,
+        tokens: Sequence[int] | Tensor,
+        draft_probs: Tensor | None = None,
+        device: torch.device | str | None = None,
+    ) -> Draft:
+        """A chain of `tokens` on `device` (None: where a tensor of tokens is, a list's on the CPU)."""
+        tokens = torch.as_tensor(tokens, dtype=torch.int64, device=device).reshape(-1)
+        return cls(tokens, chain_parents(tokens.numel(), tokens.device), draft_probs)
 
     @classmethod
-    def empty(cls) -> Draft:
-        return cls.chain([])
+    def empty(cls, device: torch.device | str | None = None) -> Draft:
+        return cls.chain([], device=device)
 
 
 class Drafter(ABC):
@@ -122,25 +128,31 @@ class Drafter(ABC):
         return None
 
 
-def stack_chains(drafts: Sequence[Draft], vocab: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+def stack_chains(
+    drafts: Sequence[Draft], vocab: int | None = None, device: torch.device | str | None = None
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """Pad chain drafts for `verify_chain`: (draft_tokens [B, k], draft_lengths [B], draft_probs [B, k, V]
-    or None). Rows without draft_probs get the point mass of their tokens when any row has them."""
+    or None) on `device` (None: the first draft's). Rows without draft_probs get the point mass of their
+    tokens when any row has them."""
     if not all(d.is_chain for d in drafts):
         raise ValueError("stack_chains needs chain drafts (parents i - 1); verify trees with verify_tree")
+    if device is None:
+        device = drafts[0].tokens.device if drafts else "cpu"
     b = len(drafts)
-    lengths = torch.tensor([len(d) for d in drafts], dtype=torch.int64)
-    k = int(lengths.max()) if b else 0
-    tokens = torch.zeros(b, k, dtype=torch.int64)
+    sizes = [len(d) for d in drafts]
+    k = max(sizes, default=0)
+    lengths = torch.tensor(sizes, dtype=torch.int64, device=device)
+    tokens = torch.zeros(b, k, dtype=torch.int64, device=device)
     for row, d in enumerate(drafts):
         tokens[row, : len(d)] = d.tokens
-    with_probs = [d for d in drafts if d.draft_probs is not None]
+    with_probs = [d.draft_probs for d in drafts if d.draft_probs is not None]
     if not with_probs:
         return tokens, lengths, None
-    v = vocab if vocab is not None else with_probs[0].draft_probs.shape[-1]
-    probs = torch.zeros(b, k, v)
+    v = vocab if vocab is not None else with_probs[0].shape[-1]
+    probs = torch.zeros(b, k, v, device=device)
     for row, d in enumerate(drafts):
         if d.draft_probs is not None:
             probs[row, : len(d)] = d.draft_probs
         else:
-            probs[row, torch.arange(len(d)), d.tokens] = 1.0
+            probs[row, torch.arange(len(d), device=device), d.tokens.to(device)] = 1.0
     return tokens, lengths, probs

@@ -10,7 +10,8 @@ occurrences into a trie counting occurrences per node, and drafts the best `veri
 `topk` children per node (topk == 1: the most frequent continuation, as a chain). Drafts are
 deterministic (point masses). Keyed rows (reproducible mode, T > 0) draft a chain that, where the
 continuations branch, follows the sampler's own race with the counts as the distribution (`_keyed_chain`).
-More in docs/engine.md, "N-gram drafter".
+Tables are host lists; only a proposal's two small tensors are made, on `device`. More in docs/engine.md,
+"N-gram drafter".
 """
 
 from __future__ import annotations
@@ -48,7 +49,11 @@ class NGramDrafter(Drafter):
     name = "ngram"
     uses_hidden = False
 
-    def __init__(self, min_n: int = 2, max_n: int = 4, max_matches: int = 32) -> None:
+    def __init__(
+        self, min_n: int = 2, max_n: int = 4, max_matches: int = 32, device: torch.device | str = "cpu"
+    ) -> None:
+        """min_n, max_n: the n-gram lengths indexed; max_matches: recent occurrences merged per proposal;
+        device: where its drafts' tensors are made (the generator's model's)."""
         if min_n < 1:
             raise ValueError(f"min_n must be >= 1, got {min_n}")
         if max_n < min_n:
@@ -56,6 +61,7 @@ class NGramDrafter(Drafter):
         if max_matches < 1:
             raise ValueError(f"max_matches must be >= 1, got {max_matches}")
         self.min_n, self.max_n, self.max_matches = min_n, max_n, max_matches
+        self.device = torch.device(device)
         self._groups: dict[Hashable, _Group] = {}
         self._requests: dict[Hashable, _Request] = {}
 
@@ -121,12 +127,21 @@ class NGramDrafter(Drafter):
             if matches:
                 conts = [group.docs[d][p : p + depth] for d, p in matches[-self.max_matches :]]
                 if topk == 1 and state.keyed and not state.params.greedy:
-                    return _keyed_chain(conts, min(depth, verify), state.params.seed, state.position)
-                return _trie_draft(conts, topk, verify)
-        return Draft.empty()
+                    tokens, parents = _keyed_chain(
+                        conts, min(depth, verify), state.params.seed, state.position
+                    )
+                else:
+                    tokens, parents = _trie_draft(conts, topk, verify)
+                return Draft(
+                    torch.tensor(tokens, dtype=torch.int64, device=self.device),
+                    torch.tensor(parents, dtype=torch.int64, device=self.device),
+                )
+        return Draft.empty(self.device)
 
 
-def _keyed_chain(continuations: list[list[int]], length: int, seed: int, position: int) -> Draft:
+def _keyed_chain(
+    continuations: list[list[int]], length: int, seed: int, position: int
+) -> tuple[list[int], list[int]]:
     """A chain through the continuations' trie that, where they branch, follows the child the sampler's own
     race would pick if the branch counts were the distribution: argmin E / count, with E the keyed noise
     at that position (`sampling.keyed_exponential`). Siblings were sampled from the same policy at the same
@@ -147,11 +162,12 @@ def _keyed_chain(continuations: list[list[int]], length: int, seed: int, positio
             token = min(counts, key=lambda t: (keyed_exponential(seed, position + d, t) / counts[t], t))
         tokens.append(token)
         alive = [cont for cont in alive if len(cont) > d and cont[d] == token]
-    return Draft.chain(tokens)
+    return tokens, list(range(-1, len(tokens) - 1))
 
 
-def _trie_draft(continuations: list[list[int]], topk: int, verify: int) -> Draft:
-    """Merge continuations (oldest first) into a trie; keep the best `verify` nodes, `topk` per parent."""
+def _trie_draft(continuations: list[list[int]], topk: int, verify: int) -> tuple[list[int], list[int]]:
+    """Merge continuations (oldest first) into a trie; keep the best `verify` nodes, `topk` per parent:
+    (tokens, parents) in topological order."""
     node_of: dict[tuple[int, int], int] = {}  # (parent, token) -> trie node
     token: list[int] = []
     parent: list[int] = []
@@ -186,8 +202,4 @@ def _trie_draft(continuations: list[list[int]], topk: int, verify: int) -> Draft
         n_children[p] = n_children.get(p, 0) + 1
         new_index[i] = len(chosen)
         chosen.append(i)
-    tokens = torch.tensor([token[i] for i in chosen], dtype=torch.int64)
-    parents = torch.tensor(
-        [new_index[parent[i]] if parent[i] >= 0 else -1 for i in chosen], dtype=torch.int64
-    )
-    return Draft(tokens, parents)
+    return [token[i] for i in chosen], [new_index[parent[i]] if parent[i] >= 0 else -1 for i in chosen]

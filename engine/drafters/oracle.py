@@ -29,7 +29,13 @@ class OracleDrafter(Drafter):
     name = "oracle"
     uses_hidden = False
 
-    def __init__(self, recorded: Mapping[Hashable, Sequence[int] | Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        recorded: Mapping[Hashable, Sequence[int] | Tensor] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        """recorded: request id → its recorded sequence (`record`); device: where drafts are made."""
+        self.device = torch.device(device)
         self._recorded: dict[Hashable, list[int]] = {}
         for request_id, tokens in (recorded or {}).items():
             self.record(request_id, tokens)
@@ -53,10 +59,10 @@ class OracleDrafter(Drafter):
         recorded = self._recorded.get(state.request_id)
         n = len(state.tokens)
         if recorded is None or n >= len(recorded) or k < 1:
-            return Draft.empty()
+            return Draft.empty(self.device)
         # Cheap divergence check on the last few tokens (a full prefix compare would be O(length) per call).
         tail = state.tokens[max(0, n - 4) : n]
         tail = tail.tolist() if isinstance(tail, Tensor) else list(tail)
         if [int(t) for t in tail] != recorded[max(0, n - 4) : n]:
-            return Draft.empty()
-        return Draft.chain(torch.tensor(recorded[n : n + k], dtype=torch.int64))
+            return Draft.empty(self.device)
+        return Draft.chain(recorded[n : n + k], device=self.device)

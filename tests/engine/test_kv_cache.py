@@ -1,7 +1,8 @@
 """KV cache: slot bookkeeping, rollback of rejected tokens, and tree commit equal to a never-branched cache.
 
 Models run in float64 here, so "equal" can be checked to 1e-10 even where two caches reached the same
-state through differently shaped passes.
+state through differently shaped passes. The model tests run on every `device`, with the cache, the batch
+layout and the tree masks made on it.
 """
 
 from __future__ import annotations
@@ -20,17 +21,21 @@ from slipstream.engine.weights import load_model
 
 
 @pytest.fixture
-def model(make_checkpoint: Callable[..., Path]) -> Transformer:
-    return load_model(make_checkpoint("llama"), dtype=torch.float64)
+def model(make_checkpoint: Callable[..., Path], device: torch.device) -> Transformer:
+    return load_model(make_checkpoint("llama"), dtype=torch.float64, device=device)
 
 
 def feed(
     model: Transformer, cache: KVCache, slot: int, tokens: list[int], parents: list[int] | None = None
 ) -> torch.Tensor:
     """Append tokens to one slot in one pass (a tree when parents are given); logits for every token."""
-    masks = None if parents is None else [tree_attention_mask(torch.tensor(parents))]
+    device = cache.device
+    masks = None if parents is None else [tree_attention_mask(torch.tensor(parents, device=device))]
     layout = BatchLayout.build(cache, [slot], [len(tokens)], tree_masks=masks, logit_rows=range(len(tokens)))
-    logits, _ = model(torch.tensor(tokens), layout.positions, layout, cache)
+    tensors = [layout.positions, layout.write_slots, layout.write_positions, layout.logit_rows]
+    tensors += [group.mask for group in layout.groups]
+    assert all(t.device.type == device.type for t in tensors if t is not None)
+    logits, _ = model(torch.tensor(tokens, device=device), layout.positions, layout, cache)
     return logits
 
 
@@ -49,7 +54,10 @@ def assert_same_state(a: KVCache, slot_a: int, b: KVCache, slot_b: int, exact: b
 
 
 def new_cache(model: Transformer, num_slots: int = 2, max_len: int = 64) -> KVCache:
-    return KVCache.for_model(model.config, num_slots=num_slots, max_len=max_len, dtype=torch.float64)
+    device = model.embed_tokens.weight.device
+    return KVCache.for_model(
+        model.config, num_slots=num_slots, max_len=max_len, dtype=torch.float64, device=device
+    )
 
 
 def test_slots_allocate_lowest_first_and_run_out() -> None:

@@ -226,6 +226,32 @@ def test_sample_is_independent_of_batch_composition():
     assert tokens[1] == logits[1].argmax() and logprobs[1] == 0.0
 
 
+def test_sampling_runs_on_the_device_and_draws_the_hosts_tokens(device):
+    """Parameters, processed probs, the keyed noise and the race are made on the logits' device, and draw
+    the CPU's tokens (the noise is integer hashing of (seed, position): the same bits on every device)."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 3000) * torch.linspace(0.5, 6, 6)[:, None]
+    settings = [(1.0, 1.0, 0), (0.0, 1.0, 0), (0.8, 0.9, 0), (1.0, 1.0, 40), (1.3, 0.7, 0), (1.0, 0.95, 3)]
+    params = [
+        SamplingParams(temperature=t, top_p=p, top_k=k, seed=31 * i) for i, (t, p, k) in enumerate(settings)
+    ]
+    positions = torch.arange(6) + 10
+    expected, expected_logprobs = sample(logits, *params_tensors(params), positions)
+    tensors = params_tensors(params, device)
+    assert all(t.device.type == device.type for t in tensors)
+    tokens, logprobs = sample(logits.to(device), *tensors, positions.to(device))
+    assert tokens.device.type == logprobs.device.type == device.type
+    assert tokens.tolist() == expected.tolist()
+    torch.testing.assert_close(logprobs.cpu(), expected_logprobs, atol=1e-5, rtol=1e-5)
+    greedy = [SamplingParams(temperature=0.0)] * 6  # the all-greedy shortcut, too
+    tokens, logprobs = sample(logits.to(device), *params_tensors(greedy, device), positions.to(device))
+    assert logprobs.device.type == device.type and tokens.tolist() == logits.argmax(-1).tolist()
+    seeds = tensors[3]
+    u = keyed_uniform(seeds, positions.to(device), STREAM_SAMPLE, 5)
+    assert u.device.type == device.type
+    assert torch.equal(u.cpu(), keyed_uniform(seeds.cpu(), positions, STREAM_SAMPLE, 5))
+
+
 def test_same_key_same_token_other_key_other_draws():
     logits = torch.randn(1, 500).expand(400, 500)
     t, p, k = batch(400)
