@@ -13,6 +13,10 @@ accepted path is kept in the KV cache (`KVCache.commit_path`); a run of accepted
 stop id or length limit, exactly where plain decoding would stop. Drafters are built by the caller and
 held per method (`drafters=`, `hold`); `set_spec` switches between them.
 
+One code path for every device: the cache, the batch layout, sampling and verification run where the model
+is; the host reads back the sampled tokens and log-probs (one read each per pass), and a completion's
+hidden states once, when it finishes.
+
 Finish reasons: "stop" (a stop or EOS id was emitted; it is kept in token_ids, since the policy must
 learn to emit it), "length" (max_tokens reached, or prompt + response filled the cache slot's max_len).
 """
@@ -30,8 +34,9 @@ from slipstream.engine.drafters.base import Drafter, DraftState
 from slipstream.engine.kv_cache import KVCache
 from slipstream.engine.model import Transformer
 from slipstream.engine.sampling import SamplingParams, params_tensors, sample
-from slipstream.engine.speculator import EMPTY, SpecConfig, Speculator, VerifyEntry, verify_drafts
+from slipstream.engine.speculator import SpecConfig, Speculator, verify_drafts
 from slipstream.engine.tree import tree_attention_mask
+from slipstream.engine.verify import EMPTY, Proposal, VerifyEntry
 
 __all__ = ["Completion", "Generator", "Request", "SpecConfig", "StepOutput", "run_requests"]
 
@@ -60,7 +65,7 @@ class Completion:
     """"stop" or "length"."""
     group_id: str | None = None
     hidden: Tensor | None = None
-    """[len(token_ids), hidden] last-layer pre-norm state at the position that sampled each token."""
+    """[len(token_ids), hidden] last-layer pre-norm state at the position that sampled each token (CPU)."""
     target_passes: int = 0
     """Target forward passes (decode or verify) that produced its tokens; len(token_ids) / target_passes
     is the request's mean accept length (1 without speculation)."""
@@ -249,9 +254,10 @@ class Generator:
             seq.num_cached += n
         if not sampled:
             return []
-        temperature, top_p, top_k, seeds = params_tensors([seq.request.params for seq in sampled])
-        positions = torch.tensor([len(seq.tokens) for seq in sampled], dtype=torch.int64)
-        tokens, logprobs = sample(logits.cpu(), temperature, top_p, top_k, seeds, positions)
+        device = logits.device
+        temperature, top_p, top_k, seeds = params_tensors([seq.request.params for seq in sampled], device)
+        positions = torch.tensor([len(seq.tokens) for seq in sampled], dtype=torch.int64, device=device)
+        tokens, logprobs = sample(logits, temperature, top_p, top_k, seeds, positions)
         rows_hidden = self._logit_hidden(hidden, layout)
         return [
             # A row's clone, not a view: a view would pin the whole pass's states.
@@ -279,7 +285,9 @@ class Generator:
         ]
         states = [seq.draft_state for seq in decodes]
         if self.speculator.needs_hidden:  # every commit was observed with its states: none are new
-            none_new = torch.empty(0, self.model.config.hidden_size, dtype=self.cache.dtype)
+            none_new = torch.empty(
+                0, self.model.config.hidden_size, dtype=self.cache.dtype, device=self.cache.device
+            )
             states = [replace(state, hidden=none_new) for state in states]
         proposals = self.speculator.draft(states, depth_caps, node_caps, draft_budget)
         plan = self._prefill_plan(prefills, spare - sum(p.size for p in proposals))
@@ -298,8 +306,7 @@ class Generator:
             input_ids.append(seq.tokens[-1])
             input_ids.extend(proposal.tokens)
             sizes.append(proposal.size + 1)
-            parents = None if proposal.parents is None else torch.tensor(proposal.pass_parents())
-            masks.append(None if parents is None else tree_attention_mask(parents))
+            masks.append(None if proposal.parents is None else self._tree_mask(proposal))
         for seq, n in plan:
             input_ids.extend(seq.tokens[seq.num_cached : seq.num_cached + n])
             sizes.append(n)
@@ -318,7 +325,7 @@ class Generator:
         logits, hidden = self._forward(input_ids, layout)
         for seq, n in plan:
             seq.num_cached += n
-        results = verify_drafts(logits.cpu(), entries, self.speculator.config.mode)
+        results = verify_drafts(logits, entries, self.speculator.config.mode)
         rows_hidden = self._logit_hidden(hidden, layout)
         outputs = []
         for i, (seq, entry, result) in enumerate(zip(emitting, entries, results, strict=True)):
@@ -379,11 +386,17 @@ class Generator:
         self._stats["target_passes"] += 1
         return self.model(ids, layout.positions, layout, self.cache)
 
+    def _tree_mask(self, proposal: Proposal) -> Tensor:
+        """[n + 1, n + 1] visibility among a tree proposal's verify-pass nodes, on the cache's device."""
+        parents = torch.tensor(proposal.pass_parents(), dtype=torch.int64, device=self.cache.device)
+        return tree_attention_mask(parents, depth=max(proposal.depths()))
+
     def _logit_hidden(self, hidden: Tensor, layout: BatchLayout) -> Tensor | None:
-        """[num_logits, hidden] states of the logit rows, on the CPU, if completions or drafters use them."""
+        """[num_logits, hidden] states of the logit rows, on the model's device, if completions or drafters
+        use them (a completion takes its own to the CPU once, when it finishes)."""
         if not (self.return_hidden or self.speculator.needs_hidden):
             return None
-        return (hidden if layout.logit_rows is None else hidden.index_select(0, layout.logit_rows)).cpu()
+        return hidden if layout.logit_rows is None else hidden.index_select(0, layout.logit_rows)
 
     def _admit(self) -> None:
         while self._waiting and self.cache.num_free_slots:
@@ -478,7 +491,7 @@ class Generator:
             logprobs=seq.logprobs,
             finish_reason=reason,
             group_id=seq.request.group_id,
-            hidden=torch.stack(seq.hidden) if seq.hidden else None,
+            hidden=torch.stack(seq.hidden).cpu() if seq.hidden else None,
             target_passes=seq.target_passes,
             drafted=seq.drafted,
             accepted=seq.accepted,

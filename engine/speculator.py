@@ -7,13 +7,12 @@ mask) — next to the prefill chunks of other requests (cheaper than two passes:
 `verify_drafts` decides per sequence which nodes survive and what the next token is.
 
 Verification is split by how a row decides, not by draft shape:
-- "match" rows (greedy requests, every request in "reproducible" mode, empty drafts) draw the target's
-  token after EVERY node in one batched `sampling.sample` call with plain decoding's (seed, position)
-  noise, then walk the draft while a child carries the drawn token: `verify_chain`/`verify_tree` in
-  "match" mode for the whole batch at once, token-identical to plain decoding by construction.
+- "match" rows (greedy requests, every request in "reproducible" mode, empty drafts) go to
+  `verify.verify_match` in one call: token-identical to plain decoding by construction.
 - "rejection" rows (sampling requests in "rejection" mode with a draft) build the processed target
   distributions and go through `verify.verify_chain` (all chains in one call) or `verify.verify_tree`
   (one call per tree): lossless in distribution, not token-identical.
+Verification runs on the logits' device; drafts are read to the host once per pass (one read per device).
 
 Drafters are built by the caller and held by method name (`Speculator.hold`); the engine makes none.
 """
@@ -29,8 +28,16 @@ from torch import Tensor
 
 from slipstream.engine.drafters.base import Draft, Drafter, DraftState, stack_chains
 from slipstream.engine.drafters.hybrid import HybridDrafter
-from slipstream.engine.sampling import SamplingParams, params_tensors, processed_probs, sample
-from slipstream.engine.verify import verify_chain, verify_tree
+from slipstream.engine.sampling import SamplingParams, params_tensors, processed_probs
+from slipstream.engine.verify import (
+    EMPTY,
+    Proposal,
+    Verified,
+    VerifyEntry,
+    verify_chain,
+    verify_match,
+    verify_tree,
+)
 
 __all__ = [
     "DRAFTER_METHODS",
@@ -91,86 +98,6 @@ class SpecConfig:
         if not self.verify:
             return self.depth * self.topk
         return min(self.verify, self.depth) if self.topk == 1 else self.verify
-
-
-@dataclass(slots=True)
-class Proposal:
-    """One sequence's draft as Python lists (the verify pass and the tree walk read them per node)."""
-
-    tokens: list[int]
-    """[n] draft tokens; draft node i is node i + 1 of the verify pass (node 0 is the pending token)."""
-    parents: list[int] | None
-    """[n] parent draft node (-1 = the root) in topological order, or None for a chain."""
-    draft_probs: Tensor | None = None
-    """[n, V] the distribution each token was drawn from, or None (point masses)."""
-
-    @property
-    def size(self) -> int:
-        return len(self.tokens)
-
-    def pass_parents(self) -> list[int]:
-        """[n + 1] parents in verify-pass numbering: the root first."""
-        parents = self.parents if self.parents is not None else range(-1, self.size - 1)
-        return [-1, *(p + 1 for p in parents)]
-
-    def root_tokens(self) -> list[int]:
-        """Tokens of the root's children."""
-        if self.parents is None:
-            return self.tokens[:1]
-        return [t for t, p in zip(self.tokens, self.parents, strict=True) if p < 0]
-
-    def depths(self) -> list[int]:
-        """[n + 1] depth of each verify-pass node (the root 0)."""
-        if self.parents is None:
-            return list(range(self.size + 1))
-        depths = [0]
-        for p in self.parents:
-            depths.append(depths[p + 1] + 1)
-        return depths
-
-    def prefix(self, n: int) -> Proposal:
-        """The first n nodes (a prefix of a topological order is a tree); a chain drops its parents."""
-        parents = None if self.parents is None else self.parents[:n]
-        if parents is not None and parents == list(range(-1, len(parents) - 1)):
-            parents = None
-        probs = self.draft_probs
-        if n >= self.size:
-            return Proposal(self.tokens, parents, probs)
-        return Proposal(self.tokens[:n], parents, None if probs is None else probs[:n])
-
-    def as_draft(self) -> Draft:
-        tokens = torch.tensor(self.tokens, dtype=torch.int64)
-        if self.parents is None:
-            return Draft.chain(tokens, self.draft_probs)
-        return Draft(tokens, torch.tensor(self.parents, dtype=torch.int64), self.draft_probs)
-
-
-EMPTY = Proposal([], None)
-
-
-@dataclass(slots=True)
-class VerifyEntry:
-    """One sequence's share of a verify pass."""
-
-    row: int
-    """Logit row of the root; the draft's nodes follow it."""
-    proposal: Proposal
-    params: SamplingParams
-    position: int
-    """Position (index in prompt + response) of the token after the root."""
-
-
-@dataclass(slots=True)
-class Verified:
-    """What verification emits for one sequence (before max_tokens / stop truncation)."""
-
-    tokens: list[int]
-    """Accepted draft tokens, then the correction or bonus token."""
-    logprobs: list[float]
-    """Log-prob of each token under the target's processed distribution (0 for greedy)."""
-    nodes: list[int]
-    """Verify-pass node that sampled each token: the root (0), then the accepted draft nodes. The KV cache
-    keeps exactly these nodes (the last emitted token becomes the new pending one)."""
 
 
 class Speculator:
@@ -250,16 +177,19 @@ class Speculator:
         drafts = drafter.propose(asked_states, spec.depth, spec.topk, spec.verify_budget)
         if len(drafts) != len(asked):
             raise ValueError(f"drafter returned {len(drafts)} drafts for {len(asked)} requests")
-        for i, draft in zip(asked, drafts, strict=True):
-            proposals[i] = self._proposal(draft, depth_caps[i], min(node_caps[i], spec.verify_budget))
+        for i, draft, (tokens, parents) in zip(asked, drafts, _host_lists(drafts), strict=True):
+            proposals[i] = self._proposal(
+                tokens, parents, draft.draft_probs, depth_caps[i], min(node_caps[i], spec.verify_budget)
+            )
         cap = share_budget([p.size for p in proposals], budget)
         return [p if p.size <= cap else p.prefix(cap) for p in proposals]
 
-    def _proposal(self, draft: Draft, depth_cap: int, node_cap: int) -> Proposal:
+    def _proposal(
+        self, tokens: list[int], parents: list[int], probs: Tensor | None, depth_cap: int, node_cap: int
+    ) -> Proposal:
         """Check a draft and drop its nodes deeper than depth_cap, then all but its first node_cap."""
-        if len(draft) == 0:
+        if not tokens:
             return EMPTY
-        tokens, parents, probs = draft.tokens.tolist(), draft.parents.tolist(), draft.draft_probs
         if any(not -1 <= p < i for i, p in enumerate(parents)):
             raise ValueError(f"draft parents {parents} are not in topological order (parent before child)")
         if min(tokens) < 0 or max(tokens) >= self.vocab_size:
@@ -301,6 +231,23 @@ def share_budget(sizes: Sequence[int], budget: int) -> int:
     return cap
 
 
+def _host_lists(drafts: Sequence[Draft]) -> list[tuple[list[int], list[int]]]:
+    """(tokens, parents) of every draft as lists: one host read per device the drafts are on, not two per
+    draft (each would be a device sync)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, draft in enumerate(drafts):
+        by_device.setdefault(draft.tokens.device, []).append(i)
+    out: list[tuple[list[int], list[int]]] = [([], [])] * len(drafts)
+    for ids in by_device.values():
+        flat = torch.cat([t for i in ids for t in (drafts[i].tokens, drafts[i].parents)]).tolist()
+        at = 0
+        for i in ids:
+            n = len(drafts[i])
+            out[i] = (flat[at : at + n], flat[at + n : at + 2 * n])
+            at += 2 * n
+    return out
+
+
 def verify_drafts(logits: Tensor, entries: Sequence[VerifyEntry], mode: SpecMode) -> list[Verified]:
     """Verify every entry's draft against logits [rows, V] of one verify pass; see the module docstring."""
     match: list[int] = []
@@ -310,83 +257,24 @@ def verify_drafts(logits: Tensor, entries: Sequence[VerifyEntry], mode: SpecMode
         (reject if use_rejection else match).append(i)
     results: dict[int, Verified] = {}
     if match:
-        results.update(zip(match, _verify_match(logits, [entries[i] for i in match]), strict=True))
+        results.update(zip(match, verify_match(logits, [entries[i] for i in match]), strict=True))
     if reject:
         results.update(zip(reject, _verify_rejection(logits, [entries[i] for i in reject]), strict=True))
     return [results[i] for i in range(len(entries))]
 
 
-def _verify_match(logits: Tensor, entries: Sequence[VerifyEntry]) -> list[Verified]:
-    """Draw the target's token after the nodes like plain decoding would, then walk each draft."""
-    drawn: dict[int, tuple[int, float]] = {}  # logit row -> (token, log-prob)
-    greedy_rows = [r for e in entries if e.params.greedy for r in range(e.row, e.row + e.proposal.size + 1)]
-    if greedy_rows:
-        # All-greedy rows: `sample` takes the argmax plain decoding takes, and builds no distribution.
-        greedy_logits = logits if len(greedy_rows) == logits.shape[0] else logits[greedy_rows]
-        n = len(greedy_rows)
-        zeros, unused = torch.zeros(n), torch.zeros(n, dtype=torch.int64)
-        tokens, _ = sample(greedy_logits, zeros, torch.ones(n), unused, unused, unused)
-        drawn.update(zip(greedy_rows, ((t, 0.0) for t in tokens.tolist()), strict=True))
-    sampled = [e for e in entries if not e.params.greedy]
-    if sampled:
-        # A draw costs a softmax over the vocabulary. Draw at the roots first — a sampled draft often dies
-        # there — and at every other node (in one call) only for drafts whose first token survived.
-        _draw(logits, [(e.row, e.position, e.params) for e in sampled], drawn)
-        deeper = [
-            (e.row + j, e.position + depth, e.params)
-            for e in sampled
-            if drawn[e.row][0] in e.proposal.root_tokens()
-            for j, depth in enumerate(e.proposal.depths()[1:], 1)
-        ]
-        _draw(logits, deeper, drawn)
-
-    results = []
-    for entry in entries:
-        proposal, row = entry.proposal, entry.row
-        nodes = [0]
-        if proposal.parents is None:
-            for j, token in enumerate(proposal.tokens):
-                if token != drawn[row + j][0]:
-                    break
-                nodes.append(j + 1)
-        else:
-            child: dict[tuple[int, int], int] = {}
-            for j, (parent, token) in enumerate(
-                zip(proposal.pass_parents()[1:], proposal.tokens, strict=True)
-            ):
-                child.setdefault((parent, token), j + 1)  # the first of equal siblings, as verify_tree
-            node = child.get((0, drawn[row][0]))
-            while node is not None:
-                nodes.append(node)
-                node = child.get((node, drawn[row + node][0]))
-        picks = [drawn[row + node] for node in nodes]
-        results.append(Verified([t for t, _ in picks], [lp for _, lp in picks], nodes))
-    return results
-
-
-def _draw(
-    logits: Tensor, rows: Sequence[tuple[int, int, SamplingParams]], drawn: dict[int, tuple[int, float]]
-) -> None:
-    """`sample` at (logit row, position, params) triples into `drawn`: plain decoding's draw there."""
-    if not rows:
-        return
-    temperature, top_p, top_k, seeds = params_tensors([params for _, _, params in rows])
-    positions = torch.tensor([position for _, position, _ in rows], dtype=torch.int64)
-    index = [row for row, _, _ in rows]
-    tokens, logprobs = sample(logits[index], temperature, top_p, top_k, seeds, positions)
-    drawn.update(zip(index, zip(tokens.tolist(), logprobs.tolist(), strict=True), strict=True))
-
-
 def _verify_rejection(logits: Tensor, entries: Sequence[VerifyEntry]) -> list[Verified]:
     """Speculative sampling against the processed target distributions (lossless in distribution)."""
+    device = logits.device
     rows: list[int] = []
     params: list[SamplingParams] = []
     for entry in entries:
         n = entry.proposal.size + 1
         rows.extend(range(entry.row, entry.row + n))
         params.extend([entry.params] * n)
-    temperature, top_p, top_k, _ = params_tensors(params)
-    probs = processed_probs(logits[rows], temperature, top_p, top_k)  # [sum(n + 1), V]
+    temperature, top_p, top_k, _ = params_tensors(params, device)
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
+    probs = processed_probs(logits.index_select(0, rows_t), temperature, top_p, top_k)  # [sum(n + 1), V]
     starts = [0]  # first probs row of each entry
     for entry in entries[:-1]:
         starts.append(starts[-1] + entry.proposal.size + 1)
@@ -394,17 +282,21 @@ def _verify_rejection(logits: Tensor, entries: Sequence[VerifyEntry]) -> list[Ve
     results: dict[int, Verified] = {}
     chains = [i for i, entry in enumerate(entries) if entry.proposal.parents is None]
     if chains:
-        tokens, lengths, draft_probs = stack_chains(
-            [entries[i].proposal.as_draft() for i in chains], probs.shape[-1]
-        )  # [b, k], [b], [b, k, V] | None
+        drafts = [
+            Draft.chain(torch.tensor(p.tokens, dtype=torch.int64, device=device), p.draft_probs)
+            for p in (entries[i].proposal for i in chains)
+        ]
+        # [b, k], [b], [b, k, V] or None
+        tokens, lengths, draft_probs = stack_chains(drafts, probs.shape[-1], device)
         k = tokens.shape[1]
         # Row j of chain b reads probs row starts[b] + j; rows past its draft read a zero row (padding).
-        index = torch.tensor([starts[i] for i in chains])[:, None] + torch.arange(k + 1)[None, :]
-        index = torch.where(torch.arange(k + 1)[None, :] <= lengths[:, None], index, probs.shape[0])
+        cols = torch.arange(k + 1, device=device)[None, :]
+        index = torch.tensor([starts[i] for i in chains], device=device)[:, None] + cols
+        index = torch.where(cols <= lengths[:, None], index, probs.shape[0])
         padded = torch.cat([probs, probs.new_zeros(1, probs.shape[-1])])[index]  # [b, k + 1, V]
-        seeds = torch.tensor([entries[i].params.seed for i in chains], dtype=torch.int64)
-        positions = torch.tensor([entries[i].position for i in chains], dtype=torch.int64)
-        out = verify_chain(tokens, draft_probs, padded, seeds, positions, "rejection", lengths)
+        seeds = torch.tensor([entries[i].params.seed for i in chains], dtype=torch.int64, device=device)
+        positions = torch.tensor([entries[i].position for i in chains], dtype=torch.int64, device=device)
+        out = verify_chain(tokens, draft_probs, padded, seeds, positions, lengths)
         for i, accepted, emitted, logprobs in zip(
             chains, out.accept_length.tolist(), out.tokens.tolist(), out.logprobs.tolist(), strict=True
         ):
@@ -412,14 +304,13 @@ def _verify_rejection(logits: Tensor, entries: Sequence[VerifyEntry]) -> list[Ve
                 emitted[: accepted + 1], logprobs[: accepted + 1], list(range(accepted + 1))
             )
     for i, entry in enumerate(entries):
-        if entry.proposal.parents is None:
+        proposal = entry.proposal
+        if proposal.parents is None:
             continue
         # verify_tree treats children as point masses (SpecInfer): lossless however they were chosen.
-        draft = entry.proposal.as_draft()
-        n = entry.proposal.size
         out = verify_tree(
-            draft.tokens, draft.parents, probs[starts[i] : starts[i] + n + 1], entry.params.seed, entry.position,
-            "rejection",
+            proposal.tokens, proposal.parents, probs[starts[i] : starts[i] + proposal.size + 1],
+            entry.params.seed, entry.position,
         )  # fmt: skip
         results[i] = Verified(
             out.tokens.tolist(), out.logprobs.tolist(), [0, *(a + 1 for a in out.accepted.tolist())]

@@ -16,7 +16,7 @@ from slipstream.engine.drafters import (
     OracleDrafter,
     stack_chains,
 )
-from slipstream.engine.sampling import SamplingParams, keyed_exponential, processed_probs, sample
+from slipstream.engine.sampling import SamplingParams, keyed_exponential, sample
 from slipstream.engine.tree import (
     build_tree,
     chain_parents,
@@ -25,9 +25,14 @@ from slipstream.engine.tree import (
     tree_depths,
     tree_positions,
 )
-from slipstream.engine.verify import verify_chain, verify_tree
+from slipstream.engine.verify import Proposal, VerifyEntry, verify_match
 
 PARAMS = SamplingParams()
+
+
+def on(device: torch.device, *tensors: torch.Tensor) -> bool:
+    """Every tensor is on `device`'s kind ("cuda" names no index; a tensor's device is "cuda:0")."""
+    return all(t.device.type == device.type for t in tensors)
 
 
 def state(rid, gid, tokens, prompt_len, params=PARAMS) -> DraftState:
@@ -38,9 +43,9 @@ def state(rid, gid, tokens, prompt_len, params=PARAMS) -> DraftState:
 # Trees
 
 
-def test_tree_attention_mask_depths_positions():
+def test_tree_attention_mask_depths_positions(device):
     # root → 0 → {1, 2}; root → 3; 2 → 4
-    parents = torch.tensor([-1, 0, 0, -1, 2])
+    parents = torch.tensor([-1, 0, 0, -1, 2], device=device)
     mask = tree_attention_mask(parents)
     expected = torch.tensor(
         [
@@ -51,8 +56,10 @@ def test_tree_attention_mask_depths_positions():
             [1, 0, 1, 0, 1],
         ],
         dtype=torch.bool,
+        device=device,
     )
     assert torch.equal(mask, expected)
+    assert torch.equal(tree_attention_mask(parents, depth=2), expected)  # the known depth: no host reads
     assert tree_depths(parents).tolist() == [0, 1, 1, 0, 2]
     assert tree_positions(parents, 10).tolist() == [10, 11, 11, 10, 12]
     assert path_to(parents, 4) == [0, 2, 4] and path_to(parents, 3) == [3]
@@ -70,14 +77,15 @@ def test_chain_is_a_tree_with_causal_mask():
 class MarkovExpand:
     """Draft log-probs of the next token given the previous one (the root's previous token is 0)."""
 
-    def __init__(self, vocab: int = 12, seed: int = 0):
+    def __init__(self, vocab: int = 12, seed: int = 0, device: torch.device | str = "cpu"):
         g = torch.Generator().manual_seed(seed)
-        self.table = torch.log_softmax(torch.randn(vocab, vocab, generator=g) * 2, -1)
+        self.table = torch.log_softmax(torch.randn(vocab, vocab, generator=g) * 2, -1).to(device)
         self.frontiers: list[list[int]] = []
 
     def __call__(self, tokens, parents, frontier):
+        assert tokens.device == parents.device == frontier.device
         self.frontiers.append(frontier.tolist())
-        prev = torch.tensor([0 if f < 0 else int(tokens[f]) for f in frontier.tolist()])
+        prev = torch.tensor([0 if f < 0 else int(tokens[f]) for f in frontier.tolist()], device=tokens.device)
         return self.table[prev]
 
 
@@ -127,14 +135,43 @@ def test_built_tree_verifies_losslessly_in_match_mode():
     draft, target = MarkovExpand(seed=1), MarkovExpand(seed=2)
     tree = build_tree(draft, depth=3, topk=2, verify=6)
     prev = torch.cat([torch.tensor([0]), tree.tokens])
-    q = torch.softmax(target.table[prev], -1)  # [n+1, V]
-    res = verify_tree(tree.tokens, tree.parents, q, seed=9, base_position=5)
+    proposal = Proposal(tree.tokens.tolist(), tree.parents.tolist())
+    (res,) = verify_match(target.table[prev], [VerifyEntry(0, proposal, SamplingParams(seed=9), 5)])
     ctx = 0
-    for j, tok in enumerate(res.tokens.tolist()):
+    for j, tok in enumerate(res.tokens):
         plain, _ = sample(target.table[ctx][None], torch.ones(1), torch.ones(1), torch.zeros(1, dtype=torch.int64),
                           torch.tensor([9]), torch.tensor([5 + j]))  # fmt: skip
         assert tok == int(plain[0])
         ctx = tok
+
+
+def test_trees_and_drafts_are_made_on_the_device(device):
+    """build_tree keeps its candidates where the drafter's log-probs are; the n-gram and oracle drafters
+    and stack_chains make their tensors on the device they are given."""
+    tree = build_tree(MarkovExpand(device=device), depth=3, topk=2, verify=6, device=device)
+    cpu_tree = build_tree(MarkovExpand(), depth=3, topk=2, verify=6)
+    assert on(device, tree.tokens, tree.parents, tree.scores)
+    assert (
+        tree.tokens.tolist() == cpu_tree.tokens.tolist()
+        and tree.parents.tolist() == cpu_tree.parents.tolist()
+    )
+    drafter = NGramDrafter(min_n=2, max_n=3, device=device)
+    drafter.observe(state("a", 0, [*PROMPT, 1, 2, 3, 4, 5, 6, 7], 4))
+    chain, tree_draft, none = (
+        drafter.propose([state("b", 0, [*PROMPT, 9, 1, 2], 4)], depth=3, topk=1, verify=8)[0],
+        drafter.propose([state("c", 0, [*PROMPT, 9, 1, 2], 4)], depth=3, topk=2, verify=8)[0],
+        drafter.propose([state("d", 1, [7, 7, 1, 2], 2)], depth=3, topk=1, verify=8)[0],
+    )
+    assert chain.tokens.tolist() == [3, 4, 5] and chain.is_chain and len(none) == 0
+    assert all(on(device, d.tokens, d.parents) for d in (chain, tree_draft, none))
+    (replay,) = OracleDrafter({"r": [1, 2, 3, 4]}, device=device).propose([state("r", 0, [1, 2], 1)], 2, 1, 2)
+    assert on(device, replay.tokens) and replay.tokens.tolist() == [3, 4]
+    p = torch.full((1, 5), 0.2, device=device)
+    tokens, lengths, probs = stack_chains(
+        [Draft.chain([1], p), Draft.chain([4], device=device)], device=device
+    )
+    assert on(device, tokens, lengths, probs)
+    assert probs[1, 0].tolist() == [0.0, 0.0, 0.0, 0.0, 1.0]
 
 
 def test_build_tree_validation():
@@ -314,8 +351,10 @@ def test_oracle_drafts_are_all_accepted_in_match_mode():
         (d,) = oracle.propose([state("r", 0, out, 1)], depth=4, topk=1, verify=4)
         k = len(d)
         chain = torch.tensor([out[-1], *d.tokens.tolist()])
-        q = processed_probs(logits[chain], t.expand(k + 1), tp.expand(k + 1), tk.expand(k + 1))[None]
-        res = verify_chain(d.tokens[None], None, q, seed, torch.tensor([len(out)]), "match")
-        assert res.accept_length.item() == k
-        out += res.tokens[0, : k + 1].tolist()
+        params = SamplingParams(top_p=0.9, seed=4)
+        (res,) = verify_match(
+            logits[chain], [VerifyEntry(0, Proposal(d.tokens.tolist(), None), params, len(out))]
+        )
+        assert len(res.tokens) == k + 1
+        out += res.tokens
     assert out[: len(seq)] == seq

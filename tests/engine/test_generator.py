@@ -20,7 +20,7 @@ from slipstream.engine.kv_cache import KVCache
 from slipstream.engine.model import Transformer
 from slipstream.engine.sampling import SamplingParams
 from slipstream.engine.weights import load_model
-from tests.engine.tree_scoring import VerifyTree, score_tree, score_trees
+from tests.engine.tree_scoring import VerifyTree, accepted_path, score_tree, score_trees
 
 VOCAB = 160
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
@@ -267,9 +267,10 @@ def test_score_trees_batch_then_commit_equals_never_branched(model: Transformer)
         for slot, g in zip(slots, greedy, strict=True)
     ]
     scores = score_trees(model, cache, trees)
-    for slot, base, logits, g in zip(slots, scores.base_lengths, scores.logits, greedy, strict=True):
-        assert logits[[0, 2, 4]].argmax(-1).tolist() == g[1:4]
-        cache.commit_path(slot, base, [0, 2, 4])
+    for tree, base, logits, g in zip(trees, scores.base_lengths, scores.logits, greedy, strict=True):
+        verified = accepted_path(logits, tree, GREEDY, base + 1)
+        assert verified.nodes == [0, 2, 4] and verified.tokens == g[1:4]
+        cache.commit_path(tree.slot, base, verified.nodes)
 
     for slot, prompt, g in zip(slots, prompts, greedy, strict=True):
         chain = KVCache.for_model(model.config, num_slots=1, max_len=32, dtype=torch.float64)

@@ -1,10 +1,11 @@
 """Speculative verification: hand-computed cases, statistical losslessness, and reproducibility.
 
-Statistical tests: a chi-square goodness-of-fit test at false-alarm rate ALPHA = 1e-3 (critical value from
-the chi-square quantile, `chi2_critical`), on a Markov "model" over a small vocabulary where the target Q
-and the draft P differ. Every such test also runs a planted bug through the same check and asserts that
-the check rejects it, so a pass is evidence, not a blind spot. Seeds are fixed: the tests are
-deterministic.
+`verify_match` is the one reproducible ("match") verifier: the engine's, tested here on its own.
+`verify_chain` / `verify_tree` are rejection sampling. Statistical tests: a chi-square goodness-of-fit
+test at false-alarm rate ALPHA = 1e-3 (critical value from the chi-square quantile, `chi2_critical`), on a
+Markov "model" over a small vocabulary where the target Q and the draft P differ. Every such test also runs
+a planted bug through the same check and asserts that the check rejects it, so a pass is evidence, not a
+blind spot. Seeds are fixed: the tests are deterministic. Hand cases run on every `device`.
 """
 
 from __future__ import annotations
@@ -13,55 +14,80 @@ import pytest
 import torch
 
 from slipstream.engine import verify
-from slipstream.engine.sampling import processed_probs, race_sample, sample
-from slipstream.engine.verify import PAD_TOKEN, verify_chain, verify_tree
+from slipstream.engine.sampling import SamplingParams, processed_probs, race_sample, sample
+from slipstream.engine.verify import (
+    PAD_TOKEN,
+    Proposal,
+    VerifyEntry,
+    verify_chain,
+    verify_match,
+    verify_tree,
+)
 from tests.engine.test_sampling import chi2_critical, chi2_statistic
 
 V = 6
+GREEDY = SamplingParams(temperature=0.0)
 
 
-def one_hot_rows(tokens: list[int], vocab: int = 8) -> torch.Tensor:
-    return torch.nn.functional.one_hot(torch.tensor(tokens), vocab).float()
+def one_hot_rows(tokens: list[int], vocab: int = 8, device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(tokens, device=device), vocab).float()
+
+
+def match_chains(
+    logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams], positions: list[int]
+) -> list[verify.Verified]:
+    """verify_match over chains whose logit rows are stacked [sum(len + 1), V] in order."""
+    entries, row = [], 0
+    for tokens, p, position in zip(drafts, params, positions, strict=True):
+        entries.append(VerifyEntry(row, Proposal(tokens, None), p, position))
+        row += len(tokens) + 1
+    return verify_match(logits, entries)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Hand-computed cases
 
 
-@pytest.mark.parametrize("mode", ["rejection", "match"])
-def test_greedy_chain_accepts_the_argmax_prefix(mode):
+def test_greedy_chain_accepts_the_argmax_prefix(device):
     # Target argmax after each prefix: 1, 2, 5, 6. Draft 1, 2, 3: two accepted, then 5.
-    target = one_hot_rows([1, 2, 5, 6])[None]  # [1, 4, 8]
-    out = verify_chain(torch.tensor([[1, 2, 3]]), None, target, torch.tensor([0]), torch.tensor([10]), mode)
+    target = one_hot_rows([1, 2, 5, 6], device=device)  # [4, 8]
+    out = verify_chain(
+        torch.tensor([[1, 2, 3]], device=device), None, target[None], torch.tensor([0], device=device),
+        torch.tensor([10], device=device),
+    )  # fmt: skip
+    assert out.tokens.device == target.device and out.logprobs.device == target.device
     assert out.accept_length.tolist() == [2] and out.num_emitted.tolist() == [3]
     assert out.tokens.tolist() == [[1, 2, 5, PAD_TOKEN]]
     assert out.logprobs.tolist() == [[0.0, 0.0, 0.0, 0.0]]
+    (res,) = match_chains(target, [[1, 2, 3]], [GREEDY], [10])  # the same rows as logits
+    assert res.tokens == [1, 2, 5] and res.nodes == [0, 1, 2] and res.logprobs == [0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("mode", ["rejection", "match"])
-def test_greedy_chain_full_acceptance_emits_bonus_and_ragged_lengths(mode):
-    target = torch.stack([one_hot_rows([1, 2, 5, 6]), one_hot_rows([4, 4, 4, 4])])  # [2, 4, 8]
-    drafts = torch.tensor([[1, 2, 5], [4, 0, 0]])
+def test_greedy_chain_full_acceptance_emits_bonus_and_ragged_lengths(device):
+    target = torch.stack([one_hot_rows([1, 2, 5, 6]), one_hot_rows([4, 4, 4, 4])]).to(device)  # [2, 4, 8]
     out = verify_chain(
-        drafts,
-        None,
-        target,
-        torch.tensor([0, 1]),
-        torch.tensor([3, 3]),
-        mode,
-        draft_lengths=torch.tensor([3, 1]),
-    )
+        torch.tensor([[1, 2, 5], [4, 0, 0]], device=device), None, target,
+        torch.tensor([0, 1], device=device), torch.tensor([3, 3], device=device),
+        draft_lengths=torch.tensor([3, 1], device=device),
+    )  # fmt: skip
     assert out.accept_length.tolist() == [3, 1]
     assert out.tokens.tolist() == [[1, 2, 5, 6], [4, 4, PAD_TOKEN, PAD_TOKEN]]
+    logits = torch.cat([target[0], target[1, :2]])  # chain 2 has one draft token: two rows
+    first, second = match_chains(logits, [[1, 2, 5], [4]], [GREEDY, GREEDY], [3, 3])
+    assert first.tokens == [1, 2, 5, 6] and first.nodes == [0, 1, 2, 3]
+    assert second.tokens == [4, 4] and second.nodes == [0, 1]
 
 
-def test_rejection_point_mass_hand_case():
+def test_rejection_point_mass_hand_case(device):
     # q0 is sure of the draft (accepted); q1 gives the draft 0 (rejected); the residual is q1 itself.
-    q = torch.zeros(1, 3, 8)
+    q = torch.zeros(1, 3, 8, device=device)
     q[0, 0, 3] = 1.0
     q[0, 1, 4] = q[0, 1, 5] = 0.5
     q[0, 2, 0] = 1.0
-    out = verify_chain(torch.tensor([[3, 7]]), None, q, torch.tensor([5]), torch.tensor([0]))
+    out = verify_chain(
+        torch.tensor([[3, 7]], device=device), None, q, torch.tensor([5], device=device),
+        torch.tensor([0], device=device),
+    )  # fmt: skip
     assert out.accept_length.item() == 1 and out.tokens[0, 0] == 3 and out.tokens[0, 1].item() in (4, 5)
     assert out.logprobs[0, 1].item() == pytest.approx(torch.tensor(0.5).log().item())
 
@@ -75,45 +101,49 @@ def test_rejection_equal_distributions_always_accept():
     torch.testing.assert_close(out.logprobs, q.gather(2, out.tokens[..., None])[..., 0].log())
 
 
-def test_match_mode_is_the_target_draw():
-    """The emitted tokens are sample()'s draws at the same (seed, position)."""
+def test_match_is_the_target_draw(device):
+    """Each emitted token is sample()'s draw at the same (seed, position) with the entry's params, and the
+    deeper draws happen only under a surviving first token."""
     torch.manual_seed(1)
-    q = torch.softmax(torch.randn(3, 5, 40), -1)  # [B, k+1, V]
-    seeds, pos = torch.tensor([4, 5, 6]), torch.tensor([7, 0, 100])
-    flat = race_sample(
-        q.reshape(15, 40), seeds.repeat_interleave(5), (pos[:, None] + torch.arange(5)).reshape(-1)
-    )
-    target_tokens = flat.view(3, 5)
-    drafts = target_tokens[:, :4].clone()
-    drafts[1, 2] = (drafts[1, 2] + 1) % 40  # row 1 diverges at index 2
-    out = verify_chain(drafts, None, q, seeds, pos, "match")
-    assert out.accept_length.tolist() == [4, 2, 4]
-    assert out.tokens[0].tolist() == target_tokens[0].tolist()
-    assert out.tokens[1, :3].tolist() == target_tokens[1, :3].tolist()
+    logits = (torch.randn(15, 40) * 2).to(device)  # 3 chains of 4 drafts: rows 0-4, 5-9, 10-14
+    params = [SamplingParams(seed=4), SamplingParams(seed=5, top_p=0.9), SamplingParams(seed=6, top_k=7)]
+    positions = [7, 0, 100]
+    plain = []
+    for b, (p, pos) in enumerate(zip(params, positions, strict=True)):
+        rows = logits[5 * b : 5 * b + 5]
+        t, tp, tk = (torch.tensor([x] * 5, device=device) for x in (p.temperature, p.top_p, p.top_k))
+        seeds = torch.full((5,), p.seed, device=device)
+        tokens, _ = sample(rows, t, tp, tk, seeds, torch.arange(pos, pos + 5, device=device))
+        plain.append(tokens.tolist())
+    drafts = [list(plain[0][:4]), list(plain[1][:4]), [(plain[2][0] + 1) % 40, *plain[2][1:4]]]
+    drafts[1][2] = (drafts[1][2] + 1) % 40  # chain 1 diverges at index 2; chain 2 at once
+    res = match_chains(logits, drafts, params, positions)
+    assert [r.nodes for r in res] == [[0, 1, 2, 3, 4], [0, 1, 2], [0]]
+    assert res[0].tokens == plain[0] and res[1].tokens == plain[1][:3] and res[2].tokens == plain[2][:1]
+    probs = torch.softmax(logits[0].double(), -1)
+    assert res[0].logprobs[0] == pytest.approx(float(probs[plain[0][0]].log()), abs=1e-5)
 
 
-def test_tree_hand_case_greedy():
+def test_tree_hand_case_greedy(device):
     # root → {7 (node 0), 2 (node 1)}; node 1 → {3 (node 2), 4 (node 3)}; node 3 → {1 (node 4)}.
-    tokens = torch.tensor([7, 2, 3, 4, 1])
-    parents = torch.tensor([-1, -1, 1, 1, 3])
+    tokens, parents = [7, 2, 3, 4, 1], [-1, -1, 1, 1, 3]
     # argmax at the root, after each node: root→2, after node 1 → 4, after node 3 → 0 (no child 0).
-    target = one_hot_rows([2, 0, 4, 0, 0, 6])
-    for mode in ("match", "rejection"):
-        out = verify_tree(tokens, parents, target, seed=3, base_position=20, mode=mode)
-        assert out.accepted.tolist() == [1, 3] and out.accept_length == 2
-        assert out.tokens.tolist() == [2, 4, 0] and out.logprobs.tolist() == [0.0, 0.0, 0.0]
+    target = one_hot_rows([2, 0, 4, 0, 0, 6], device=device)
+    out = verify_tree(torch.tensor(tokens), torch.tensor(parents), target, seed=3, base_position=20)
+    assert out.accepted.tolist() == [1, 3] and out.accept_length == 2 and out.tokens.device == target.device
+    assert out.tokens.tolist() == [2, 4, 0] and out.logprobs.tolist() == [0.0, 0.0, 0.0]
+    (res,) = verify_match(target, [VerifyEntry(0, Proposal(tokens, parents), GREEDY, 20)])
+    assert res.nodes == [0, 2, 4] and res.tokens == [2, 4, 0]
     # The full path accepted: a bonus token after the leaf.
-    target[3 + 1] = one_hot_rows([1])[0]
+    target[3 + 1] = one_hot_rows([1], device=device)[0]
     out = verify_tree(tokens, parents, target, seed=3, base_position=20)
     assert out.accepted.tolist() == [1, 3, 4] and out.tokens.tolist() == [2, 4, 1, 6]
+    (res,) = verify_match(target, [VerifyEntry(0, Proposal(tokens, parents), GREEDY, 20)])
+    assert res.nodes == [0, 2, 4, 5] and res.tokens == [2, 4, 1, 6]
 
 
 def test_errors_name_the_problem():
     q = torch.full((1, 3, 4), 0.25)
-    with pytest.raises(ValueError, match="mode"):
-        verify_chain(
-            torch.zeros(1, 2, dtype=torch.int64), None, q, torch.tensor([0]), torch.tensor([0]), "top"
-        )
     with pytest.raises(ValueError, match="target_probs"):
         verify_chain(torch.zeros(1, 3, dtype=torch.int64), None, q, torch.tensor([0]), torch.tensor([0]))
     with pytest.raises(ValueError, match="draft_lengths"):
@@ -170,16 +200,34 @@ def chain_first_two(k: int, stochastic: bool, mode: str = "rejection") -> torch.
             dprobs.append(p)
         drafts_t = torch.stack(drafts, 1)  # [r, k]
         chain_prev = torch.cat([prev[rows, None], drafts_t], 1)  # [r, k+1]
-        res = verify_chain(
-            drafts_t, torch.stack(dprobs, 1) if stochastic else None, Q[chain_prev], seeds[rows], pos, mode
-        )
+        if mode == "match":
+            tokens, num_emitted = match_as_chains(drafts_t, Q[chain_prev], seeds[rows], pos)
+        else:
+            res = verify_chain(
+                drafts_t, torch.stack(dprobs, 1) if stochastic else None, Q[chain_prev], seeds[rows], pos
+            )
+            tokens, num_emitted = res.tokens, res.num_emitted
         for j in range(k + 1):
-            take = (res.num_emitted > j) & (have[rows] < 2)
+            take = (num_emitted > j) & (have[rows] < 2)
             r = rows[take]
-            out[r, have[r]] = res.tokens[take, j]
-            prev[r] = res.tokens[take, j]
+            out[r, have[r]] = tokens[take, j]
+            prev[r] = tokens[take, j]
             have[r] += 1
     return out
+
+
+def match_as_chains(
+    drafts: torch.Tensor, target_probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verify_match on chains given as verify_chain's tensors, at temperature 1 on logits log q (whose
+    processed distribution is q): (tokens [B, k+1] padded with PAD_TOKEN, num_emitted [B])."""
+    b, k = drafts.shape
+    logits = target_probs.log().reshape(b * (k + 1), -1)
+    results = match_chains(
+        logits, drafts.tolist(), [SamplingParams(seed=s) for s in seeds.tolist()], positions.tolist()
+    )
+    tokens = torch.tensor([r.tokens + [PAD_TOKEN] * (k + 1 - len(r.tokens)) for r in results])
+    return tokens, torch.tensor([len(r.tokens) for r in results])
 
 
 def assert_chain_law(pairs: torch.Tensor) -> None:
@@ -230,14 +278,23 @@ TREE_ROWS = 4_000
 def tree_first_two(mode: str) -> torch.Tensor:
     prev_of_row = torch.cat([torch.tensor([CONTEXT]), TREE_TOKENS])  # the token each q row conditions on
     target = Q[prev_of_row]  # [n+1, V]
+    if mode == "match":  # every row in one call, at temperature 1 on logits log q
+        n = TREE_TOKENS.numel()
+        tree = Proposal(TREE_TOKENS.tolist(), TREE_PARENTS.tolist())
+        entries = [VerifyEntry(row * (n + 1), tree, SamplingParams(seed=row), 0) for row in range(TREE_ROWS)]
+        emitted = [res.tokens for res in verify_match(target.log().repeat(TREE_ROWS, 1), entries)]
+    else:
+        emitted = [
+            verify_tree(TREE_TOKENS, TREE_PARENTS, target, seed=row, base_position=0).tokens.tolist()
+            for row in range(TREE_ROWS)
+        ]
     pairs = torch.empty(TREE_ROWS, 2, dtype=torch.int64)
-    for row in range(TREE_ROWS):
-        res = verify_tree(TREE_TOKENS, TREE_PARENTS, target, seed=row, base_position=0, mode=mode)
-        second = res.tokens[1] if res.tokens.numel() > 1 else None
-        if second is None:  # one more plain step from the emitted token
-            t0 = int(res.tokens[0])
-            second = race_sample(Q[t0][None], torch.tensor([row]), torch.tensor([1]))[0]
-        pairs[row, 0], pairs[row, 1] = res.tokens[0], second
+    for row, tokens in enumerate(emitted):
+        if len(tokens) > 1:
+            second = tokens[1]
+        else:  # one more plain step from the emitted token
+            second = int(race_sample(Q[tokens[0]][None], torch.tensor([row]), torch.tensor([1]))[0])
+        pairs[row, 0], pairs[row, 1] = tokens[0], second
     return pairs
 
 
@@ -284,6 +341,10 @@ def test_match_chain_is_token_identical_to_plain_decoding():
     top_k = torch.tensor([0, 0, 0, 5, 0, 0])
     seeds = torch.arange(b) * 17
     reference = plain_decode(target_logits, temperature, top_p, top_k, seeds, steps)
+    params = [
+        SamplingParams(temperature=float(t), top_p=float(p), top_k=int(tk), seed=int(s))
+        for t, p, tk, s in zip(temperature, top_p, top_k, seeds, strict=True)
+    ]
 
     emitted: list[list[int]] = [[] for _ in range(b)]
     prev = torch.zeros(b, dtype=torch.int64)
@@ -297,16 +358,11 @@ def test_match_chain_is_token_identical_to_plain_decoding():
             drafts.append(ctx)
         drafts_t = torch.stack(drafts, 1)
         chain = torch.cat([prev[:, None], drafts_t], 1)  # [B, k+1]
-        q = processed_probs(
-            target_logits[chain].reshape(-1, VOCAB),
-            temperature.repeat_interleave(k + 1), top_p.repeat_interleave(k + 1),
-            top_k.repeat_interleave(k + 1),
-        ).view(b, k + 1, VOCAB)  # fmt: skip
-        res = verify_chain(drafts_t, None, q, seeds, pos, "match")
-        accepted_total += int(res.accept_length.sum())
+        res = match_chains(target_logits[chain].reshape(-1, VOCAB), drafts_t.tolist(), params, pos.tolist())
+        accepted_total += sum(len(r.tokens) - 1 for r in res)
         for row in range(b):
-            emitted[row].extend(res.tokens[row, : res.num_emitted[row]].tolist())
-        prev = res.tokens[torch.arange(b), res.accept_length]
+            emitted[row].extend(res[row].tokens)
+        prev = torch.tensor([r.tokens[-1] for r in res])
     got = torch.tensor([e[:steps] for e in emitted])
     assert torch.equal(got, reference)
     assert accepted_total > 0  # the coupling made some drafts agree
@@ -317,6 +373,7 @@ def test_match_tree_is_token_identical_to_plain_decoding():
     temperature, top_p, top_k = torch.tensor([0.9]), torch.tensor([0.95]), torch.tensor([0])
     steps, seed = 60, 12345
     reference = plain_decode(target_logits, temperature, top_p, top_k, torch.tensor([seed]), steps)[0]
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=seed)
     out: list[int] = []
     prev = 0
     g = torch.Generator().manual_seed(0)
@@ -333,10 +390,8 @@ def test_match_tree_is_token_identical_to_plain_decoding():
             if i % 2 == 0:
                 tokens[i] = target_logits[parent_tok].argmax()
             prev_tok[i + 1] = tokens[i]
-        q = processed_probs(
-            target_logits[prev_tok], temperature.expand(n + 1), top_p.expand(n + 1), top_k.expand(n + 1)
-        )
-        res = verify_tree(tokens, parents, q, seed=seed, base_position=len(out), mode="match")
-        out.extend(res.tokens.tolist())
+        tree = Proposal(tokens.tolist(), parents.tolist())
+        (res,) = verify_match(target_logits[prev_tok], [VerifyEntry(0, tree, params, len(out))])
+        out.extend(res.tokens)
         prev = out[-1]
     assert out[:steps] == reference.tolist()

@@ -1,7 +1,9 @@
-"""The verify pass on its own, for tests: score draft trees of several sequences in one forward pass.
+"""The verify pass on its own, for tests: score draft trees of several sequences in one forward pass, and
+pick the path to keep with the engine's own verifier.
 
 The Generator runs this pass inside `_speculative_step`, next to other requests' prefill chunks; the
-tests here drive the model, the batch layout's tree masks and the KV cache's `commit_path` directly.
+tests here drive the model, the batch layout's tree masks, `verify.verify_match` and the KV cache's
+`commit_path` directly, on the cache's device.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from torch import Tensor
 from slipstream.engine.batch import BatchLayout
 from slipstream.engine.kv_cache import KVCache
 from slipstream.engine.model import Transformer
+from slipstream.engine.sampling import SamplingParams
 from slipstream.engine.tree import tree_attention_mask
+from slipstream.engine.verify import Proposal, Verified, VerifyEntry, verify_match
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,7 +64,10 @@ def score_trees(model: Transformer, cache: KVCache, trees: Sequence[VerifyTree])
                 f"slot {tree.slot}: need one parent per token, node 0 as the root (parent -1) and every "
                 f"other node's parent an earlier node; got parents {parents}"
             )
-    masks = [tree_attention_mask(torch.as_tensor(tree.parents, dtype=torch.int64)) for tree in trees]
+    masks = [
+        tree_attention_mask(torch.tensor(tree.parents, dtype=torch.int64, device=cache.device))
+        for tree in trees
+    ]
     layout = BatchLayout.build(
         cache, [tree.slot for tree in trees], sizes, tree_masks=masks, logit_rows=range(sum(sizes))
     )
@@ -87,3 +94,11 @@ def score_tree(
         raise ValueError(f"slot {slot} holds {cache.length(slot)} tokens, not base_len {base_len}")
     scores = score_trees(model, cache, [VerifyTree(slot=slot, tokens=tokens, parents=parents)])
     return scores.logits[0], scores.hidden[0]
+
+
+def accepted_path(logits: Tensor, tree: VerifyTree, params: SamplingParams, position: int) -> Verified:
+    """`verify_match` on one scored tree (node 0 the root): the nodes to commit and the tokens emitted.
+    position: that of the token after the root (the slot's base length + 1)."""
+    proposal = Proposal(list(tree.tokens[1:]), [p - 1 for p in tree.parents[1:]])
+    (verified,) = verify_match(logits, [VerifyEntry(0, proposal, params, position)])
+    return verified
