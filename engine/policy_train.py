@@ -1,18 +1,20 @@
 """The learner's optimisation step: GRPO on scored samples, micro-batched by a token budget, AdamW.
 
 `PolicyTrainer.step(samples)` scores every response token under the distribution the rollout sampled
-from (`grpo.processed_logprobs`: temperature, top-k, top-p), takes the clipped GRPO loss against the
-rollout's log-probs (the behaviour policy), accumulates gradients over micro-batches, clips the global
-norm and steps AdamW with a warmup-then-constant-or-cosine learning rate.
+from (`grpo.processed_logprobs`), takes the clipped GRPO loss against the rollout's log-probs (the
+behaviour policy), accumulates gradients over micro-batches, clips the global norm and steps AdamW with
+a warmup-then-constant-or-cosine learning rate.
 
 Non-obvious choices:
-- Token-mean over the GLOBAL batch: the loss of every micro-batch (and every data-parallel rank) is divided
-  by the total response-token count, so micro-batching and ranks change nothing but rounding.
-- Data parallel without DDP: each rank sums its micro-batches' gradients, then one all-reduce (SUM) per
-  step over a flat buffer when torch.distributed is initialised (gloo on CPU, NCCL on GPU); every rank
-  then takes the same optimizer step, so all ranks hold bitwise-equal weights.
-- Micro-batches pack length-sorted sequences up to `micro_batch_tokens` padded tokens: little padding,
-  bounded memory (logits are [response tokens, vocab] float32 per micro-batch: the LM head runs on
+- fp32 master weights only: trainable parameters in another dtype are refused (a bf16 weight swallows
+  an lr-1e-6 update); the caller casts what it pushes to the rollouts' dtype.
+- Token-mean over the GLOBAL batch: every micro-batch's and rank's loss is divided by the total response-
+  token count, so micro-batching and ranks change nothing but rounding.
+- Data parallel without DDP: one all-reduce (SUM) of a flat gradient buffer per step (gloo on CPU, NCCL on
+  GPU: every collective's tensor lives on the model's device). Every rank calls `step`, an empty one too,
+  and reduces the same sorted stats vector (the keys `grpo_loss` reports for this config, zeros or -inf
+  where a rank has none), so collectives always match. No token on any rank: no optimizer step.
+- Micro-batches pack length-sorted sequences up to `micro_batch_tokens` padded tokens (the LM head runs on
   response positions only).
 """
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -121,23 +123,35 @@ def _adamw(params: list[torch.nn.Parameter], optim: OptimConfig) -> torch.optim.
         return torch.optim.AdamW(params, **kwargs)
 
 
-@dataclass
 class _Totals:
-    """Per-step sums over micro-batches (weighted by tokens) and maxima, reduced over ranks."""
+    """Per-step sums over micro-batches (weighted by tokens) and maxima, over a fixed key set so that every
+    rank reduces vectors of one layout; a key nobody reported stays 0 (sums) or -inf (maxima)."""
 
-    sums: dict[str, float] = field(default_factory=dict)
-    maxima: dict[str, float] = field(default_factory=dict)
+    def __init__(self, keys: Sequence[str]) -> None:
+        self.sums = {k: 0.0 for k in keys if not k.endswith(("_max", "_min"))}
+        self.maxima = {k: -math.inf for k in keys if k.endswith(("_max", "_min"))}
 
     def add(self, stats: dict[str, float], tokens: int) -> None:
         for key, value in stats.items():
             if key == "tokens":
                 continue
             if key.endswith("_max"):
-                self.maxima[key] = max(self.maxima.get(key, -math.inf), value)
+                self.maxima[key] = max(self.maxima[key], value)
             elif key.endswith("_min"):
-                self.maxima[key] = max(self.maxima.get(key, -math.inf), -value)  # max of the negation
+                self.maxima[key] = max(self.maxima[key], -value)  # max of the negation
             else:
-                self.sums[key] = self.sums.get(key, 0.0) + value * tokens
+                self.sums[key] += value * tokens
+
+
+def _stat_keys(loss: LossConfig, with_ref: bool) -> list[str]:
+    """The stats `grpo_loss` reports under `loss`, read off a one-token call rather than listed here, so
+    the reduced key set follows grpo.py."""
+    one = torch.zeros(1, 1)
+    _, stats = grpo_loss(
+        one, one, torch.zeros(1), torch.ones(1, 1, dtype=torch.bool), config=loss,
+        ref_logprobs=one if with_ref else None,
+    )  # fmt: skip
+    return sorted(k for k in stats if k != "tokens")
 
 
 class PolicyTrainer:
@@ -160,25 +174,38 @@ class PolicyTrainer:
         if ref_model is not None:
             ref_model.requires_grad_(False)
         self.params = [p for p in model.parameters() if p.requires_grad]
+        dtypes = sorted({str(p.dtype) for p in self.params if p.dtype != torch.float32})
+        if dtypes:
+            raise ValueError(
+                f"trainable parameters must be float32 master weights, got {', '.join(dtypes)}: "
+                "load the policy with load_model(path, dtype=torch.float32) and cast what is pushed"
+            )
         self.optimizer = _adamw(self.params, self.optim)
         self.steps = 0
+        self._stat_keys = _stat_keys(self.loss, with_ref=ref_model is not None)
 
     def step(self, samples: Sequence[PolicySample]) -> dict[str, Any]:
-        """One optimizer step on this rank's `samples` (every rank of a data-parallel group calls it)."""
+        """One optimizer step on this rank's `samples` (every rank of a data-parallel group calls it, with
+        no samples too: the collectives need every rank)."""
         device = self.model.embed_tokens.weight.device
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         counts = torch.tensor(
             [sum(len(s.response_ids) for s in samples), sum(1 for s in samples if s.response_ids)],
             dtype=torch.float64,
+            device=device,
         )
         if world > 1:
             dist.all_reduce(counts)
-        num_tokens, num_seqs = int(counts[0]), int(counts[1])
+        num_tokens, num_seqs = (int(c) for c in counts.tolist())
         for group in self.optimizer.param_groups:
             group["lr"] = self.optim.lr * self.optim.lr_factor(self.steps)
+        totals = _Totals(self._stat_keys)
+        if num_tokens == 0:
+            # Nothing to learn from on any rank (all agree: the counts are global). A zero-gradient AdamW
+            # step would still move the weights along its momentum.
+            return self._summary(totals, 0.0, 0.0, 0, 0, world=1, device=device)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        totals = _Totals()
         losses = 0.0
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
         for group in micro_batches(lengths, self.optim.micro_batch_tokens):
@@ -192,7 +219,7 @@ class PolicyTrainer:
         grad_norm = self._reduce_and_clip(world)
         self.optimizer.step()
         self.steps += 1
-        return self._summary(totals, losses, grad_norm, num_tokens, num_seqs, world)
+        return self._summary(totals, losses, grad_norm, num_tokens, num_seqs, world, device)
 
     @torch.inference_mode()
     def logprobs(self, samples: Sequence[PolicySample]) -> list[Tensor]:
@@ -293,18 +320,26 @@ class PolicyTrainer:
         return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
 
     def _summary(
-        self, totals: _Totals, losses: float, grad_norm: float, num_tokens: int, num_seqs: int, world: int
+        self,
+        totals: _Totals,
+        losses: float,
+        grad_norm: float,
+        num_tokens: int,
+        num_seqs: int,
+        world: int,
+        device: torch.device,
     ) -> dict[str, Any]:
-        keys = sorted(totals.sums)
-        maxima = sorted(totals.maxima)
+        sums, maxima = sorted(totals.sums), sorted(totals.maxima)
         if world > 1:
-            sums = torch.tensor([totals.sums[k] for k in keys] + [losses], dtype=torch.float64)
-            dist.all_reduce(sums)
-            highs = torch.tensor([totals.maxima[k] for k in maxima], dtype=torch.float64)
+            summed = torch.tensor(
+                [totals.sums[k] for k in sums] + [losses], dtype=torch.float64, device=device
+            )
+            dist.all_reduce(summed)
+            highs = torch.tensor([totals.maxima[k] for k in maxima], dtype=torch.float64, device=device)
             if len(highs):
                 dist.all_reduce(highs, op=dist.ReduceOp.MAX)
-            totals.sums = dict(zip(keys, sums[:-1].tolist(), strict=True))
-            losses = float(sums[-1])
+            *sum_values, losses = summed.tolist()
+            totals.sums = dict(zip(sums, sum_values, strict=True))
             totals.maxima = dict(zip(maxima, highs.tolist(), strict=True))
         out: dict[str, Any] = {
             "step": self.steps,
@@ -314,10 +349,14 @@ class PolicyTrainer:
             "tokens": num_tokens,
             "sequences": num_seqs,
         }
-        for key in keys:
+        for key in sums:
             out[key] = totals.sums[key] / max(num_tokens, 1)
         for key in maxima:
-            out[key] = -totals.maxima[key] if key.endswith("_min") else totals.maxima[key]
+            high = totals.maxima[key]
+            if math.isinf(high):  # no token anywhere
+                out[key] = 0.0
+            else:
+                out[key] = -high if key.endswith("_min") else high
         return out
 
     def state_dict(self) -> dict[str, Any]:

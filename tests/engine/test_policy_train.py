@@ -1,14 +1,23 @@
-"""PolicyTrainer: step-0 agreement with the rollout's log-probs, micro-batching, learning, 2 ranks = 1 rank."""
+"""PolicyTrainer: step-0 agreement with the rollout's log-probs, micro-batching, learning, the LR schedule
+and clipping as applied, fp32 masters, 2 ranks = 1 rank (gradients summed, not averaged).
+
+Multi-process tests go through `run_ranks`: spawned ranks rendezvous on a TCP store that the test process
+hosts, so no rank's teardown takes the store from a peer, and barrier before destroying their group."""
 
 from __future__ import annotations
 
+import math
+import multiprocessing
 import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from slipstream.engine.generator import Generator, Request
 from slipstream.engine.grpo import LossConfig
@@ -141,20 +150,117 @@ def test_lr_schedule_warmup_then_cosine() -> None:
         OptimConfig(min_lr_ratio=2.0)
 
 
+def test_the_scheduled_lr_is_the_one_applied(make_checkpoint) -> None:
+    model_dir = make_checkpoint()
+    samples = rollout(model_dir)
+    trainer = PolicyTrainer(load_model(model_dir), optim=OptimConfig(lr=1e-3, warmup_steps=3))
+    before = [p.detach().clone() for p in trainer.params]
+    lrs = [trainer.step(samples)["lr"]]
+    moved = torch.cat([(p.detach() - b).abs().flatten() for p, b in zip(trainer.params, before, strict=True)])
+    # Adam's first update is lr * g / (|g| + eps): about lr wherever the gradient is not ~0.
+    assert moved[moved > 0].median() == pytest.approx(2.5e-4, rel=0.02)
+    lrs += [trainer.step(samples)["lr"] for _ in range(3)]
+    assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
+
+
+def grad_norm(params: list[torch.nn.Parameter]) -> float:
+    return math.sqrt(sum(float(p.grad.double().square().sum()) for p in params))
+
+
+def test_gradients_are_clipped_to_max_grad_norm(make_checkpoint) -> None:
+    model_dir = make_checkpoint()
+    samples = rollout(model_dir)
+    free = PolicyTrainer(load_model(model_dir), optim=OptimConfig(max_grad_norm=0))
+    norm = free.step(samples)["grad_norm"]
+    assert grad_norm(free.params) == pytest.approx(norm, rel=1e-5)
+    clipped = PolicyTrainer(load_model(model_dir), optim=OptimConfig(max_grad_norm=norm / 4))
+    stats = clipped.step(samples)
+    assert stats["grad_norm"] == pytest.approx(norm, rel=1e-5)  # reported before clipping
+    # The gradients the optimizer used (kept until the next step's zero_grad) were scaled down to the cap.
+    assert grad_norm(clipped.params) == pytest.approx(norm / 4, rel=1e-4)
+    for p, q in zip(clipped.params, free.params, strict=True):
+        torch.testing.assert_close(p.grad, q.grad / 4, rtol=1e-4, atol=1e-9)
+
+
+def test_trainable_weights_must_be_fp32_masters(make_checkpoint) -> None:
+    with pytest.raises(ValueError, match=r"float32 master weights, got torch\.bfloat16"):
+        PolicyTrainer(load_model(make_checkpoint(), dtype=torch.bfloat16))
+
+
+def test_every_collective_holds_a_tensor_on_the_model_device(
+    make_checkpoint, device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NCCL takes CUDA tensors, gloo CPU ones: a one-process stand-in for a 2-rank group records them."""
+    model_dir = make_checkpoint()
+    samples = rollout(model_dir)
+    seen: list[torch.device] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=None: seen.append(tensor.device))
+    stats = PolicyTrainer(load_model(model_dir, device=device)).step(samples)
+    assert stats["tokens"] > 0
+    assert len(seen) == 4 and all(d.type == device.type for d in seen)  # counts, grads, sums, maxima
+
+
 def test_kl_needs_a_reference(make_checkpoint) -> None:
     with pytest.raises(ValueError, match="reference"):
         PolicyTrainer(load_model(make_checkpoint()), loss=LossConfig(kl_coef=0.1))
 
 
-def _rank(rank: int, world: int, init: str, model_dir: str, out: str) -> None:
+def run_ranks(fn: Callable[..., None], *args: Any, world: int = 2, timeout_s: float = 150.0) -> None:
+    """Runs `fn(rank, world, *args)` in `world` spawned processes and fails, killing every one, when a rank
+    fails or they outlive `timeout_s`: a collective that one rank never joins fails here, never hangs."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=fn, args=(rank, world, *args), daemon=True) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        late = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+    assert not late, f"ranks {late} still running after {timeout_s} s (a collective some rank never joined?)"
+    codes = [proc.exitcode for proc in procs]
+    assert codes == [0] * world, f"rank exit codes {codes}"
+
+
+def tcp_store() -> dist.TCPStore:
+    """A store on 127.0.0.1 (a free port picked by the OS) that outlives the ranks that use it."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def join_group(rank: int, world: int, port: int) -> None:
+    dist.init_process_group(
+        "gloo",
+        store=dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60)),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+
+
+DP_OPTIM = OptimConfig(lr=1e-3, micro_batch_tokens=32, max_grad_norm=0)  # unclipped: grads compare as is
+
+
+def _rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    join_group(rank, world, port)
     try:
         samples = rollout(Path(model_dir))
         model = load_model(Path(model_dir))
-        trainer = PolicyTrainer(model, optim=OptimConfig(lr=1e-3, micro_batch_tokens=32))
+        trainer = PolicyTrainer(model, optim=DP_OPTIM)
         stats = trainer.step(samples[rank::world])
-        torch.save({"weights": model.state_dict(), "stats": stats}, os.path.join(out, f"rank{rank}.pt"))
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        torch.save(
+            {"weights": model.state_dict(), "grads": grads, "stats": stats},
+            os.path.join(out, f"rank{rank}.pt"),
+        )
+        dist.barrier()  # nobody tears the group down while a peer may still be in a collective
     finally:
         dist.destroy_process_group()
 
@@ -162,14 +268,18 @@ def _rank(rank: int, world: int, init: str, model_dir: str, out: str) -> None:
 @pytest.mark.timeout(180)
 def test_two_gloo_ranks_give_the_same_update_as_one(make_checkpoint, tmp_path: Path) -> None:
     model_dir = make_checkpoint()
-    init = f"file://{tmp_path / 'rendezvous'}"
-    mp.start_processes(_rank, args=(2, init, str(model_dir), str(tmp_path)), nprocs=2, start_method="spawn")
+    store = tcp_store()
+    run_ranks(_rank, store.port, str(model_dir), str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     model = load_model(model_dir)
-    stats = PolicyTrainer(model, optim=OptimConfig(lr=1e-3, micro_batch_tokens=32)).step(rollout(model_dir))
+    stats = PolicyTrainer(model, optim=DP_OPTIM).step(rollout(model_dir))
     for name, tensor in model.state_dict().items():
         assert torch.equal(ranks[0]["weights"][name], ranks[1]["weights"][name])  # ranks agree bitwise
         torch.testing.assert_close(ranks[0]["weights"][name], tensor, rtol=1e-4, atol=1e-5)
+    # AdamW hardly sees a gradient's scale: the gradients themselves show a sum (not a mean) over ranks.
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(ranks[0]["grads"][name], param.grad, rtol=1e-4, atol=1e-7)
+    assert ranks[0]["stats"]["grad_norm"] == pytest.approx(stats["grad_norm"], rel=1e-5)
     assert ranks[0]["stats"]["tokens"] == stats["tokens"]
     assert ranks[0]["stats"]["loss"] == pytest.approx(stats["loss"], abs=1e-6)
     assert ranks[0]["stats"]["mismatch_logp_abs_max"] == pytest.approx(stats["mismatch_logp_abs_max"])
