@@ -5,13 +5,15 @@ stream to it (as copies: received tensors alias zmq frames or shared-memory slot
 `step()` is one short optimizer step, and a `Preempt`, being control, is served before the next one:
 preemption waits at most one step, and `Released` carries the latency from the coordinator's send.
 
+Of the target it holds only what the head uses, the embedding, final norm and LM head (`load_head_parts`),
+on `device` with the drafter. The learner pushes them after each RL step (`WeightUpdate`); a complete,
+checked version is copied in place between two steps, so the drafter trains against the moving policy.
+
 Several ranks (`world_size`) train one drafter by periodic averaging, never diverging copies. Rank 0 owns
 it and alone versions, checkpoints and publishes it; the other ranks send it `DrafterDelta`s (local −
-base), which it folds in as global += delta / n (n: ranks training now), and adopt the `DrafterUpdate`s it
-sends back, keeping what they have not sent yet. The version counts optimizer steps folded in; updates and
-deltas carry the newest policy version the weights have trained on (buffered data does not count).
-Checkpoints (a background thread, local disk) let a restarted owner resume with the same weights and
-versions. The averaging protocol, its invariants and limits: docs/actors.md.
+base), folded in as global += delta / n (n: ranks training now), and adopt the `DrafterUpdate`s it sends
+back. Versions count optimizer steps folded in; updates and deltas carry the newest policy version the
+weights trained on. Checkpoints let a restarted owner resume. The protocol and its limits: docs/actors.md.
 """
 
 from __future__ import annotations
@@ -30,15 +32,31 @@ from slipstream.engine import hub
 from slipstream.engine.buffer import OnlineBuffer
 from slipstream.engine.drafter_train import DrafterTrainer
 from slipstream.engine.eagle import EagleHead
-from slipstream.engine.weights import load_model
+from slipstream.engine.weights import load_head_parts
 from slipstream.protocols.control import Lease, Preempt, Released, Status
 from slipstream.protocols.drafter import DrafterDelta, DrafterStats, DrafterUpdate, HiddenStates
+from slipstream.protocols.learner import WeightUpdate
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
 from slipstream.runtime.transport import actor_name
 
 ROLE = "drafter"
 OWNER = actor_name(ROLE, 0)  # the rank that owns the one drafter of a run
+
+
+def _mistyped(
+    names: list[str], tensors: list[torch.Tensor], expected: dict[str, tuple[torch.Size, torch.dtype]]
+) -> str | None:
+    """None if every name is one of `expected` (name → shape, dtype) and its tensor has that shape and dtype."""
+    if len(names) != len(tensors):
+        return f"{len(names)} names for {len(tensors)} tensors"
+    for name, t in zip(names, tensors, strict=True):
+        if name not in expected:
+            return f"{name!r} is not one of {sorted(expected)}"
+        shape, dtype = expected[name]
+        if t.shape != shape or t.dtype != dtype:
+            return f"{name}: {tuple(t.shape)} {t.dtype}, expected {tuple(shape)} {dtype}"
+    return None
 
 
 def _crossed(last: int, now: int, every: int) -> bool:
@@ -64,6 +82,15 @@ class DrafterActor(Actor):
         world_size: Annotated[int, msgspec.Meta(ge=1)] = 1  # drafter ranks training this drafter; 0 owns it
         sync_every_steps: Annotated[int, msgspec.Meta(ge=1)] = 10  # local steps between deltas/updates
         init_from: str = ""  # owner: an exported EAGLE head to start from when no checkpoint exists
+        device: str = "cpu"  # where the target's head parts, the drafter, its optimizer and batches live
+
+        def __post_init__(self) -> None:
+            try:
+                kind = torch.device(self.device).type
+            except RuntimeError as e:
+                raise ValueError(f"device: {self.device!r} is not a torch device ({e})") from None
+            if kind not in ("cpu", "cuda"):
+                raise ValueError(f"device: {self.device!r}; a drafter trains on cpu or cuda[:N]")
 
     def on_start(self) -> None:
         cfg = self.config
@@ -74,10 +101,16 @@ class DrafterActor(Actor):
         missing = [name for name in self.group if name not in self.peers]
         if missing:
             raise ValueError(f"world_size: {cfg.world_size} ranks, but {missing} are not in this run")
+        self.device = torch.device(cfg.device)
+        try:
+            torch.empty(0, device=self.device)
+        except (RuntimeError, AssertionError) as e:  # no such device here (torch without CUDA asserts)
+            raise ValueError(f"device: {cfg.device!r} is not usable on this host ({e})") from None
         torch.manual_seed(cfg.seed + self.rank)
-        self.target = load_model(hub.resolve(cfg.model))
+        # Only the embedding, final norm and LM head: the drafter never runs the target's layers.
+        self.target = load_head_parts(hub.resolve(cfg.model), device=self.device)
         self.target.requires_grad_(False)
-        self.head = EagleHead.for_target(self.target.config)
+        self.head = EagleHead.for_target(self.target.config).to(self.device)
         self.trainer = DrafterTrainer(self.head, self.target, lr=cfg.lr, unroll_steps=cfg.unroll_steps)
         self.buffer = OnlineBuffer(cfg.buffer_bytes, seed=cfg.seed + self.rank)
         self.version = 0  # owner: of the drafter; other ranks: of the newest global adopted
@@ -85,6 +118,11 @@ class DrafterActor(Actor):
         # deltas, adopted updates); data merely buffered does not count: it has not shaped the drafter.
         self.policy_version = 0
         self.lease: Lease | None = None
+        # The policy version of the target's head parts held (0: as loaded), and the learner's pushes of
+        # them staged by version: bucket → {name: tensor} (clones), applied once every bucket is in.
+        self.head_version = 0
+        self._head_params = dict(self.target.named_parameters())
+        self._head_staged: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
         self._shapes = {name: (t.shape, t.dtype) for name, t in self.head.state_dict().items()}
         self._names = sorted(self._shapes)
         self._last_loss = float("nan")
@@ -222,6 +260,57 @@ class DrafterActor(Actor):
             self.send(COORDINATOR, Status(topic="drafter_synced", fields=fields))
         self.log.info("adopted", version=msg.version, exact=exact, unsent_steps=self._unsent_steps)
 
+    @handler
+    def on_weights(self, msg: WeightUpdate, sender: str) -> None:
+        """Stages a bucket of the learner's push of the target's head parts; applies a complete version.
+
+        Handlers run on the compute thread between two `step()`s, so weights never change mid-step. A bad
+        bucket is refused (logged, and said to the coordinator); the weights held stay, and serving goes on.
+        """
+        why = self._check_head_bucket(msg)
+        if why is not None:
+            self._head_staged.pop(msg.version, None)  # that version can no longer complete
+            self._head_refused(msg.version, f"bucket {msg.bucket}: {why}")
+            return
+        buckets = self._head_staged.setdefault(msg.version, {})
+        # clone: the received tensors alias a zmq frame or a shared-memory slot of the sender
+        buckets[msg.bucket] = {n: t.clone() for n, t in zip(msg.names, msg.tensors, strict=True)}
+        if len(buckets) < msg.num_buckets:
+            return
+        for version in [v for v in self._head_staged if v <= msg.version]:
+            del self._head_staged[version]  # this one, and older ones that can no longer complete
+        received = {n: t for bucket in buckets.values() for n, t in bucket.items()}
+        if received.keys() != self._head_params.keys():
+            missing = sorted(self._head_params.keys() - received.keys())
+            self._head_refused(msg.version, f"the buckets lack {missing}")
+            return
+        with torch.no_grad():
+            for name, param in self._head_params.items():
+                # In place: the packed LM-head copies the trainer keeps follow the tensor's version counter.
+                param.copy_(received[name])
+        self.head_version = msg.version
+        digest = checksum(sorted(received), [self._head_params[n] for n in sorted(received)])
+        self.log.info("head_synced", version=msg.version, buckets=msg.num_buckets)
+        fields = {"rank": self.rank, "version": msg.version, "checksum": digest}
+        self.send(COORDINATOR, Status(topic="head_synced", fields=fields))
+
+    def _check_head_bucket(self, msg: WeightUpdate) -> str | None:
+        """None if the bucket is newer than the head parts held and holds some of them, exactly typed."""
+        if msg.version <= self.head_version:
+            return f"version {msg.version} is not newer than the head's {self.head_version}"
+        if msg.bucket >= msg.num_buckets:
+            return f"out of range for num_buckets {msg.num_buckets}"
+        expected = {name: (p.shape, p.dtype) for name, p in self._head_params.items()}
+        why = _mistyped(list(msg.names), list(msg.tensors), expected)
+        if why is None and checksum(msg.names, msg.tensors) != msg.checksum:
+            why = "checksum mismatch"
+        return why
+
+    def _head_refused(self, version: int, why: str) -> None:
+        self.log.error("head_refused", version=version, why=why, head_version=self.head_version)
+        fields = {"rank": self.rank, "version": version, "why": why}
+        self.send(COORDINATOR, Status(topic="head_refused", fields=fields))
+
     # -- training -----------------------------------------------------------------------------------
 
     def step(self) -> bool:
@@ -238,6 +327,7 @@ class DrafterActor(Actor):
         batch = self.buffer.sample_batch(self.config.batch_tokens)
         if batch is None:
             return False
+        batch = batch.to(self.device)  # the buffer stays in host memory; one batch at a time moves
         started = time.perf_counter()
         metrics = self.trainer.step(batch)
         elapsed = time.perf_counter() - started
@@ -274,7 +364,7 @@ class DrafterActor(Actor):
 
     def _update(self) -> DrafterUpdate:
         weights = self.trainer.weights()  # a copy: the sent tensors are never modified afterwards
-        tensors = [weights[n] for n in self._names]
+        tensors = [weights[n].cpu() for n in self._names]  # the wire carries host tensors
         return DrafterUpdate(
             version=self.version,
             policy_version=self.policy_version,
@@ -337,12 +427,12 @@ class DrafterActor(Actor):
 
     def _check_weights(self, names: list[str], tensors: list[torch.Tensor]) -> str | None:
         """None if names/shapes/dtypes are exactly the head's trainable weights and every value is finite."""
-        if names != self._names or len(tensors) != len(names):
+        if names != self._names:
             return f"names {names[:3]}… ({len(names)}) are not the head's {len(self._names)} weights"
+        why = _mistyped(names, tensors, self._shapes)
+        if why is not None:
+            return why
         for name, t in zip(names, tensors, strict=True):
-            shape, dtype = self._shapes[name]
-            if t.shape != shape or t.dtype != dtype:
-                return f"{name}: {tuple(t.shape)} {t.dtype}, expected {tuple(shape)} {dtype}"
             if not bool(torch.isfinite(t).all()):
                 return f"{name}: non-finite values"
         return None
@@ -357,7 +447,8 @@ class DrafterActor(Actor):
             weights = self.head.state_dict()
             with torch.no_grad():
                 for name in self._names:
-                    deltas.append(weights[name] - self._base[name])  # a new tensor: safe to send zero-copy
+                    # a new host tensor: safe to send zero-copy
+                    deltas.append((weights[name] - self._base[name]).cpu())
                     self._base[name].copy_(weights[name])
             names = list(self._names)
         msg = DrafterDelta(
@@ -426,7 +517,7 @@ class DrafterActor(Actor):
             if self.config.init_from:
                 self._init_from(self.config.init_from)
             return
-        state = torch.load(ckpts[-1], weights_only=True)
+        state = torch.load(ckpts[-1], map_location=self.device, weights_only=True)
         self.trainer.load_state_dict(state)
         for group in self.trainer.optimizer.param_groups:
             group["lr"] = self.config.lr  # the checkpoint holds the lr / n the owner trained at last

@@ -5,6 +5,7 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -56,19 +57,26 @@ def hidden_states(
     return out
 
 
+def send_as(endpoint: str, identity: str, messages: Iterable[Message]) -> None:
+    """Sends `messages` to an actor's data socket as the peer `identity` would."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity.encode())
+    sock.connect(endpoint)
+    codec = Codec()
+    for msg in messages:
+        sock.send_multipart(codec.encode(msg))
+    sock.close(linger=2000)
+    ctx.term()
+
+
 def feed(
     endpoint: str, n: int, hidden_size: int, vocab: int, *, seed: int = 0, policy_version: int = 0
 ) -> None:
     """Streams `n` random sequences' hidden states to the drafter's data socket."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, b"rollout:0")
-    sock.connect(endpoint)
-    codec = Codec()
-    for msg in hidden_states(n, hidden_size, vocab, seed=seed, policy_version=policy_version):
-        sock.send_multipart(codec.encode(msg))
-    sock.close(linger=2000)
-    ctx.term()
+    send_as(
+        endpoint, "rollout:0", hidden_states(n, hidden_size, vocab, seed=seed, policy_version=policy_version)
+    )
 
 
 async def wait_for(sup: Supervisor, kind: type, pred=lambda m: True, timeout: float = 30.0):
