@@ -2,23 +2,19 @@
 
 `Generator.step()` is one iteration: waiting requests take free cache slots, every running sequence that
 has a pending token decodes it, and what is left of the per-iteration token budget goes to prompt prefill
-in chunks, oldest request first — a long prompt is spread over several iterations instead of stalling
-everyone's decoding. All of it is one flat forward pass (`BatchLayout`). Sampling noise is keyed by
-(request seed, index of the new token), so a request's output does not depend on its batch.
+in chunks, oldest request first. All of it is one flat forward pass (`BatchLayout`). Sampling noise is
+keyed by (request seed, index of the new token), so a request's output does not depend on its batch.
 
-A sequence in decode state holds exactly one *pending* token: sampled, returned, but not yet fed through
-the model. Speculative decoding (`SpecConfig`, `speculator.py`) builds on that: the pending token is the
-root of a draft tree scored in the same pass as the prefill chunks, verified losslessly, and only the
-accepted path is kept in the KV cache (`KVCache.commit_path`); a run of accepted tokens is cut at the first
-stop id or length limit, exactly where plain decoding would stop. Drafters are built by the caller and
-held per method (`drafters=`, `hold`); `set_spec` switches between them.
+A sequence in decode state holds exactly one *pending* token: sampled, returned, not yet fed through the
+model. Speculative decoding (`SpecConfig`, `speculator.py`) makes it the root of a draft tree scored in the
+same pass as the prefill chunks, verified losslessly; only the accepted path stays in the KV cache
+(`KVCache.commit_path`), and a run of accepted tokens is cut where plain decoding would stop. Drafters are
+built by the caller and held per method (`drafters=`, `hold`); `set_spec` switches between them.
 
-One code path for every device: the cache, the batch layout, sampling and verification run where the model
-is; the host reads back the sampled tokens and log-probs (one read each per pass), and a completion's
-hidden states once, when it finishes.
-
-Finish reasons: "stop" (a stop or EOS id was emitted; it is kept in token_ids, since the policy must
-learn to emit it), "length" (max_tokens reached, or prompt + response filled the cache slot's max_len).
+One code path for every device: cache, batch plan, sampling and verification run where the model is; the
+host reads the sampled tokens and log-probs, and a completion's hidden states once, when it finishes.
+Finish reasons: "stop" (a stop or EOS id, kept in token_ids: the policy must learn to emit it), "length"
+(max_tokens, or prompt + response filled the slot's max_len).
 """
 
 from __future__ import annotations
