@@ -29,6 +29,7 @@ import torch
 from slipstream.engine import eagle_export, hub
 from slipstream.engine.buffer import completion_window
 from slipstream.engine.config import dtype_from_name
+from slipstream.engine.device import parse_device, require_device
 from slipstream.engine.drafters import Drafter, EagleDrafter, NGramDrafter
 from slipstream.engine.eagle import EagleHead
 from slipstream.engine.generator import Completion, Generator, Request
@@ -49,6 +50,10 @@ class RolloutActor(Actor):
 
     class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
         model: str  # the policy: a model directory or a registry name
+        device: str = "cpu"  # where the policy, KV cache, sampling and drafts live: cpu, cuda, cuda:N
+        # The policy's dtype here ("" = the checkpoint's): bfloat16 on a GPU. The learner pushes weights in it
+        # (its push_dtype) and keeps fp32 masters of its own.
+        dtype: Literal["", "float32", "bfloat16", "float16"] = ""
         max_batch: int = 32  # concurrent sequences (KV cache slots)
         max_len: int = 2048  # prompt + response tokens per sequence
         token_budget: int = 0  # tokens per forward pass; 0 = sized from max_batch and the arms
@@ -69,6 +74,7 @@ class RolloutActor(Actor):
         verify_applied_weights: bool = False
 
         def __post_init__(self) -> None:
+            parse_device(self.device)
             if self.max_batch < 1:
                 raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
             if self.token_budget and self.token_budget <= self.max_batch:
@@ -78,7 +84,11 @@ class RolloutActor(Actor):
 
     def on_start(self) -> None:
         cfg = self.config
-        self.model = load_model(hub.resolve(cfg.model))
+        self.model = load_model(
+            hub.resolve(cfg.model),
+            dtype=dtype_from_name(cfg.dtype) if cfg.dtype else None,
+            device=require_device(cfg.device),
+        )
         self.tuner = Tuner(cfg.tuner)
         self.tuner_path = Path(self.run_dir or ".") / "rollout" / f"rank-{self.rank}" / "tuner.json"
         if self.tuner_path.is_file():
@@ -93,7 +103,7 @@ class RolloutActor(Actor):
         drafters: dict[str, Drafter] = {}
         # Held drafters observe every commit: plain decoding (arms ["off"]) pays for no n-gram tables.
         if any(arm.method in ("ngram", "hybrid") for arm in arms):
-            drafters["ngram"] = NGramDrafter()
+            drafters["ngram"] = NGramDrafter(device=self.model.lm_head_weight.device)
         if self.eagle is not None:
             drafters["eagle"] = self.eagle
         self.generator = Generator(
@@ -125,7 +135,8 @@ class RolloutActor(Actor):
             drafter = eagle_export.load(cfg.drafter, self.model, **kwargs)
             self.log.info("drafter_loaded", path=cfg.drafter, version=drafter.version)
             return drafter
-        head = EagleHead.for_target(self.model.config).to(self.model.lm_head_weight.dtype)
+        weight = self.model.lm_head_weight
+        head = EagleHead.for_target(self.model.config).to(device=weight.device, dtype=weight.dtype)
         return EagleDrafter(head, self.model, **kwargs)
 
     def on_stop(self) -> None:

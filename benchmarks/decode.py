@@ -253,9 +253,9 @@ def _generator(
         assert drafter_dir is not None
         drafter = eagle_export.load(drafter_dir, model)
     elif arm.spec == "self":
-        drafter = OracleDrafter(recorded)
+        drafter = OracleDrafter(recorded, device=model.lm_head_weight.device)
     else:
-        drafter = NGramDrafter()
+        drafter = NGramDrafter(device=model.lm_head_weight.device)
     return Generator.for_requests(
         model, requests, spec=spec, drafters={arm.spec: drafter}, eos_token_ids=()
     )

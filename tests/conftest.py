@@ -27,5 +27,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> torch.device:
-    """The device a component test runs on (cuda only where one exists; otherwise skipped, with the reason)."""
+    """The device a component test runs on (cuda only where one exists; otherwise skipped, with the reason).
+    CUDA comes with its index: torch.device("cuda") != a tensor's device("cuda", 0)."""
+    if request.param == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device(request.param)

@@ -21,7 +21,7 @@ def test_decode_json_carries_every_documented_field(tmp_path: Path) -> None:
     printed = json.loads(msgspec.json.encode(result))
     assert set(printed) == {
         "model", "threads", "rows", "batches", "prompt_tokens", "max_tokens", "temperature", "repeats",
-        "prompt_source", "ignore_eos", "torch", "self_mode", "timing", "drafter", "wall_s",
+        "prompt_source", "ignore_eos", "torch", "self_mode", "timing", "drafter", "device", "wall_s",
     }  # fmt: skip
     assert printed["batches"] == [1, 2] and printed["drafter"] is None and printed["ignore_eos"] is True
     assert [(r["batch"], r["spec"]) for r in printed["rows"]] == [
