@@ -39,14 +39,19 @@ class ScoredGroup(Message, frozen=True, kw_only=True):
 
 class TrainStep(Message, frozen=True, kw_only=True):
     """Coordinator → learner: train on step `step`'s `num_groups` groups, producing policy `version`; rank 0
-    then pushes the weights to `push_to` and, when `checkpoint` names a file, saves policy + optimizer there."""
+    then saves policy + optimizer to `checkpoint` when it names a file, pushes the weights to `push_to`,
+    then the drafter's head parts (embedding, final norm, untied LM head) to `push_head_to`.
+
+    New fields go last, with defaults: an older encoding (a shorter array) still decodes."""
 
     kind = LearnerKind.TRAIN
     step: NonNeg
-    num_groups: NonNeg  # ScoredGroups this rank receives for the step (0: no training, push only)
+    num_groups: NonNeg  # ScoredGroups this rank receives for the step (may be 0 on one of several ranks)
     version: NonNeg
     push_to: list[str] = []
     checkpoint: str = ""
+    push_head_to: list[str] = []  # drafters: the head parts only, as buckets numbered over that subset
+    push_only: bool = False  # no training, only the pushes (with one rank, num_groups=0 also means this)
 
 
 class WeightUpdate(Message, frozen=True, kw_only=True):
