@@ -2,37 +2,44 @@
 
 The coordinator streams `ScoredGroup`s (one prompt's G responses, the rollout's log-probs, the rewards
 with None for a failed reward) and then sends `TrainStep`. When every group of that step has arrived, the
-learner turns rewards into group advantages (`engine.grpo`: invalid samples left out of the baseline and
-the loss), takes one `PolicyTrainer` step, reports `StepStats` (loss, grad norm, train–rollout mismatch,
-ratio and clip statistics), and rank 0 sends the new weights to `push_to` as `WeightUpdate` buckets
-(checksummed, zero-copy frames; same-host peers get them through the shared-memory lane).
+learner turns rewards into group advantages (`engine.grpo`), takes one `PolicyTrainer` step, reports
+`StepStats`, and rank 0 sends the new weights to `push_to` and the drafter's head parts to `push_head_to`
+as `WeightUpdate` buckets (checksummed, zero-copy frames).
 
 Non-obvious choices:
-- Several learner ranks form one torch.distributed group (gloo on CPU, NCCL on GPU) rendezvousing through
-  a file in the run directory; each rank trains on the groups dealt to it and the trainer all-reduces
-  gradients, so every rank holds the same weights and only rank 0 pushes.
-- Weights are pushed as they are (fp32 here): the rollout copies them bitwise, so after a push its policy
-  equals the learner's exactly; tied embeddings travel once (there is no separate head parameter).
+- fp32 masters whatever the checkpoint's dtype; pushes are cast to `push_dtype` (default: the checkpoint's,
+  what a rollout loading the same directory holds). The cast copy is what is checksummed and sent, so a
+  rollout's bitwise re-hash matches; checkpoints keep the masters.
+- Several ranks form one torch.distributed group (NCCL on CUDA, gloo on CPU) through a file store in the
+  run directory; every rank trains on the groups dealt to it, the trainer all-reduces gradients, so all
+  hold the same weights and only rank 0 pushes. A rank dealt no group still steps (the others wait for it
+  in their all-reduces); only `push_only` (alone, num_groups=0 too) skips training. On stop the ranks meet
+  at a store barrier before destroying the group: none closes its connections while a peer is still in a
+  collective.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 import torch
 import torch.distributed as dist
 
 from slipstream.engine import hub
+from slipstream.engine.config import ModelConfig, dtype_from_name
 from slipstream.engine.grpo import LossConfig, group_advantages
 from slipstream.engine.policy_train import OptimConfig, PolicySample, PolicyTrainer
-from slipstream.engine.weights import load_model
+from slipstream.engine.weights import HEAD_PARTS, load_model
 from slipstream.protocols.learner import ScoredGroup, StepStats, TrainStep, WeightUpdate
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
+
+STOP_BARRIER_S = 60.0  # how long a stopping rank waits for its peers before tearing down anyway
 
 
 class LearnerActor(Actor):
@@ -46,24 +53,38 @@ class LearnerActor(Actor):
         bucket_bytes: Annotated[int, msgspec.Meta(ge=1)] = 64 << 20  # weight-update bucket size
         resume_from: str = ""  # a checkpoint written by a TrainStep (policy + optimizer) to start from
         seed: int = 0
+        device: str = "cpu"  # "cpu", "cuda" or "cuda:N": where the fp32 masters and optimizer state live
+        push_dtype: Literal["", "float32", "bfloat16", "float16"] = ""  # pushed weights; "": the checkpoint's
+
+        def __post_init__(self) -> None:
+            if re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is None:
+                raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
 
     def on_start(self) -> None:
         cfg = self.config
         if self.rank >= cfg.world_size:
             raise ValueError(f"world_size: {cfg.world_size} ranks, but this is rank {self.rank}")
         torch.manual_seed(cfg.seed)
+        device = torch.device(cfg.device)
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)  # NCCL binds each rank to the current device
         if cfg.world_size > 1:
             rendezvous = Path(self.run_dir or ".") / "learner-rendezvous"
             dist.init_process_group(
-                "gloo",
+                "nccl" if device.type == "cuda" else "gloo",
                 init_method=f"file://{rendezvous.resolve()}",
                 rank=self.rank,
                 world_size=cfg.world_size,
             )
-        self.model = load_model(hub.resolve(cfg.model))
+        path = hub.resolve(cfg.model)
+        self.push_dtype = (
+            dtype_from_name(cfg.push_dtype) if cfg.push_dtype else ModelConfig.from_pretrained(path).dtype
+        )
+        # fp32 masters whatever the checkpoint holds: a bf16 weight would swallow small updates.
+        self.model = load_model(path, dtype=torch.float32, device=device)
         ref = None
         if cfg.loss.kl_coef > 0:
-            ref = load_model(hub.resolve(cfg.model))
+            ref = load_model(path, dtype=torch.float32, device=device)
         self.trainer = PolicyTrainer(self.model, optim=cfg.optim, loss=cfg.loss, ref_model=ref)
         self.version = 0
         if cfg.resume_from:
@@ -73,6 +94,7 @@ class LearnerActor(Actor):
 
     def on_stop(self) -> None:
         if dist.is_available() and dist.is_initialized():
+            _stop_barrier(self.config.world_size, STOP_BARRIER_S)
             dist.destroy_process_group()
 
     @handler
@@ -110,7 +132,10 @@ class LearnerActor(Actor):
         groups = sorted(self._groups.pop(msg.step, []), key=lambda g: g.group_id)
         started = time.perf_counter()
         samples, counts = policy_samples(groups, self.config.loss)
-        if msg.num_groups == 0:  # push only (a resumed run hands its weights to fresh rollouts)
+        # Alone, a step without groups can only be a push (older coordinators say so with num_groups=0).
+        # With peers, a rank dealt nothing still steps: the others wait for it in their all-reduces.
+        alone = self.config.world_size == 1
+        if msg.push_only or (alone and msg.num_groups == 0):
             stats = {"loss": 0.0, "grad_norm": 0.0, "tokens": 0}
         else:
             stats = self.trainer.step(samples)
@@ -135,24 +160,37 @@ class LearnerActor(Actor):
                 self._save(msg.checkpoint)
             if msg.push_to:
                 self.push(msg.push_to, msg.version)
+            if msg.push_head_to:
+                self.push_head(msg.push_head_to, msg.version)
         return True
 
     def push(self, dests: list[str], version: int) -> None:
-        """Sends every parameter to each of `dests` as checksummed buckets of about `bucket_bytes`."""
-        buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
+        """Sends every parameter to each of `dests`, cast to `push_dtype`, as checksummed buckets."""
+        self._push(list(self.model.named_parameters()), dests, version)
+        self.log.info("weights_pushed", dests=dests, version=version)
+
+    def push_head(self, dests: list[str], version: int) -> None:
+        """Sends the parameters an EAGLE drafter reads of its target (embedding, final norm, and LM head when
+        untied) to each of `dests`: the same kind of buckets, numbered over this subset alone."""
+        self._push([(n, p) for n, p in self.model.named_parameters() if n in HEAD_PARTS], dests, version)
+        self.log.info("head_pushed", dests=dests, version=version)
+
+    def _push(self, params: list[tuple[str, torch.nn.Parameter]], dests: list[str], version: int) -> None:
+        itemsize = self.push_dtype.itemsize
+        buckets: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
         size = 0
-        for name, param in self.model.named_parameters():
-            tensor = param.detach()
-            if buckets[-1] and size + tensor.nbytes > self.config.bucket_bytes:
+        for name, param in params:
+            nbytes = param.numel() * itemsize
+            if buckets[-1] and size + nbytes > self.config.bucket_bytes:
                 buckets.append([])
                 size = 0
-            buckets[-1].append((name, tensor))
-            size += tensor.nbytes
+            buckets[-1].append((name, param))
+            size += nbytes
         for index, bucket in enumerate(buckets):
             names = [n for n, _ in bucket]
-            # One copy for every destination (frames leave zero-copy, and the next step must not change
-            # what is still in flight), and one checksum.
-            tensors = [t.clone() for _, t in bucket]
+            # One cast copy on the CPU for every destination: frames leave zero-copy, the next step must not
+            # change what is still in flight, and the copy, not the master, is what the checksum covers.
+            tensors = [p.detach().to("cpu", self.push_dtype, copy=True) for _, p in bucket]
             update = WeightUpdate(
                 version=version,
                 bucket=index,
@@ -163,7 +201,6 @@ class LearnerActor(Actor):
             )
             for dest in dests:
                 self.send(dest, update)
-        self.log.info("weights_pushed", dests=dests, version=version, buckets=len(buckets))
 
     def _save(self, path: str) -> None:
         target = Path(path)
@@ -179,7 +216,7 @@ class LearnerActor(Actor):
         self.log.info("checkpoint_saved", path=str(target), version=self.version)
 
     def _load(self, path: str) -> None:
-        state = torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True, map_location=self.model.embed_tokens.weight.device)
         self.model.load_state_dict(state["model"])
         self.trainer.load_state_dict(state["trainer"])
         self.version = int(state["version"])
@@ -221,6 +258,16 @@ def policy_samples(
         "zero_adv_share": float(adv.zero_adv_share),
     }
     return samples, counts
+
+
+def _stop_barrier(world_size: int, timeout_s: float) -> None:
+    """Waits (at most `timeout_s`) until every rank is stopping, so none tears down its process group while a
+    peer may still use it. Through the store, not a collective: a dead peer costs a timeout, never a hang."""
+    store = dist.distributed_c10d._get_default_store()
+    store.add("learner/stopping", 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add("learner/stopping", 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _check_group(msg: ScoredGroup) -> str | None:

@@ -25,10 +25,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
-def make_learner(model: Path, run_dir: Path, **config: Any) -> tuple[LearnerActor, Captured]:
+def make_learner(model: Path, run_dir: Path, rank: int = 0, **config: Any) -> tuple[LearnerActor, Captured]:
     out = Captured()
     cfg = msgspec.convert({"model": str(model), **config}, LearnerActor.Config)
-    actor = LearnerActor(cfg, rank=0, outbox=out, inbox=Inbox(8), run_dir=str(run_dir))
+    actor = LearnerActor(cfg, rank=rank, outbox=out, inbox=Inbox(8), run_dir=str(run_dir))
     actor.on_start()
     return actor, out
 
@@ -65,7 +65,8 @@ def scored_groups(
 def train(learner: LearnerActor, groups: list[ScoredGroup], **step: Any) -> None:
     for g in groups:
         learner.on_group(g, "coordinator")
-    learner.on_train(TrainStep(step=groups[0].step, num_groups=len(groups), **step), "coordinator")
+    step.setdefault("step", groups[0].step if groups else 0)
+    learner.on_train(TrainStep(num_groups=len(groups), **step), "coordinator")
     assert learner.step()
     assert not learner.step()  # one TrainStep, one optimizer step
 

@@ -1,0 +1,141 @@
+"""The learner's masters and pushes: fp32 weights and optimizer state from a bf16 checkpoint, pushes cast to
+the rollout's dtype (what a rollout re-hashes), checkpoints of the masters, the drafter's head parts, the
+config's device field, and old `TrainStep` encodings."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from slipstream.actors.learner import LearnerActor
+from slipstream.engine.weights import load_head_parts
+from slipstream.protocols.learner import TrainStep, WeightAck, WeightUpdate
+from slipstream.runtime.codec import Codec, checksum
+from tests.actors.test_learner import make_learner, scored_groups, train
+from tests.actors.test_rollout_actor import drain, make_actor
+from tests.engine.conftest import build_checkpoint
+
+REWARDS = [[1.0, 0.0, 0.5, 1.0], [0.0, 0.5, 1.0, 0.0]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+def convert(src: Path, dst: Path, dtype: torch.dtype) -> Path:
+    """A copy of checkpoint `src` rounded to bf16, stored (and declared in config.json) as `dtype`."""
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    save_file({n: t.to(torch.bfloat16).to(dtype) for n, t in tensors.items()}, dst / "model.safetensors")
+    config = json.loads((dst / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_a_bf16_checkpoint_trains_fp32_masters_and_pushes_them_cast(tiny: Path, tmp_path: Path) -> None:
+    bf16 = convert(tiny, tmp_path / "bf16", torch.bfloat16)
+    same_in_fp32 = convert(tiny, tmp_path / "fp32", torch.float32)  # the same values, an fp32 checkpoint
+    groups = scored_groups(same_in_fp32, tmp_path, REWARDS)
+    learner, sent = make_learner(bf16, tmp_path / "bf16-run", optim={"lr": 1e-6})
+    reference, _ = make_learner(same_in_fp32, tmp_path / "fp32-run", optim={"lr": 1e-6})
+    start = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+    ckpt = tmp_path / "ckpt" / "learner.pt"
+    train(learner, groups, version=1, push_to=["rollout:0"], checkpoint=str(ckpt))
+    train(reference, groups, version=1)
+
+    masters = dict(learner.model.named_parameters())
+    changed = total = 0
+    for name, param in reference.model.named_parameters():
+        assert masters[name].dtype == torch.float32
+        assert torch.equal(masters[name], param), name  # the step an fp32 run takes, bit for bit
+        changed += int((masters[name] != start[name]).sum())
+        total += param.numel()
+    assert changed / total > 0.9  # in place on bf16 weights, lr 1e-6 moved 0.3% of them
+    states = learner.trainer.optimizer.state.values()
+    assert all(s[k].dtype == torch.float32 for s in states for k in ("exp_avg", "exp_avg_sq"))
+    saved = torch.load(ckpt, weights_only=True)["model"]
+    assert all(torch.equal(saved[n], p) for n, p in masters.items())  # checkpoints keep the masters
+
+    updates = sent.of(WeightUpdate)
+    for update in updates:
+        assert update.checksum == checksum(update.names, update.tensors)
+        for name, tensor in zip(update.names, update.tensors, strict=True):
+            assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, masters[name].to(torch.bfloat16))
+    rollout, out = make_actor(bf16, tmp_path / "rollout2", verify_applied_weights=True)
+    for update in updates:
+        rollout.on_weights(update, "learner:0")
+    drain(rollout)
+    assert [a.ok for a in out.of(WeightAck)] == [True] and rollout.policy_version == 1
+
+
+def test_push_dtype_overrides_the_checkpoints(tiny: Path, tmp_path: Path) -> None:
+    groups = scored_groups(tiny, tmp_path, REWARDS)
+    learner, sent = make_learner(tiny, tmp_path, push_dtype="float16", bucket_bytes=4096)
+    train(learner, groups, version=1, push_to=["rollout:0"])
+    updates = sent.of(WeightUpdate)
+    assert len(updates) > 1 and {t.dtype for u in updates for t in u.tensors} == {torch.float16}
+    assert sum(len(u.names) for u in updates) == len(list(learner.model.parameters()))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_drafters_get_the_head_parts_after_the_full_push(tmp_path: Path, tied: bool) -> None:
+    model = build_checkpoint(tmp_path / "model", tie_word_embeddings=tied)
+    groups = scored_groups(model, tmp_path, REWARDS)
+    learner, sent = make_learner(model, tmp_path, push_dtype="bfloat16", bucket_bytes=4096)
+    drafters = ["drafter:0", "drafter:1"]
+    train(learner, groups, version=3, push_to=["rollout:0"], push_head_to=drafters)
+    to_rollout = [i for i, (dest, _) in enumerate(sent.sent) if dest == "rollout:0"]
+    to_drafters = [i for i, (dest, _) in enumerate(sent.sent) if dest in drafters]
+    assert max(to_rollout) < min(to_drafters)  # the full push first
+    masters = dict(learner.model.named_parameters())
+    for dest in drafters:
+        updates = [m for d, m in sent.sent if d == dest]
+        assert [u.bucket for u in updates] == list(range(len(updates)))
+        assert {u.num_buckets for u in updates} == {len(updates)} and {u.version for u in updates} == {3}
+        names = [n for u in updates for n in u.names]
+        # What a drafter holds of its target (lm_head only when untied), nothing more.
+        assert sorted(names) == sorted(n for n, _ in load_head_parts(model).named_parameters())
+        assert ("lm_head.weight" in names) == (not tied)
+        for update in updates:
+            assert update.checksum == checksum(update.names, update.tensors)
+            for name, tensor in zip(update.names, update.tensors, strict=True):
+                assert torch.equal(tensor, masters[name].to(torch.bfloat16))
+
+
+def test_push_only_trains_nothing_and_pushes(tiny: Path, tmp_path: Path) -> None:
+    learner, sent = make_learner(tiny, tmp_path)
+    start = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+    train(learner, [], version=5, push_to=["rollout:0"], push_head_to=["drafter:0"], push_only=True)
+    assert learner.trainer.steps == 0 and learner.version == 5
+    assert all(torch.equal(p, start[n]) for n, p in learner.model.named_parameters())
+    assert {u.version for u in sent.of(WeightUpdate)} == {5} and {d for d, _ in sent.sent} >= {"drafter:0"}
+
+
+def test_device_is_validated_naming_the_field() -> None:
+    for good in ("cpu", "cuda", "cuda:1"):
+        LearnerActor.Config(model="m", device=good)
+    for bad in ("gpu", "cuda:", "cuda:x", "CPU"):
+        with pytest.raises(ValueError, match=r"device: expected 'cpu', 'cuda' or 'cuda:N'"):
+            LearnerActor.Config(model="m", device=bad)
+    with pytest.raises(msgspec.ValidationError, match="push_dtype"):
+        msgspec.convert({"model": "m", "push_dtype": "int8"}, LearnerActor.Config)
+
+
+def test_a_train_step_encoded_before_the_new_fields_still_decodes() -> None:
+    codec = Codec()
+    kind = codec.encode(TrainStep(step=0, num_groups=0, version=0))[0]
+    old = bytes.fromhex("9501080291a9726f6c6c6f75743a30ae636b70742f737465702d312e7074")  # the old golden
+    msg = codec.decode([kind, old])
+    assert msg == TrainStep(
+        step=1, num_groups=8, version=2, push_to=["rollout:0"], checkpoint="ckpt/step-1.pt"
+    )
+    assert msg.push_head_to == [] and msg.push_only is False
