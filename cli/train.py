@@ -29,6 +29,7 @@ from slipstream.actors.learner import LearnerActor
 from slipstream.actors.rollout import RolloutActor
 from slipstream.actors.verifier import VerifierActor
 from slipstream.engine import hub
+from slipstream.engine.device import require_device
 from slipstream.engine.grpo import LossConfig
 from slipstream.engine.policy_train import OptimConfig
 from slipstream.engine.sampling import MAX_SEED
@@ -39,6 +40,7 @@ from slipstream.protocols.reward import ScoreRequest
 from slipstream.protocols.rollout import Completion, GenerateRequest, SamplingSpec
 from slipstream.runtime import config as run_config
 from slipstream.runtime.coordinator import Coordinator, StepMetrics
+from slipstream.runtime.placement import place
 from slipstream.runtime.progress import ProgressFactory, silent
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
 from slipstream.runtime.transport import actor_name
@@ -55,6 +57,9 @@ class RolloutSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
     )
     tuner: TunerConfig = TunerConfig()  # buckets and speculation arms ("off" alone = plain decoding)
     verify_weights: bool = False  # re-hash the applied weights against the learner's: proves sync exact
+    # The rollouts' policy dtype: "" = bfloat16 on cuda, the checkpoint's own on cpu. The learner keeps fp32
+    # masters and pushes in this dtype.
+    dtype: Literal["", "float32", "bfloat16", "float16"] = ""
 
 
 class DrafterSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -74,16 +79,14 @@ class VerifierSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
 
 
 class LearnerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    ranks: Positive = 1  # data-parallel learner ranks (gloo on CPU)
+    ranks: Positive = 1  # data-parallel learner ranks (gloo on CPU, NCCL on CUDA)
     threads: Positive = 2  # torch threads per rank: the rollouts are idle while the learner trains
     optim: OptimConfig = OptimConfig()
     loss: LossConfig = LossConfig()
 
 
 class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    device: Literal["cpu", "cuda"] = (
-        "cpu"  # cuda: refused at start until the CUDA engine path lands (issue 13)
-    )
+    device: Literal["cpu", "cuda"] = "cpu"  # cuda: one GPU per rollout; placement in runtime/placement.py
     model: str = "smollm2-135m"  # model directory or registry name
     task: str = "chain_sum"  # reasoning-gym task name, or a JSONL file of {question, answer}
     task_options: dict[str, Any] = {}  # the reasoning-gym task's own options (difficulty)
@@ -169,20 +172,37 @@ def actor_names(cfg: TrainConfig, *, baseline: bool) -> tuple[list[str], list[st
     )
 
 
+def rollout_dtype(cfg: TrainConfig) -> str:
+    """The rollouts' policy dtype name ("" = the checkpoint's own)."""
+    if cfg.rollout.dtype:
+        return cfg.rollout.dtype
+    return "bfloat16" if cfg.device == "cuda" else ""
+
+
 def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from: str) -> list[ActorSpec]:
-    """Every process of the run. On this CPU a device is a core: rollout r and drafter r share core r."""
+    """Every process of the run, placed by runtime/placement.py (rollout r and drafter r share a device)."""
     devices = cfg.rollout.devices
-    cores = max(1, os.cpu_count() or 1)
+    where = place(
+        cfg.device,
+        rollouts=devices,
+        learners=cfg.learner.ranks,
+        learner_threads=cfg.learner.threads,
+        cores=os.cpu_count() or 1,
+        gpus=torch.cuda.device_count() if cfg.device == "cuda" else 0,
+    )
     rollouts, drafters = actor_names(cfg, baseline=baseline)[:2]
     train_drafter = bool(drafters)
     tuner = TunerConfig(buckets=cfg.rollout.tuner.buckets, arms=["off"]) if baseline else cfg.rollout.tuner
     max_len = 1024 + cfg.max_tokens  # prompts of reasoning tasks are short; a longer one is refused, named
+    dtype = rollout_dtype(cfg)
     specs = [
         ActorSpec.of(
             RolloutActor,
             rank=r,
             config=RolloutActor.Config(
                 model=cfg.model,
+                device=slot.device,
+                dtype=dtype,
                 max_batch=-(-cfg.prompts_per_step // devices) * cfg.group_size,
                 max_len=max_len,
                 spec_mode=cfg.rollout.spec_mode,
@@ -191,9 +211,10 @@ def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from:
                 hidden_to=drafters,
                 verify_applied_weights=cfg.rollout.verify_weights,
             ),
-            cpus=[r % cores],
+            threads=slot.threads,
+            cpus=slot.cpus,
         )
-        for r in range(devices)
+        for r, slot in enumerate(where.rollouts)
     ]
     if train_drafter:
         specs += [
@@ -202,6 +223,7 @@ def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from:
                 rank=r,
                 config=DrafterActor.Config(
                     model=cfg.model,
+                    device=slot.device,
                     batch_tokens=cfg.drafter.batch_tokens,
                     lr=cfg.drafter.lr,
                     publish_to=rollouts,
@@ -210,9 +232,10 @@ def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from:
                     init_from=cfg.drafter.init_from,
                     seed=cfg.seed,
                 ),
-                cpus=[r % cores],
+                threads=slot.threads,
+                cpus=slot.cpus,
             )
-            for r in range(devices)
+            for r, slot in enumerate(where.drafters)
         ]
     specs += [
         ActorSpec.of(
@@ -230,15 +253,17 @@ def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from:
             rank=r,
             config=LearnerActor.Config(
                 model=cfg.model,
+                device=slot.device,
+                push_dtype=dtype,
                 optim=cfg.learner.optim,
                 loss=cfg.learner.loss,
                 world_size=cfg.learner.ranks,
                 resume_from=resume_from,
                 seed=cfg.seed,
             ),
-            threads=cfg.learner.threads,
+            threads=slot.threads,
         )
-        for r in range(cfg.learner.ranks)
+        for r, slot in enumerate(where.learners)
     ]
     return specs
 
@@ -253,12 +278,11 @@ async def train(
     log: Any = None,
 ) -> dict[str, Any]:
     """Runs the loop; returns the summary also written to run_dir/summary.json."""
-    if cfg.device != "cpu":
-        raise ValueError(
-            f"device: {cfg.device!r} is not available in this build: the engine runs on the CPU only "
-            "(the CUDA path is issue 13, not built); set device: cpu"
-        )
+    require_device(cfg.device)  # refused before anything starts, naming the field
     run_dir.mkdir(parents=True, exist_ok=True)
+    # The learner ranks' rendezvous file: one a crashed run left behind would hand a resumed run stale
+    # addresses and counts.
+    (run_dir / "learner-rendezvous").unlink(missing_ok=True)
     model_dir = hub.resolve(cfg.model)
     tokenizer = Tokenizer.from_dir(model_dir)
     state = _read_state(run_dir) if resume else {"step": 0, "checkpoint": ""}
@@ -287,7 +311,9 @@ async def train(
         ) as coord:
             version = start
             if start > 0:  # the resumed learner hands its weights to the fresh rollouts first
-                await coord.train(start, [], version=start, push_to=rollouts)
+                await coord.train(
+                    start, [], version=start, push_to=rollouts, push_head_to=drafters, push_only=True
+                )
                 await coord.weights_applied(start)
             for step in range(start, cfg.steps):
                 chunk = range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step)
@@ -303,7 +329,12 @@ async def train(
                         checkpoint = str(run_dir / "checkpoints" / f"step-{step + 1}" / "learner.pt")
                     # The line where weights are pushed: the learner trains, then sends every rollout v + 1.
                     stats = await coord.train(
-                        step, groups_out, version=version + 1, push_to=rollouts, checkpoint=checkpoint
+                        step,
+                        groups_out,
+                        version=version + 1,
+                        push_to=rollouts,
+                        push_head_to=drafters,
+                        checkpoint=checkpoint,
                     )
                     learn_s = time.monotonic() - learned
                     await coord.weights_applied(version + 1)

@@ -290,9 +290,16 @@ class Coordinator:
         *,
         version: int,
         push_to: Sequence[str] = (),
+        push_head_to: Sequence[str] = (),
         checkpoint: str = "",
+        push_only: bool = False,
     ) -> list[StepStats]:
-        """Deals the groups over the learner ranks, asks each for one step, waits for every rank's stats."""
+        """Deals the groups over the learner ranks, asks each for one step, waits for every rank's stats.
+
+        Rank 0 then pushes the policy to `push_to` and its embedding, final norm and LM head alone to
+        `push_head_to` (drafters); `push_only` sends no groups and trains nothing (a resumed run's push)."""
+        if push_only and groups:
+            raise ValueError(f"push_only with {len(groups)} groups: a push-only step trains nothing")
         if not self.learners:
             raise ValueError("no learner actors to train with")
         shares: dict[str, int] = dict.fromkeys(self.learners, 0)
@@ -308,6 +315,8 @@ class Coordinator:
                 version=version,
                 push_to=list(push_to) if lead else [],
                 checkpoint=checkpoint if lead else "",
+                push_head_to=list(push_head_to) if lead else [],
+                push_only=push_only,
             )
             await self.sup.send(rank, msg)
         await self._until(
