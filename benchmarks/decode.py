@@ -256,9 +256,7 @@ def _generator(
         drafter = OracleDrafter(recorded, device=model.lm_head_weight.device)
     else:
         drafter = NGramDrafter(device=model.lm_head_weight.device)
-    return Generator.for_requests(
-        model, requests, spec=spec, drafters={arm.spec: drafter}, eos_token_ids=()
-    )
+    return Generator.for_requests(model, requests, spec=spec, drafters={arm.spec: drafter}, eos_token_ids=())
 
 
 def interleaved_round(
