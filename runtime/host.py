@@ -19,6 +19,7 @@ import argparse
 import ctypes
 import importlib
 import os
+import resource
 import signal
 import socket
 import sys
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             report_dead(f"on_start failed: {type(e).__name__}: {e}", 1)
             return 1
         actor.send(COORDINATOR, Ready(role=cls.role, rank=args.rank))
-        log.info("ready", pid=os.getpid(), data=data_endpoint, threads=init.threads)
+        log.info("ready", pid=os.getpid(), data=data_endpoint, threads=init.threads, rss_mb=_rss_mb())
         try:
             actor.serve()
         except Exception as e:  # Fatal, or a bug in the loop itself
@@ -202,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
                 actor.on_stop()
             except Exception:
                 log.exception("on_stop_failed")
-        log.info("stopped", handled=actor.handled, dropped=io.dropped)
+        # Peak resident memory: what a co-located actor really costs its host (the drafter's budget).
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        log.info("stopped", handled=actor.handled, dropped=io.dropped, peak_rss_mb=round(peak_mb, 1))
         return exit_code
     except Exception as e:  # anything before serving: the coordinator must hear why
         log.exception("start_failed")
@@ -239,6 +242,15 @@ def _await_init(control: zmq.Socket, codec: Codec, timeout_s: float, log: Any) -
             log.info("shutdown_before_init", reason=msg.reason)
             return None
     return None
+
+
+def _rss_mb() -> float:
+    """This process's resident memory now, MB (Linux /proc; 0 where it cannot be read)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return round(pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
 
 
 if __name__ == "__main__":
