@@ -24,6 +24,7 @@ import torch
 
 from slipstream.engine import eagle_export, hub
 from slipstream.engine import warmup as engine_warmup
+from slipstream.engine.config import ModelConfig
 from slipstream.engine.eagle import EagleHead
 from slipstream.engine.tokenizer import Tokenizer
 from slipstream.engine.weights import load_model
@@ -60,9 +61,9 @@ def export_run(run_or_ckpt: Path, *, model: str, out: Path, server: str = "vllm"
             )
         path = ckpts[-1]
     state = torch.load(path, weights_only=True)
-    target = load_model(hub.resolve(model))
-    head = EagleHead.for_target(target.config)
+    config = ModelConfig.from_pretrained(hub.resolve(model))  # the shapes alone: no weights are read
+    head = EagleHead.for_target(config)
     head.load_state_dict(state["head"])
     version = int(state.get("version", 0))
-    eagle_export.export(head, target.config, out, server=server, version=version)
+    eagle_export.export(head, config, out, server=server, version=version)
     return {"checkpoint": str(path), "version": version, "out": str(out)}
