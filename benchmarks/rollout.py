@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -45,6 +46,7 @@ from slipstream.engine.weights import load_model
 from slipstream.protocols.rollout import GenerateRequest, IterationStats, SamplingSpec
 from slipstream.runtime import config as run_config
 from slipstream.runtime.coordinator import Coordinator
+from slipstream.runtime.placement import place
 from slipstream.runtime.progress import bar
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
 from slipstream.runtime.transport import actor_name
@@ -131,6 +133,7 @@ class RolloutBenchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True
     """`bench rollout`'s configuration; deploy/configs/bench-rollout.yaml holds the same defaults."""
 
     model: str = "smollm2-135m"  # model directory or registry name
+    device: Literal["cpu", "cuda"] = "cpu"  # cpu: a core per rollout/drafter pair; cuda: a GPU each
     task: str = "basic_arithmetic"  # reasoning-gym task (a model without a tokenizer gets random prompts)
     prompts: Positive = 8  # prompts (GRPO groups) per RL step
     samples: Positive = 4  # responses per prompt (G)
@@ -246,22 +249,35 @@ def rollout_specs(
     adaptive = mode == "adaptive"
     rollouts = [actor_name(RolloutActor.role, r) for r in range(DEVICES)]
     drafters = [actor_name(DrafterActor.role, r) for r in range(DEVICES)]
+    where = place(
+        config.device,
+        rollouts=DEVICES,
+        learners=1,  # none runs here; placement wants the run's shape
+        learner_threads=1,
+        cores=os.cpu_count() or 1,
+        gpus=torch.cuda.device_count() if config.device == "cuda" else 0,
+    )
     specs = []
-    for rank in range(DEVICES):
+    for rank, slot in enumerate(where.rollouts):
         rollout = RolloutActor.Config(
             model=model,
+            device=slot.device,
+            dtype="bfloat16" if config.device == "cuda" else "",
             max_batch=max_batch,
             max_len=max_len,
             spec_mode=config.rollout_actors.spec_mode,
             tuner=config.tuner.config(mode, seed=rank),
             **({"drafter": str(drafter), "hidden_to": drafters} if adaptive else {}),
         )
-        specs.append(ActorSpec.of(RolloutActor, rank=rank, config=rollout, cpus=[rank]))
+        specs.append(
+            ActorSpec.of(RolloutActor, rank=rank, config=rollout, threads=slot.threads, cpus=slot.cpus)
+        )
     if adaptive:
         settings = config.drafter_actors
-        for rank in range(DEVICES):
+        for rank, slot in enumerate(where.drafters):
             trainer = DrafterActor.Config(
                 model=model,
+                device=slot.device,
                 init_from=str(drafter),
                 publish_to=rollouts,
                 world_size=DEVICES,
@@ -269,7 +285,9 @@ def rollout_specs(
                 publish_every_steps=settings.publish_every_steps,
                 checkpoint_every_steps=settings.checkpoint_every_steps,
             )
-            specs.append(ActorSpec.of(DrafterActor, rank=rank, config=trainer, cpus=[rank]))
+            specs.append(
+                ActorSpec.of(DrafterActor, rank=rank, config=trainer, threads=slot.threads, cpus=slot.cpus)
+            )
     return specs
 
 
