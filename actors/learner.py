@@ -35,7 +35,14 @@ from slipstream.engine.config import ModelConfig, dtype_from_name
 from slipstream.engine.grpo import LossConfig, group_advantages
 from slipstream.engine.policy_train import OptimConfig, PolicySample, PolicyTrainer
 from slipstream.engine.weights import HEAD_PARTS, load_model
-from slipstream.protocols.learner import ScoredGroup, StepStats, TrainStep, WeightUpdate
+from slipstream.protocols.learner import (
+    PushWeights,
+    ScoredGroup,
+    StepStats,
+    TrainStep,
+    WeightAck,
+    WeightUpdate,
+)
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
 
@@ -123,6 +130,26 @@ class LearnerActor(Actor):
     @handler
     def on_train(self, msg: TrainStep, sender: str) -> None:
         self._pending = msg
+
+    @handler
+    def on_push(self, msg: PushWeights, sender: str) -> None:
+        """The named verb `push_weights`: the current policy to `to` (and the head parts to `head_to`),
+        outside a step. Handlers run between steps, so a push never sees half-updated weights."""
+        if self.rank != 0:
+            self.log.warning("push_ignored", version=msg.version, why="only rank 0 pushes")
+            return
+        if msg.version != self.version:
+            error = f"asked to push v{msg.version}, the learner holds v{self.version}"
+            self.log.error("push_refused", error=error)
+            self.send(
+                COORDINATOR,
+                WeightAck(version=msg.version, role=self.role, rank=self.rank, ok=False, error=error),
+            )
+            return
+        if msg.to:
+            self.push(msg.to, msg.version)
+        if msg.head_to:
+            self.push_head(msg.head_to, msg.version)
 
     def step(self) -> bool:
         msg = self._pending

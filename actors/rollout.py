@@ -154,17 +154,19 @@ class RolloutActor(Actor):
                 have=self.policy_version,
             )
         sampling = msg.sampling
+        # A requeue after another rollout died asks for the missing samples alone (same seeds, same tokens).
+        samples = msg.sample_indices or range(msg.num_samples)
         ids = msg.prompt_ids
         if ids.dtype != torch.int64 or ids.dim() != 1:
             # Checked at the boundary: a float id would be truncated, a 2-D one would fail deep in the engine.
             why = f"prompt_ids must be a 1-D int64 tensor, got {ids.dtype} of shape {tuple(ids.shape)}"
             self.log.error("bad_request", group_id=msg.group_id, error=why)
-            for i in range(msg.num_samples):
+            for i in samples:
                 self._send_completion(msg.group_id, i, [], [], "error", 0.0)
             self._idle_sent = False
             return
         prompt = ids.tolist()
-        for i in range(msg.num_samples):
+        for i in samples:
             request_id = f"{msg.group_id}:{i}"
             try:
                 params = SamplingParams(

@@ -19,6 +19,7 @@ class LearnerKind(StrEnum):
     WEIGHTS_ACK = "learner.weights_ack"
     STEP = "learner.step"
     TRAIN = "learner.train"
+    PUSH = "learner.push"
 
 
 class ScoredGroup(Message, frozen=True, kw_only=True):
@@ -52,6 +53,17 @@ class TrainStep(Message, frozen=True, kw_only=True):
     checkpoint: str = ""
     push_head_to: list[str] = []  # drafters: the head parts only, as buckets numbered over that subset
     push_only: bool = False  # no training, only the pushes (with one rank, num_groups=0 also means this)
+
+
+class PushWeights(Message, frozen=True, kw_only=True):
+    """Coordinator → learner rank 0: send the current policy, version `version`, to `to` (every parameter)
+    and to `head_to` (the drafter's head parts alone), outside a step: a restarted rollout or drafter, or a
+    resumed run's fresh actors. A learner holding another version refuses (a WeightAck with the reason)."""
+
+    kind = LearnerKind.PUSH
+    version: NonNeg
+    to: list[str]
+    head_to: list[str] = []
 
 
 class WeightUpdate(Message, frozen=True, kw_only=True):
@@ -90,6 +102,13 @@ class StepStats(Message, frozen=True, kw_only=True):
     metrics: dict[str, float] = {}
 
 
-MESSAGES: tuple[type[Message], ...] = (ScoredGroup, TrainStep, WeightUpdate, WeightAck, StepStats)
+MESSAGES: tuple[type[Message], ...] = (
+    ScoredGroup,
+    TrainStep,
+    PushWeights,
+    WeightUpdate,
+    WeightAck,
+    StepStats,
+)
 
 __all__ = [m.__name__ for m in MESSAGES] + ["MESSAGES", "LearnerKind"]

@@ -43,6 +43,16 @@ class GenerateRequest(Message, frozen=True, kw_only=True):
     seed: int
     sampling: SamplingSpec
     policy_version: NonNeg
+    # Which samples to decode (empty: all of 0 .. num_samples - 1). Sample i draws from sample_seed(seed, i)
+    # whatever else is asked, so a requeue after a rollout died re-decodes the missing ones alone, the same.
+    sample_indices: list[NonNeg] = []
+
+    def __post_init__(self) -> None:
+        bad = [i for i in self.sample_indices if i >= self.num_samples]
+        if bad or len(set(self.sample_indices)) != len(self.sample_indices):
+            raise ValueError(
+                f"sample_indices {self.sample_indices} must be distinct and below num_samples {self.num_samples}"
+            )
 
 
 class Completion(Message, frozen=True, kw_only=True):

@@ -93,6 +93,7 @@ def samples() -> dict[str, Message]:
         learner.TrainStep(
             step=1, num_groups=8, version=2, push_to=["rollout:0"], checkpoint="ckpt/step-1.pt"
         ),
+        learner.PushWeights(version=3, to=["rollout:1"], head_to=["drafter:1"]),
         learner.WeightUpdate(
             version=3,
             bucket=0,

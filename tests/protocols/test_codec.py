@@ -30,8 +30,8 @@ GOLDEN = {
     "control.dead": "94a76472616674657200a34f4f4dcc89",
     "rollout.sampling": "95cb3fe6666666666666cb3feccccccccccccd14cc809102",
     "rollout.generate": (
-        "960393a5696e7436349106c4300000000000000000010000000000000002000000000000000300000000000000"
-        "04000000000000000500000000000000040b95cb3fe6666666666666cb3feccccccccccccd14cc80910202"
+        "970393a5696e7436349106c4300000000000000000010000000000000002000000000000000300000000000000"
+        "04000000000000000500000000000000040b95cb3fe6666666666666cb3feccccccccccccd14cc8091020290"
     ),
     "rollout.completion": (
         "97030193a5696e7436349103c41805000000000000000600000000000000070000000000000093a7666c6f6174"
@@ -48,6 +48,7 @@ GOLDEN = {
     ),
     "learner.weights": "9603000191a1779193a862666c6f61743136920202c408803f803f803f803fa3616263",
     "learner.weights_ack": "9503a7726f6c6c6f757400c3c0",
+    "learner.push": "930391a9726f6c6c6f75743a3191a9647261667465723a31",
     "learner.train": "9701080291a9726f6c6c6f75743a30ae636b70742f737465702d312e707490c2",
     "learner.step": (
         "970103cb3fd0000000000000cb3ff800000000000064cb400000000000000081aa726174696f5f6d65616ecb3f"
@@ -138,3 +139,26 @@ def test_codec_rejects_unregistered_message(codec: Codec) -> None:
 
     with pytest.raises(TypeError, match="not a registered message"):
         codec.encode(Stray())  # type: ignore[arg-type]
+
+
+def test_a_generate_request_without_sample_indices_decodes_to_all_samples(codec: Codec) -> None:
+    from slipstream.protocols.rollout import GenerateRequest
+
+    # The golden bytes of a GenerateRequest from before `sample_indices` (six fields, no trailing list).
+    body = bytes.fromhex(
+        "960393a5696e7436349106c4300000000000000000010000000000000002000000000000000300000000000000"
+        "04000000000000000500000000000000040b95cb3fe6666666666666cb3feccccccccccccd14cc80910202"
+    )
+    msg = codec.decode([b"rollout.generate", body])
+    assert isinstance(msg, GenerateRequest) and msg.sample_indices == [] and msg.num_samples == 4
+
+
+def test_sample_indices_must_be_distinct_and_below_num_samples(codec: Codec) -> None:
+    import msgspec
+
+    from tests.protocols.samples import samples
+
+    good = samples()["rollout.generate"]
+    for bad in ([4], [1, 1]):
+        with pytest.raises(ValueError, match="sample_indices"):
+            msgspec.structs.replace(good, sample_indices=bad)
