@@ -85,6 +85,13 @@ class LearnerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
     loss: LossConfig = LossConfig()
 
 
+class FaultsSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    # A dead rollout or verifier is restarted (same rank and config) and dealt again what it owed, up to
+    # this many times per actor per run; past it the run ends naming the actor and its last words.
+    max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
+    restart_backoff_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.5  # doubles with each restart of one actor
+
+
 class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     device: Literal["cpu", "cuda"] = "cpu"  # cuda: one GPU per rollout; placement in runtime/placement.py
     model: str = "smollm2-135m"  # model directory or registry name
@@ -105,6 +112,7 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     drafter: DrafterSection = DrafterSection()
     verifier: VerifierSection = VerifierSection()
     learner: LearnerSection = LearnerSection()
+    faults: FaultsSection = FaultsSection()
 
 
 class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -130,6 +138,9 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     grad_norm: float
     mismatch_logp_abs_max: float
     policy_version: int
+    restarts: list[str] = []  # actors restarted during the step
+    requeued: int = 0  # samples and score requests dealt again after their actor died
+    duplicates: int = 0  # results dropped because their (group, sample) had come back already
 
 
 def load_config(path: Path | str | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
@@ -296,7 +307,9 @@ async def train(
     )  # fmt: skip
     specs = actor_specs(cfg, run_dir, baseline=baseline, resume_from=str(state["checkpoint"]))
     rollouts, drafters, verifiers, learners = actor_names(cfg, baseline=baseline)
-    sup = Supervisor(run_dir, log=log)
+    sup = Supervisor(
+        run_dir, max_restarts=cfg.faults.max_restarts, restart_backoff_s=cfg.faults.restart_backoff_s, log=log
+    )
     records: list[StepRecord] = []
     metrics_file = (run_dir / "metrics.jsonl").open("a")
     try:
@@ -307,14 +320,13 @@ async def train(
             drafters=dict(zip(rollouts, drafters, strict=False)),
             verifiers=verifiers,
             learners=learners,
+            restart=True,  # a dead rollout or verifier is restarted and dealt its work again
             log=log,
         ) as coord:
             version = start
             if start > 0:  # the resumed learner hands its weights to the fresh rollouts first
-                await coord.train(
-                    start, [], version=start, push_to=rollouts, push_head_to=drafters, push_only=True
-                )
-                await coord.weights_applied(start)
+                await coord.push_weights(start, to=rollouts, head_to=drafters)
+                coord.policy_version = start
             for step in range(start, cfg.steps):
                 chunk = range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step)
                 with progress(f"step {step + 1}/{cfg.steps}", len(chunk) * cfg.group_size) as bar:
@@ -458,6 +470,9 @@ async def _step(
         reclaimed_s=round(metrics.reclaimed_s, 3),
         loss=0.0,
         grad_norm=0.0,
+        restarts=list(metrics.restarts),
+        requeued=metrics.requeued,
+        duplicates=metrics.duplicates,
         mismatch_logp_abs_max=0.0,
         policy_version=version,
     )

@@ -3,12 +3,16 @@
 A `Coordinator` runs one dispatcher task that takes every message and every death from the supervisor and
 routes them by type: completions and rewards to the step that waits for them, weight acks and learner
 stats to their waiters, Idle/Released/DrafterStats to the lease table, IterationStats to the step's
-metrics. A death makes every pending wait raise `ActorDiedError` naming the actor. The RL loop
-(`cli/train.py`) and `bench rollout` are its clients; it imports protocols/ and runtime/ only.
+metrics. The RL loop (`cli/train.py`) and `bench rollout` are its clients; it imports protocols/ and
+runtime/ only.
 
 Non-obvious choices:
-- Credits: completions and rewards are never dropped. The coordinator asks for at most what its inbox can
-  hold, so a slow loop backs the actors up (their IO threads park sends) instead of losing a result.
+- Nothing is lost for lack of room: the supervisor's receive loop blocks on a full inbox (backpressure to
+  the actors' IO threads), and the queues here are bounded by what was dealt.
+- Exactly once: each step's work is dealt through a `Ledger` keyed (group, sample); a result whose key is
+  back already is dropped and counted. With `restart`, a rollout or verifier that dies is restarted by
+  the supervisor (within its budget), a rollout is handed the current weights (`push_weights`), and both
+  are dealt again what they owed; otherwise the wait that sees a death raises `ActorDiedError`.
 - Leases: a rollout that reports Idle while others still decode lends its device to its drafter at once;
   the last completion of the step preempts every lease (bounded latency, measured from `Released`).
 """
@@ -23,12 +27,15 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from slipstream.protocols.base import Message
 from slipstream.protocols.control import Idle, Lease, Preempt, Released, Status
 from slipstream.protocols.drafter import DrafterStats
-from slipstream.protocols.learner import ScoredGroup, StepStats, TrainStep, WeightAck
+from slipstream.protocols.learner import PushWeights, ScoredGroup, StepStats, TrainStep, WeightAck
 from slipstream.protocols.reward import Reward, ScoreRequest
 from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats
+from slipstream.runtime.ledger import Ledger
 
 
 class ActorDiedError(RuntimeError):
@@ -64,6 +71,9 @@ class StepMetrics:
     reclaimed_s: float = 0.0
     preempt_ms: list[float] = field(default_factory=list)
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    restarts: list[str] = field(default_factory=list)  # actors restarted during the step (once each time)
+    requeued: int = 0  # samples and score requests dealt again after their actor died
+    duplicates: int = 0  # completions and rewards dropped: their (group, sample) had come back already
 
     @property
     def accept_length(self) -> float:
@@ -88,6 +98,8 @@ class Coordinator:
         learners: Sequence[str] = (),
         lease_threads: int = 1,
         on_iteration: Callable[[str, IterationStats], None] | None = None,
+        restart: bool = False,
+        policy_version: int = 0,
         log: Any = None,
     ) -> None:
         self.sup = sup
@@ -99,9 +111,14 @@ class Coordinator:
         self.on_iteration = on_iteration
         self.log = log
         self.dead: dict[str, str] = {}
-        self._completions: asyncio.Queue[Completion] = asyncio.Queue()
-        self._rewards: asyncio.Queue[Reward] = asyncio.Queue()
-        self._scoring: dict[str, int] = dict.fromkeys(self.verifiers, 0)  # outstanding requests per verifier
+        # Restart a dead rollout or verifier through the supervisor (its budget) and deal its work again;
+        # off, a death ends the wait that sees it (ActorDiedError).
+        self.restart = restart
+        self.policy_version = policy_version  # the version every rollout holds (what a restarted one needs)
+        self._completions: asyncio.Queue[tuple[str, Completion]] = asyncio.Queue()
+        self._rewards: asyncio.Queue[tuple[str, Reward]] = asyncio.Queue()
+        self._scores = Ledger()  # score requests: which verifier holds which (group, sample)
+        self._score_requests: dict[tuple[int, int], ScoreRequest] = {}
         self._acks: dict[int, dict[str, WeightAck]] = defaultdict(dict)
         self._stats: dict[int, dict[str, StepStats]] = defaultdict(dict)
         self._changed = asyncio.Event()  # set on every routed message or death: waiters re-check
@@ -143,10 +160,9 @@ class Coordinator:
     def _route(self, sender: str, msg: Message) -> None:
         now = time.monotonic()
         if isinstance(msg, Completion):
-            self._completions.put_nowait(msg)  # unbounded here; bounded by what was requested (credits)
+            self._completions.put_nowait((sender, msg))  # unbounded here; bounded by what was requested
         elif isinstance(msg, Reward):
-            self._scoring[sender] = max(0, self._scoring.get(sender, 0) - 1)
-            self._rewards.put_nowait(msg)
+            self._rewards.put_nowait((sender, msg))
         elif isinstance(msg, WeightAck):
             self._acks[msg.version][sender] = msg
         elif isinstance(msg, StepStats):
@@ -210,7 +226,9 @@ class Coordinator:
         expected_tokens: Callable[[GenerateRequest], float] | None = None,
     ) -> AsyncIterator[Completion]:
         """Deals whole groups to the rollout actors (the least loaded first, by expected work), yields every
-        completion as it arrives, and preempts all drafter leases when the last one is in."""
+        completion as it arrives, once per (group, sample), and preempts all drafter leases when the last
+        one is in. A rollout that dies meanwhile is restarted (with `restart`) and handed the current
+        weights, then the samples it still owed: same seeds, so the same tokens in reproducible mode."""
         self._metrics = StepMetrics()
         self.leases.idle_at.clear()
         self.leases.preempt_ms = []
@@ -218,16 +236,28 @@ class Coordinator:
         started = self._step_started = time.monotonic()
         cost = expected_tokens or (lambda r: float(r.num_samples * r.sampling.max_tokens))
         load = dict.fromkeys(self.rollouts, 0.0)
-        expected = 0
+        ledger = Ledger()
+        by_group = {request.group_id: request for request in requests}
         for request in sorted(requests, key=cost, reverse=True):  # longest first: a greedy balance
             target = min(load, key=lambda name: (load[name], name))
             load[target] += cost(request)
-            expected += request.num_samples
+            ledger.deal(target, [(request.group_id, i) for i in range(request.num_samples)])
             await self.sup.send(target, request)
+        expected = sum(request.num_samples for request in requests)
         received = 0
         try:
             while received < expected:
-                completion = await self._next(self._completions, self.rollouts, "a completion")
+                while self._completions.empty():
+                    for name in [r for r in self.rollouts if r in self.dead]:
+                        await self._recover_rollout(name, ledger, by_group)
+                    if self._completions.empty():
+                        self._changed.clear()
+                        await self._changed.wait()
+                _, completion = self._completions.get_nowait()
+                if not ledger.take((completion.group_id, completion.sample_index)):
+                    self._emit("duplicate_dropped", group_id=completion.group_id,
+                               sample_index=completion.sample_index, what="completion", level="warning")  # fmt: skip
+                    continue
                 received += 1
                 m = self._metrics
                 m.tokens += len(completion.token_ids)
@@ -242,6 +272,36 @@ class Coordinator:
                 yield completion
         finally:
             self._decoding = False
+            self._metrics.requeued += ledger.requeued
+            self._metrics.duplicates += ledger.duplicates
+
+    async def _recover_rollout(self, name: str, ledger: Ledger, requests: dict[int, GenerateRequest]) -> None:
+        """Restarts dead rollout `name`, gives it the current weights, and deals it what it owed."""
+        await self._restart(name, "a completion")
+        self.leases.idle_at.pop(name, None)
+        if self.policy_version > 0:  # a fresh process holds the checkpoint's weights: version 0
+            await self.push_weights(self.policy_version, to=[name])
+        owed: dict[int, list[int]] = defaultdict(list)
+        for group, sample in ledger.held_by(name):
+            owed[group].append(sample)
+        for group, samples in sorted(owed.items()):
+            ledger.deal(name, [(group, i) for i in samples], requeue=True)
+            request = msgspec.structs.replace(requests[group], sample_indices=samples)
+            await self.sup.send(name, request)
+        self._emit("requeued", actor=name, samples=sum(len(v) for v in owed.values()), groups=len(owed))
+
+    async def _restart(self, name: str, what: str) -> None:
+        """Restarts dead actor `name` through the supervisor (its budget), or raises ActorDiedError."""
+        reason = self.dead[name]
+        if not self.restart:
+            raise ActorDiedError(f"{name} died while the coordinator waited for {what}: {reason}")
+        self._emit("restarting", actor=name, reason=reason, level="warning")
+        try:
+            await self.sup.restart(name)
+        except Exception as exc:  # the budget is spent, or the restart failed its own start-up
+            raise ActorDiedError(f"{name} died ({reason}) and was not restarted: {exc}") from exc
+        del self.dead[name]
+        self._metrics.restarts.append(name)
 
     async def finish_step(self, timeout_s: float = 60.0) -> StepMetrics:
         """After `rollout`: waits until every lease is released and every rollout has reported Idle, then
@@ -275,13 +335,41 @@ class Coordinator:
         back through `reward()` (a reward may fail: `Reward.reward` None, never a silent 0)."""
         if not self.verifiers:
             raise ValueError("no verifier actors to score with")
-        target = min(self.verifiers, key=lambda name: (self._scoring[name], name))
-        self._scoring[target] += 1
+        key = (request.group_id, request.sample_index)
+        held = {name: 0 for name in self.verifiers if name not in self.dead}
+        for holder in self._scores.holder.values():
+            if holder in held:
+                held[holder] += 1
+        target = min(held or dict.fromkeys(self.verifiers, 0), key=lambda name: (held.get(name, 0), name))
+        self._scores.deal(target, [key])
+        self._score_requests[key] = request
         await self.sup.send(target, request)
 
     async def reward(self) -> Reward:
-        """The next reward to arrive."""
-        return await self._next(self._rewards, self.verifiers, "a reward")
+        """The next reward to arrive, once per (group, sample). A verifier that died holding requests is
+        restarted (with `restart`) and they are sent again: a reward is never lost, never counted twice."""
+        while True:
+            while self._rewards.empty():
+                for name in [v for v in self.verifiers if v in self.dead]:
+                    await self._restart(name, "a reward")
+                    owed = self._scores.held_by(name)
+                    self._scores.deal(name, owed, requeue=True)
+                    for key in owed:
+                        await self.sup.send(name, self._score_requests[key])
+                    self._metrics.requeued += len(owed)
+                    self._emit("requeued", actor=name, scores=len(owed))
+                if self._rewards.empty():
+                    self._changed.clear()
+                    await self._changed.wait()
+            _, reward = self._rewards.get_nowait()
+            key = (reward.group_id, reward.sample_index)
+            if self._scores.take(key):
+                self._score_requests.pop(key, None)
+                return reward
+            self._metrics.duplicates += 1
+            self._emit(
+                "duplicate_dropped", group_id=key[0], sample_index=key[1], what="reward", level="warning"
+            )
 
     async def train(
         self,
@@ -292,14 +380,11 @@ class Coordinator:
         push_to: Sequence[str] = (),
         push_head_to: Sequence[str] = (),
         checkpoint: str = "",
-        push_only: bool = False,
     ) -> list[StepStats]:
         """Deals the groups over the learner ranks, asks each for one step, waits for every rank's stats.
 
         Rank 0 then pushes the policy to `push_to` and its embedding, final norm and LM head alone to
-        `push_head_to` (drafters); `push_only` sends no groups and trains nothing (a resumed run's push)."""
-        if push_only and groups:
-            raise ValueError(f"push_only with {len(groups)} groups: a push-only step trains nothing")
+        `push_head_to` (drafters). Outside a step, `push_weights` is the verb."""
         if not self.learners:
             raise ValueError("no learner actors to train with")
         shares: dict[str, int] = dict.fromkeys(self.learners, 0)
@@ -316,7 +401,6 @@ class Coordinator:
                 push_to=list(push_to) if lead else [],
                 checkpoint=checkpoint if lead else "",
                 push_head_to=list(push_head_to) if lead else [],
-                push_only=push_only,
             )
             await self.sup.send(rank, msg)
         await self._until(
@@ -325,8 +409,24 @@ class Coordinator:
         stats = self._stats.pop(step)
         return [stats[name] for name in self.learners]
 
+    async def push_weights(
+        self, version: int, *, to: Sequence[str], head_to: Sequence[str] = (), timeout_s: float = 300.0
+    ) -> None:
+        """The learner's rank 0 sends its policy, version `version`, to `to` (and the head parts to
+        `head_to`) outside a step; returns when every actor in `to` has acknowledged it."""
+        if not self.learners:
+            raise ValueError("no learner actors to push weights from")
+        await self.sup.send(
+            self.learners[0], PushWeights(version=version, to=list(to), head_to=list(head_to))
+        )
+        await self._wait_acks(version, list(to), timeout_s)
+
     async def weights_applied(self, version: int, timeout_s: float = 300.0) -> None:
         """Waits until every rollout acknowledged `version`; raises if one refused it."""
+        await self._wait_acks(version, self.rollouts, timeout_s)
+        self.policy_version = version
+
+    async def _wait_acks(self, version: int, names: list[str], timeout_s: float) -> None:
         acks = self._acks[version]
 
         def done() -> bool:
@@ -335,10 +435,13 @@ class Coordinator:
                 raise RuntimeError(
                     f"{refused[0].role}:{refused[0].rank} refused weights v{version}: {refused[0].error}"
                 )
-            return all(name in acks for name in self.rollouts)
+            return all(name in acks for name in names)
 
-        await self._until(done, self.rollouts, f"acks of weights v{version}", timeout_s)
-        del self._acks[version]
+        await self._until(done, [*names, *self.learners[:1]], f"acks of weights v{version}", timeout_s)
+        for name in names:
+            acks.pop(name, None)
+        if not acks:
+            del self._acks[version]
 
     # -- waiting ----------------------------------------------------------------------------------------
 

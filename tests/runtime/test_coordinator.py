@@ -11,7 +11,7 @@ import torch
 
 from slipstream.protocols.control import Idle, Lease, Preempt, Released
 from slipstream.protocols.drafter import DrafterStats
-from slipstream.protocols.learner import ScoredGroup, StepStats, TrainStep, WeightAck
+from slipstream.protocols.learner import PushWeights, ScoredGroup, StepStats, TrainStep, WeightAck
 from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats, SamplingSpec
 from slipstream.runtime.coordinator import ActorDiedError, Coordinator
 
@@ -179,5 +179,129 @@ def test_train_deals_groups_over_learner_ranks_and_gathers_their_stats() -> None
                 )
             stats = await task
             assert [s.tokens for s in stats] == [0, 1]
+
+    run(main())
+
+
+class RestartingSupervisor(FakeSupervisor):
+    """A double whose restart brings the actor back (the real one respawns the process)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.restarted: list[str] = []
+
+    async def restart(self, name: str) -> None:
+        self.restarted.append(name)
+
+
+def test_a_duplicate_completion_is_dropped_and_counted() -> None:
+    async def main() -> None:
+        sup = FakeSupervisor()
+        async with Coordinator(sup, rollouts=["rollout:0"]) as coord:
+            stream = coord.rollout([request(0, 2)])
+            sup.deliver("rollout:0", completion(0, 0))
+            sup.deliver("rollout:0", completion(0, 0))  # the same sample again (a presumed-dead original)
+            sup.deliver("rollout:0", completion(9, 0))  # never dealt in this step: a stray
+            sup.deliver("rollout:0", completion(0, 1))
+            got = [(c.group_id, c.sample_index) async for c in stream]
+            assert got == [(0, 0), (0, 1)]
+            assert coord._metrics.duplicates == 2
+
+    run(main())
+
+
+def test_a_dead_rollout_is_restarted_given_the_weights_and_dealt_what_it_owed() -> None:
+    async def main() -> None:
+        sup = RestartingSupervisor()
+        coord = Coordinator(
+            sup, rollouts=["rollout:0", "rollout:1"], learners=["learner:0"], restart=True, policy_version=3
+        )
+        async with coord:
+            stream = coord.rollout([request(0, 3), request(1, 3)]).__aiter__()
+            first = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0)
+            dealt = {m.group_id: name for name, m in sup.sent if isinstance(m, GenerateRequest)}
+            victim = dealt[0]
+            sup.deliver(victim, completion(0, 1))  # one sample came back before the death
+            assert (await first).sample_index == 1
+            sup.deaths.put_nowait(Died(victim, "killed by SIGKILL"))
+            nxt = asyncio.ensure_future(stream.__anext__())
+            for _ in range(50):  # the coordinator restarts it, then asks the learner for the weights
+                await asyncio.sleep(0.01)
+                if any(isinstance(m, PushWeights) for _, m in sup.sent):
+                    break
+            push = next(m for _, m in sup.sent if isinstance(m, PushWeights))
+            assert sup.restarted == [victim] and push.version == 3 and push.to == [victim]
+            sup.deliver(
+                victim, WeightAck(version=3, role="rollout", rank=int(victim[-1]), ok=True, error=None)
+            )
+            for _ in range(50):
+                await asyncio.sleep(0.01)
+                requeued = [m for n, m in sup.sent if isinstance(m, GenerateRequest) and m.sample_indices]
+                if requeued:
+                    break
+            assert [(m.group_id, m.sample_indices, m.seed) for m in requeued] == [(0, [0, 2], 0)]
+            for i in (0, 2):
+                sup.deliver(victim, completion(0, i))
+            for i in range(3):
+                sup.deliver(dealt[1], completion(1, i))
+            got = [await nxt] + [c async for c in stream]
+            assert sorted((c.group_id, c.sample_index) for c in got) == [
+                (0, 0),
+                (0, 2),
+                (1, 0),
+                (1, 1),
+                (1, 2),
+            ]
+            assert coord._metrics.restarts == [victim] and coord._metrics.requeued == 2
+
+    run(main())
+
+
+def test_without_restart_a_dead_rollout_ends_the_wait_naming_it() -> None:
+    async def main() -> None:
+        sup = RestartingSupervisor()
+        async with Coordinator(sup, rollouts=["rollout:0"]) as coord:
+            stream = coord.rollout([request(0, 2)]).__aiter__()
+            sup.deaths.put_nowait(Died("rollout:0", "exited with code 1"))
+            with pytest.raises(ActorDiedError, match=r"rollout:0 died .*exited with code 1"):
+                await stream.__anext__()
+            assert sup.restarted == []
+
+    run(main())
+
+
+def test_a_dead_verifier_is_restarted_and_sent_its_requests_again() -> None:
+    from slipstream.protocols.reward import Reward, ScoreRequest
+
+    def score(group: int, index: int) -> ScoreRequest:
+        return ScoreRequest(
+            group_id=group, sample_index=index, prompt="p", completion="c", row_json="{}", policy_version=0
+        )
+
+    def reward(group: int, index: int) -> Reward:
+        return Reward(group_id=group, sample_index=index, reward=1.0, elapsed_s=0.1, policy_version=0)
+
+    async def main() -> None:
+        sup = RestartingSupervisor()
+        async with Coordinator(sup, rollouts=[], verifiers=["verifier:0"], restart=True) as coord:
+            for i in range(3):
+                await coord.score(score(0, i))
+            sup.deliver("verifier:0", reward(0, 0))
+            assert (await coord.reward()).sample_index == 0
+            sup.deaths.put_nowait(Died("verifier:0", "killed by SIGKILL"))
+            pending = asyncio.ensure_future(coord.reward())
+            for _ in range(50):
+                await asyncio.sleep(0.01)
+                if sup.restarted:
+                    break
+            resent = [m.sample_index for _, m in sup.sent if isinstance(m, ScoreRequest)][3:]
+            assert sup.restarted == ["verifier:0"] and resent == [1, 2]
+            sup.deliver("verifier:0", reward(0, 1))
+            sup.deliver("verifier:0", reward(0, 1))  # a duplicate: dropped
+            sup.deliver("verifier:0", reward(0, 2))
+            assert (await pending).sample_index == 1
+            assert (await coord.reward()).sample_index == 2
+            assert coord._metrics.duplicates == 1
 
     run(main())
