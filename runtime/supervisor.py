@@ -1,17 +1,21 @@
-"""The supervisor: spawns actor processes, shakes hands, watches them, and shuts everything down.
+"""The supervisor: spawns actor processes, shakes hands, watches them, restarts on request, stops all.
 
 It lives in the coordinator's asyncio loop and owns the control ROUTER. Start-up is all or nothing:
-every actor must send Hello, then (once all data endpoints are known) each gets Init with its config
-and the peer directory, and must answer Ready within the handshake timeout — otherwise every process
-is killed and `SupervisorError` names the actor and its reason (a bad config names its field).
+every actor sends Hello, then (once all data endpoints are known) gets Init with its config and the
+peer directory, and must answer Ready within the handshake timeout — otherwise every process is killed
+and `SupervisorError` names the actor and its reason (a bad config names its field).
 
-Death is noticed two ways: the process exits (awaited directly, so SIGKILL is seen at once) or its
-heartbeats stop for `missed_beats` intervals (a hung process, or a host that vanished; it is then
-killed). Either way the owner gets an `ActorDied` on `deaths` and decides; nothing is retried silently.
+Death is seen as a process exit (awaited, so SIGKILL is seen at once) or as `missed_beats` silent
+heartbeat intervals (a hang; the process is then killed). The owner gets an `ActorDied` on `deaths` and
+decides. Nothing restarts by itself: `await restart(name)` is the owner's verb. It respawns the actor
+from its original `ActorSpec` after a backoff (`restart_backoff_s * 2**(k-1)` before the k-th, ≤ 30 s)
+and shakes hands with it alone. Its data endpoint is ipc:// and fixed per role and rank, so peers
+reconnect by themselves. Each actor gets `max_restarts` tries per run, failed ones included. Past the
+budget, `SupervisorError` quotes the death and the tail of the actor's log. A restart that fails its
+handshake is killed and raised, and is not put on `deaths`.
+
 Shutdown goes from the top: Shutdown to everyone, a grace period, then SIGTERM, then SIGKILL; no
-process is left behind.
-
-Also runs the run's live event proxy: actors' log PUB sockets → XSUB here → XPUB that
+process is left behind. Also runs the live event proxy: actors' log PUBs → XSUB here → XPUB that
 `slipstream logs --follow` subscribes to.
 """
 
@@ -44,7 +48,11 @@ from slipstream.runtime.transport import CurveKeys, actor_name, ipc_endpoint, ma
 
 
 class SupervisorError(RuntimeError):
-    """Start-up failed; the message names the actor and why."""
+    """Start-up or a restart failed, or a restart budget is spent; the message names the actor and why."""
+
+
+MAX_BACKOFF_S = 30.0  # the longest wait before one restart
+_LOG_TAIL_LINES = 10
 
 
 class ActorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -101,7 +109,7 @@ class ActorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
 class ActorDied:
     name: str
     reason: str
-    exit_code: int | None
+    exit_code: int | None  # negative: killed by that signal; None: unknown (it stopped beating)
     detected_after_s: float  # from the last sign of life to detection
 
 
@@ -117,6 +125,7 @@ class _Proc:
     reason: str = ""
     last_seen: float = field(default_factory=time.monotonic)
     watcher: asyncio.Task[None] | None = None
+    restarting: bool = False  # in a restart's handshake: a death here is raised, not put on `deaths`
 
 
 class Supervisor:
@@ -130,7 +139,13 @@ class Supervisor:
         inbox_size: int = 10_000,
         curve: CurveKeys | None = None,
         log: Any = None,
+        max_restarts: int = 3,
+        restart_backoff_s: float = 0.5,
     ) -> None:
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        if restart_backoff_s < 0:
+            raise ValueError(f"restart_backoff_s must be >= 0, got {restart_backoff_s}")
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.heartbeat_s, self.missed_beats = heartbeat_s, missed_beats
@@ -142,11 +157,17 @@ class Supervisor:
         self.events_in = ipc_endpoint(self.run_dir, "events-in")
         self.events_out = ipc_endpoint(self.run_dir, "events")
         self._router = make_socket(self.ctx, zmq.ROUTER, bind=self.control_endpoint)
+        # A restarted actor connects with its predecessor's identity: it takes the name over at once.
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._codec = Codec()
         self._procs: dict[str, _Proc] = {}
         self.inbox: asyncio.Queue[tuple[str, Message]] = asyncio.Queue(maxsize=inbox_size)
         self._backpressure = False  # the receive loop waits for inbox room (liveness is not judged then)
         self.deaths: asyncio.Queue[ActorDied] = asyncio.Queue()
+        self.max_restarts, self.restart_backoff_s = max_restarts, restart_backoff_s
+        self._restarts: dict[str, int] = {}  # restarts tried per actor, failed ones included
+        self._last_death: dict[str, ActorDied] = {}
+        self._restarting: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
         self._proxy = _EventProxy(self.events_in, self.events_out)
@@ -166,8 +187,11 @@ class Supervisor:
         try:
             classes = [self._check(spec) for spec in specs]  # every config is valid before anything spawns
             for spec, cls in zip(specs, classes, strict=True):
+                if (name := actor_name(cls.role, spec.rank)) in self._procs:
+                    raise SupervisorError(f"{name}: two actors with the same role and rank")
                 await self._spawn(spec, cls.role)
-            await self._handshake()
+            await self._handshake(list(self._procs.values()))
+            self._emit("all_ready", actors=sorted(self._procs))
         except BaseException:
             await self.shutdown(reason="start-up failed", grace_s=0.5)
             raise
@@ -192,10 +216,9 @@ class Supervisor:
             raise SupervisorError(str(e)) from None
         return cls
 
-    async def _spawn(self, spec: ActorSpec, role: str) -> None:
+    async def _spawn(self, spec: ActorSpec, role: str, *, restarting: bool = False) -> _Proc:
+        """Starts the process of `spec`; its entry replaces any earlier one of the same name."""
         name = actor_name(role, spec.rank)
-        if name in self._procs:
-            raise SupervisorError(f"{name}: two actors with the same role and rank")
         env = dict(os.environ, **spec.env)
         if spec.threads > 0:
             for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
@@ -215,29 +238,35 @@ class Supervisor:
             stdin=asyncio.subprocess.DEVNULL,
             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
-        entry = _Proc(spec=spec, name=name, proc=proc, role=role)
+        entry = _Proc(spec=spec, name=name, proc=proc, role=role, restarting=restarting)
         self._procs[name] = entry
+        # The watcher holds its own entry: the old process's watcher can never mark a successor dead.
         entry.watcher = asyncio.create_task(self._watch_exit(entry), name=f"watch-{name}")
         self._emit("spawned", actor=name, pid=proc.pid, threads=spec.threads)
+        return entry
 
-    async def _handshake(self) -> None:
+    async def _handshake(self, entries: list[_Proc]) -> None:
+        """Hello from each of `entries`, then Init with the peer directory, then Ready from each."""
         deadline = time.monotonic() + self.handshake_timeout_s
 
         async def until(done: Any, what: str) -> None:
-            while not all(done(p) for p in self._procs.values()):
-                for p in self._procs.values():
+            while not all(done(p) for p in entries):
+                if self._closing:
+                    raise SupervisorError("the supervisor shut down during the handshake")
+                for p in entries:
                     if p.dead:
                         raise SupervisorError(f"{p.name} died during start-up: {p.reason}")
                 if time.monotonic() > deadline:
-                    missing = [p.name for p in self._procs.values() if not done(p)]
+                    missing = [p.name for p in entries if not done(p)]
                     raise SupervisorError(
                         f"handshake timed out after {self.handshake_timeout_s}s waiting for {what} from {missing}"
                     )
                 await asyncio.sleep(0.01)
 
         await until(lambda p: p.hello is not None, "hello")
-        peers = {name: p.hello.data_endpoint for name, p in self._procs.items() if p.hello is not None}
-        for p in self._procs.values():
+        # Every actor that said Hello, newest endpoint: a dead peer's ipc endpoint is where its successor binds.
+        peers = self.endpoints()
+        for p in entries:
             init = Init(
                 config=msgspec.Raw(msgspec.msgpack.encode(p.spec.plain_config())),
                 run_dir=str(self.run_dir),
@@ -247,7 +276,6 @@ class Supervisor:
             )
             await self.send(p.name, init)
         await until(lambda p: p.ready, "ready")
-        self._emit("all_ready", actors=sorted(self._procs))
 
     # -- messaging ----------------------------------------------------------------------------------
 
@@ -287,6 +315,11 @@ class Supervisor:
                 continue
             if entry is None:
                 self._emit("unknown_sender", sender=sender, kind=msg.kind, level="warning")
+                continue
+            if entry.hello is None and not isinstance(msg, Hello):
+                # An actor says Hello first: anything else under its name is its dead predecessor's last
+                # words, still queued (a late Dead must not kill the restarted process's entry).
+                self._emit("dropped_from_predecessor", actor=sender, kind=msg.kind, level="warning")
                 continue
             entry.last_seen = time.monotonic()
             if isinstance(msg, Heartbeat):
@@ -356,7 +389,99 @@ class Supervisor:
         after = time.monotonic() - entry.last_seen
         self._emit("actor_dead", actor=entry.name, reason=reason, exit_code=code,
                    detected_after_s=round(after, 3), level="error")  # fmt: skip
-        self.deaths.put_nowait(ActorDied(entry.name, reason, code, after))
+        died = ActorDied(entry.name, reason, code, after)
+        self._last_death[entry.name] = died
+        if not entry.restarting:  # a failed restart is reported by `restart` raising
+            self.deaths.put_nowait(died)
+
+    # -- restart ------------------------------------------------------------------------------------
+
+    def restarts(self, name: str) -> int:
+        """How many restarts of `name` were tried this run (failed ones included)."""
+        return self._restarts.get(name, 0)
+
+    def last_death(self, name: str) -> ActorDied | None:
+        """The last death of `name` (reason, exit code), or None if it never died."""
+        return self._last_death.get(name)
+
+    async def restart(self, name: str) -> None:
+        """Respawns dead actor `name` from its spec and returns once it is Ready (and watched again).
+
+        The k-th restart waits `restart_backoff_s * 2**(k-1)` (at most MAX_BACKOFF_S) first. Raises
+        ValueError if `name` is unknown, alive or already restarting; SupervisorError if its restart
+        budget is spent (with its last words) or this restart fails (the process is then killed, the
+        actor stays dead, and the attempt counts).
+        """
+        old = self._procs.get(name)
+        if old is None:
+            raise ValueError(f"{name}: no such actor (known: {sorted(self._procs)})")
+        if name in self._restarting:
+            raise ValueError(f"{name}: a restart is already under way")
+        if not old.dead:
+            raise ValueError(f"{name} is alive (pid {old.proc.pid}): only a dead actor is restarted")
+        if self._closing:
+            raise SupervisorError(f"{name}: cannot restart, the supervisor is shut down")
+        attempt = self.restarts(name) + 1
+        if attempt > self.max_restarts:
+            raise SupervisorError(
+                f"{name}: restart budget spent ({self.max_restarts} restarts per run); "
+                f"{self._last_words(old)}"
+            )
+        self._restarts[name] = attempt
+        self._restarting.add(name)
+        try:
+            await self._restart(old, attempt)
+        finally:
+            self._restarting.discard(name)
+
+    async def _restart(self, old: _Proc, attempt: int) -> None:
+        name = old.name
+        backoff = min(self.restart_backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
+        self._emit("restarting", actor=name, attempt=attempt, backoff_s=backoff, after=old.reason)
+        # The predecessor must be gone before its successor binds the same data endpoint (one killed
+        # for silence may not have been reaped yet).
+        with contextlib.suppress(ProcessLookupError):
+            old.proc.kill()
+        await asyncio.gather(_wait_all([old.proc], 5.0), asyncio.sleep(backoff))
+        if old.watcher is not None:
+            old.watcher.cancel()
+        if self._closing:
+            raise SupervisorError(f"{name}: restart {attempt} abandoned, the supervisor shut down")
+        try:
+            entry = await self._spawn(old.spec, old.role, restarting=True)
+        except OSError as e:
+            raise SupervisorError(f"{name}: restart {attempt} failed to spawn: {e}") from None
+        try:
+            await self._handshake([entry])
+        except BaseException as e:  # a cancelled restart must not leave a half-started process either
+            why = str(e) if isinstance(e, SupervisorError) else f"interrupted ({type(e).__name__})"
+            reason = f"restart {attempt} failed: {why}"
+            self._mark_dead(entry, reason, None)  # before the kill: its watcher must not call it a SIGKILL
+            with contextlib.suppress(ProcessLookupError):
+                entry.proc.kill()
+            await _wait_all([entry.proc], 5.0)
+            entry.reason = reason
+            self._last_death[name] = ActorDied(
+                name, reason, entry.proc.returncode, time.monotonic() - entry.last_seen
+            )
+            self._emit("restart_failed", actor=name, attempt=attempt, error=why, level="error")
+            if not isinstance(e, SupervisorError):
+                raise
+            raise SupervisorError(
+                f"{name}: restart {attempt} of {self.max_restarts} failed: {why}; {self._last_words(entry)}"
+            ) from None
+        entry.restarting = False
+        self._emit("restarted", actor=name, attempt=attempt, pid=entry.proc.pid)
+
+    def _last_words(self, entry: _Proc) -> str:
+        """How `entry` died and the tail of its log (errors and Dead first), for an error message."""
+        died = self._last_death.get(entry.name)
+        code = entry.proc.returncode if died is None or died.exit_code is None else died.exit_code
+        reason = died.reason if died is not None else entry.reason
+        path = self.run_dir / "logs" / f"{entry.role}-{entry.spec.rank}.jsonl"
+        tail = _log_tail(path, _LOG_TAIL_LINES)
+        lines = "\n  ".join(tail) if tail else f"(nothing in {path})"
+        return f"last death: {reason} ({_exit_text(code)}); last log lines ({path}):\n  {lines}"
 
     # -- shutdown -----------------------------------------------------------------------------------
 
@@ -397,6 +522,40 @@ class Supervisor:
     def _emit(self, event: str, level: str = "info", **fields: Any) -> None:
         if self.log is not None:
             getattr(self.log, level)(event, **fields)
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
+        try:
+            return f"exit code {code}, {signal.Signals(-code).name}"
+        except ValueError:
+            return f"exit code {code}, signal {-code}"
+    return f"exit code {code}"
+
+
+def _log_tail(path: Path, n: int, max_chars: int = 400) -> list[str]:
+    """The last `n` lines of an actor's JSON-lines log, "error"-level and "dead" records first."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 256 * 1024))
+            raw = f.read().splitlines()[-200:]
+    except OSError:
+        return []
+    lines = [line.decode(errors="replace") for line in raw if line.strip()]
+
+    def grave(line: str) -> bool:
+        try:
+            rec = msgspec.json.decode(line)
+        except msgspec.DecodeError:
+            return False  # a torn last line of a killed process
+        return isinstance(rec, dict) and (rec.get("level") == "error" or rec.get("event") == "dead")
+
+    graves = [line for line in lines if grave(line)][-n:]
+    rest = [line for line in lines if line not in graves][-(n - len(graves)) :] if len(graves) < n else []
+    return [line if len(line) <= max_chars else line[:max_chars] + "…" for line in graves + rest]
 
 
 async def _wait_all(procs: list[asyncio.subprocess.Process], timeout: float) -> bool:
