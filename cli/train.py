@@ -349,7 +349,7 @@ async def train(
                         checkpoint=checkpoint,
                     )
                     learn_s = time.monotonic() - learned
-                    await coord.weights_applied(version + 1)
+                    await coord.weights_applied(version + 1, heads=drafters)
                     version += 1
                     sync_s = time.monotonic() - learned - learn_s
                     lead = stats[0]

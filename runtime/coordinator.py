@@ -20,6 +20,7 @@ Non-obvious choices:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections import defaultdict
@@ -120,6 +121,7 @@ class Coordinator:
         self._scores = Ledger()  # score requests: which verifier holds which (group, sample)
         self._score_requests: dict[tuple[int, int], ScoreRequest] = {}
         self._acks: dict[int, dict[str, WeightAck]] = defaultdict(dict)
+        self._head_acks: dict[int, dict[str, bool]] = defaultdict(dict)  # version -> drafter -> applied
         self._stats: dict[int, dict[str, StepStats]] = defaultdict(dict)
         self._changed = asyncio.Event()  # set on every routed message or death: waiters re-check
         self._metrics = StepMetrics()
@@ -184,6 +186,8 @@ class Coordinator:
             self.leases.trained[sender] = msg.elapsed_s
             self.leases.awaiting_stats.discard(sender)
         elif isinstance(msg, Status):
+            if msg.topic in ("head_synced", "head_refused"):  # a drafter's answer to a head push
+                self._head_acks[int(msg.fields.get("version", -1))][sender] = msg.topic == "head_synced"
             self._emit("status", sender=sender, topic=msg.topic, **msg.fields)
         else:
             self._emit("unrouted", sender=sender, kind=msg.kind, level="warning")
@@ -313,9 +317,19 @@ class Coordinator:
             live = [r for r in self.rollouts if r not in self.dead]
             return not table.active and not table.awaiting_stats and all(r in table.idle_at for r in live)
 
-        await self._until(
-            settled, self.rollouts + list(table.drafter_of.values()), "leases released", timeout_s
-        )
+        deadline = time.monotonic() + timeout_s
+        while not settled():
+            # A drafter that died is restarted (from its checkpoint) and handed the policy's head; its lease
+            # is void. Drafters change speed, never samples: the step goes on meanwhile.
+            for drafter in [d for d in table.drafter_of.values() if d in self.dead]:
+                await self._recover_drafter(drafter)
+            self._raise_if_dead(self.rollouts, "leases released")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no leases released within {timeout_s:.0f} s")
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout=min(left, 1.0))
         m = self._metrics
         idle = {r: max(0.0, ended - t) for r, t in table.idle_at.items()}
         m.idle_device_s = sum(idle.values())
@@ -329,6 +343,21 @@ class Coordinator:
         table.trained_at_lease.clear()
         m.preempt_ms = list(table.preempt_ms)
         return m
+
+    async def _recover_drafter(self, drafter: str) -> None:
+        await self._restart(drafter, "leases released")
+        table = self.leases
+        table.active.pop(drafter, None)
+        table.awaiting_stats.discard(drafter)
+        table.trained_at_lease.pop(drafter, None)
+        version = self.policy_version
+        if version > 0 and self.learners:  # the restarted process loaded the step-0 head
+            await self.sup.send(self.learners[0], PushWeights(version=version, to=[], head_to=[drafter]))
+            answers = self._head_acks[version]
+            await self._until(
+                lambda: drafter in answers or drafter in self.dead, self.learners[:1], f"head v{version}"
+            )
+            answers.pop(drafter, None)
 
     async def score(self, request: ScoreRequest) -> None:
         """Sends one completion to the verifier with the fewest outstanding requests; its `Reward` comes
@@ -421,10 +450,23 @@ class Coordinator:
         )
         await self._wait_acks(version, list(to), timeout_s)
 
-    async def weights_applied(self, version: int, timeout_s: float = 300.0) -> None:
-        """Waits until every rollout acknowledged `version`; raises if one refused it."""
+    async def weights_applied(
+        self, version: int, *, heads: Sequence[str] = (), timeout_s: float = 300.0
+    ) -> None:
+        """Waits until every rollout acknowledged `version` (raises if one refused it) and every live drafter
+        in `heads` answered its head push (a refused head is logged: drafters change speed, not samples)."""
         await self._wait_acks(version, self.rollouts, timeout_s)
         self.policy_version = version
+        answers = self._head_acks[version]
+        await self._until(
+            lambda: all(d in answers or d in self.dead for d in heads),
+            self.rollouts,
+            f"head v{version}",
+            timeout_s,
+        )
+        for drafter in [d for d, ok in answers.items() if not ok]:
+            self._emit("head_refused", actor=drafter, version=version, level="warning")
+        del self._head_acks[version]
 
     async def _wait_acks(self, version: int, names: list[str], timeout_s: float) -> None:
         acks = self._acks[version]

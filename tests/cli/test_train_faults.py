@@ -1,8 +1,8 @@
 """`slipstream train` survives a dead rollout and a dead verifier: real processes, real SIGKILLs.
 
-A watcher kills rollout:1 while it decodes step 1 and verifier:0 while it scores step 2. The run must
-restart both, hand the rollout the current weights, deal again exactly the samples and score requests
-they owed, and end with the same samples and rewards as a run without faults (reproducible mode: a
+A watcher kills rollout:1 while it decodes step 1, and verifier:0 and the drafter owner drafter:0 while
+step 2 decodes. The run must restart all three, hand the rollout the current weights and the drafter the
+policy's head, deal again exactly the samples and score requests they owed, and end with the same samples and rewards as a run without faults (reproducible mode: a
 sample's tokens depend on its seed alone), each (group, sample) once.
 """
 
@@ -74,6 +74,7 @@ def test_a_killed_rollout_and_verifier_are_restarted_and_nothing_is_lost(
         killers = [
             asyncio.create_task(_kill_while_working(faulty, "rollout-1", "rollout-1", step=1)),
             asyncio.create_task(_kill_while_working(faulty, "verifier-0", "rollout-0", step=2)),
+            asyncio.create_task(_kill_while_working(faulty, "drafter-0", "rollout-0", step=2)),
         ]
         summary = await job
         pids = [k.result() for k in killers]  # both kills happened
@@ -83,7 +84,11 @@ def test_a_killed_rollout_and_verifier_are_restarted_and_nothing_is_lost(
     steps = summary["steps"]
     assert [s["policy_version"] for s in steps] == [1, 2, 3]
     assert steps[1]["restarts"] == ["rollout:1"] and steps[1]["requeued"] > 0
-    assert "verifier:0" in steps[2]["restarts"]
+    assert {"verifier:0", "drafter:0"} <= set(steps[2]["restarts"])
+    # The restarted drafter owner was handed the policy's head (v2), and follows it (v3).
+    drafter = _events(faulty / "logs" / "drafter-0.jsonl")
+    second = [i for i, e in enumerate(drafter) if e["event"] == "ready"][1]
+    assert [e["version"] for e in drafter[second:] if e["event"] == "head_synced"] == [2, 3]
     # The restarted rollout was handed the current policy (v1), re-hashed, before it decoded again.
     events = _events(faulty / "logs" / "rollout-1.jsonl")
     readies = [i for i, e in enumerate(events) if e["event"] == "ready"]
