@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -90,6 +91,9 @@ class FaultsSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     # this many times per actor per run; past it the run ends naming the actor and its last words.
     max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
     restart_backoff_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.5  # doubles with each restart of one actor
+    # Steps in a row whose every sample's reward failed before the run ends naming the reward's error (such a
+    # step changes nothing: no sample, no optimizer step).
+    max_invalid_steps: Annotated[int, msgspec.Meta(ge=1)] = 3
 
 
 class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -107,7 +111,10 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
     seed: Annotated[int, msgspec.Meta(ge=0, lt=MAX_SEED >> GROUP_BITS)] = 0
-    checkpoint_every: Annotated[int, msgspec.Meta(ge=0)] = 0  # steps between checkpoints (0 = only the last)
+    checkpoint_every: Annotated[int, msgspec.Meta(ge=0)] = 10  # steps between checkpoints (0: by time alone)
+    # ... and at least this often, whatever the steps (0 = off): a crash loses at most this much work
+    checkpoint_minutes: Annotated[float, msgspec.Meta(ge=0.0)] = 30.0
+    keep_checkpoints: Annotated[int, msgspec.Meta(ge=1)] = 2  # the newest K are kept, older ones deleted
     rollout: RolloutSection = RolloutSection()
     drafter: DrafterSection = DrafterSection()
     verifier: VerifierSection = VerifierSection()
@@ -138,6 +145,7 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     grad_norm: float
     mismatch_logp_abs_max: float
     policy_version: int
+    reward_errors: dict[str, int] = {}  # why rewards failed: error → samples
     restarts: list[str] = []  # actors restarted during the step
     requeued: int = 0  # samples and score requests dealt again after their actor died
     duplicates: int = 0  # results dropped because their (group, sample) had come back already
@@ -297,6 +305,8 @@ async def train(
     model_dir = hub.resolve(cfg.model)
     tokenizer = Tokenizer.from_dir(model_dir)
     state = _read_state(run_dir) if resume else {"step": 0, "checkpoint": ""}
+    if state["checkpoint"]:
+        state["checkpoint"] = str(run_dir / state["checkpoint"])  # relative (an absolute one stays as it is)
     start = int(state["step"])
     rows = dataset(cfg, cfg.steps * cfg.prompts_per_step)
     system = cfg.system_prompt or None
@@ -310,8 +320,12 @@ async def train(
     sup = Supervisor(
         run_dir, max_restarts=cfg.faults.max_restarts, restart_backoff_s=cfg.faults.restart_backoff_s, log=log
     )
-    records: list[StepRecord] = []
+    # A resumed run keeps the steps before its checkpoint and drops those after it (they are done again):
+    # metrics.jsonl and the summary then hold every step once.
+    records = _read_records(run_dir / "metrics.jsonl", before=start) if resume else []
+    _write_records(run_dir / "metrics.jsonl", records)
     metrics_file = (run_dir / "metrics.jsonl").open("a")
+    last_checkpoint, invalid_steps = time.monotonic(), 0
     try:
         await sup.start(specs)
         async with Coordinator(
@@ -335,9 +349,7 @@ async def train(
                     )
                     learned = time.monotonic()
                     checkpoint = ""
-                    if (
-                        cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0
-                    ) or step + 1 == cfg.steps:
+                    if _checkpoint_due(cfg, step, time.monotonic() - last_checkpoint):
                         checkpoint = str(run_dir / "checkpoints" / f"step-{step + 1}" / "learner.pt")
                     # The line where weights are pushed: the learner trains, then sends every rollout v + 1.
                     stats = await coord.train(
@@ -365,12 +377,24 @@ async def train(
                     )
                 _write_samples(run_dir / "samples" / f"step-{step}.jsonl", groups_out, tokenizer)
                 if checkpoint:
-                    _write_state(run_dir, {"step": step + 1, "checkpoint": checkpoint})
+                    # Relative to the run directory: a run moved or resumed from elsewhere still finds it.
+                    _write_state(
+                        run_dir, {"step": step + 1, "checkpoint": f"checkpoints/step-{step + 1}/learner.pt"}
+                    )
+                    _prune_checkpoints(run_dir, cfg.keep_checkpoints)
+                    last_checkpoint = time.monotonic()
                 records.append(record)
                 metrics_file.write(msgspec.json.encode(record).decode() + "\n")
                 metrics_file.flush()
                 if log is not None:
                     log.info("step", **msgspec.structs.asdict(record))
+                all_invalid = record.invalid == cfg.prompts_per_step * cfg.group_size
+                invalid_steps = invalid_steps + 1 if all_invalid else 0
+                if invalid_steps >= cfg.faults.max_invalid_steps:
+                    raise RuntimeError(
+                        f"{invalid_steps} steps in a row where every reward failed (faults.max_invalid_steps): "
+                        f"{_explain(record.reward_errors)}"
+                    )
     finally:
         metrics_file.close()
         await sup.shutdown(reason="training finished")
@@ -426,9 +450,12 @@ async def _step(
     rollout_end = time.monotonic()
     metrics: StepMetrics = await coord.finish_step()  # every lease released, every rollout idle
     rewards: dict[tuple[int, int], float | None] = {}
+    errors: dict[str, int] = {}
     while len(rewards) < len(completions):
         reward = await coord.reward()
         rewards[(reward.group_id, reward.sample_index)] = reward.reward
+        if reward.error is not None:
+            errors[reward.error] = errors.get(reward.error, 0) + 1
     reward_s = time.monotonic() - rollout_end
     groups = []
     for g in chunk:
@@ -470,6 +497,7 @@ async def _step(
         reclaimed_s=round(metrics.reclaimed_s, 3),
         loss=0.0,
         grad_norm=0.0,
+        reward_errors=errors,
         restarts=list(metrics.restarts),
         requeued=metrics.requeued,
         duplicates=metrics.duplicates,
@@ -527,7 +555,63 @@ def _write_samples(path: Path, groups: list[ScoredGroup], tokenizer: Tokenizer) 
                 out.write(json.dumps({
                     "group_id": group.group_id, "sample_index": i, "reward": reward,
                     "text": tokenizer.decode(tokens), "token_ids": tokens, "prompt_ids": prompt,
+                    # The behaviour log-probs: what a replay of this step by a restarted learner needs.
+                    "logprobs": group.behaviour_logprobs[i].tolist(),
                 }) + "\n")  # fmt: skip
+
+
+def _checkpoint_due(cfg: TrainConfig, step: int, since_last_s: float) -> bool:
+    """After step `step` (0-based): every `checkpoint_every` steps, at least every `checkpoint_minutes`,
+    and after the last step."""
+    by_steps = cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0
+    by_time = cfg.checkpoint_minutes > 0 and since_last_s >= cfg.checkpoint_minutes * 60
+    return by_steps or by_time or step + 1 == cfg.steps
+
+
+def _prune_checkpoints(run_dir: Path, keep: int) -> None:
+    """Deletes all but the newest `keep` checkpoints/step-N directories (state.json names the newest)."""
+    steps = sorted(
+        (int(p.name.removeprefix("step-")), p)
+        for p in (run_dir / "checkpoints").glob("step-*")
+        if p.is_dir() and p.name.removeprefix("step-").isdigit()
+    )
+    for _, path in steps[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _read_records(path: Path, *, before: int) -> list[StepRecord]:
+    """The metrics of steps before `before`, once each (a crashed run may have written a step twice)."""
+    if not path.is_file():
+        return []
+    by_step: dict[int, StepRecord] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = msgspec.json.decode(line, type=StepRecord)
+        except msgspec.DecodeError:  # a line cut short by the crash
+            continue
+        if record.step < before:
+            by_step[record.step] = record
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def _write_records(path: Path, records: list[StepRecord]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(msgspec.json.encode(r).decode() + "\n" for r in records))
+    os.replace(tmp, path)
+
+
+def _explain(errors: dict[str, int]) -> str:
+    """The reward's most common errors, with the fix for the usual signature mistake."""
+    if not errors:
+        return "no error was reported"
+    top = sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+    text = "; ".join(f"{n}× {e}" for e, n in top)
+    if any("unexpected keyword argument" in e for e in errors):
+        text += (
+            " — a reward is called as fn(prompt, completion, **row), row being the dataset row's fields "
+            "(question, answer, metadata): accept **kwargs (e.g. def reward(prompt, completion, answer, **_))"
+        )
+    return text
 
 
 def _read_state(run_dir: Path) -> dict[str, Any]:

@@ -248,6 +248,9 @@ class Coordinator:
             ledger.deal(target, [(request.group_id, i) for i in range(request.num_samples)])
             await self.sup.send(target, request)
         expected = sum(request.num_samples for request in requests)
+        for name in [r for r, work in load.items() if work == 0]:
+            # Dealt nothing (fewer groups than rollouts): idle from the start, and it never says Idle itself.
+            self._on_idle(name, started)
         received = 0
         try:
             while received < expected:

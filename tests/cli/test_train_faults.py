@@ -19,7 +19,7 @@ import pytest
 import uvloop
 
 from slipstream.cli import train
-from tests.cli.test_train import config, tiny_chat  # noqa: F401  (tiny_chat is a fixture)
+from tests.cli.conftest import config
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -64,7 +64,7 @@ def _samples(run_dir: Path) -> dict[tuple[int, int, int], list[int]]:
 
 def test_a_killed_rollout_and_verifier_are_restarted_and_nothing_is_lost(
     tiny_chat: Path, tmp_path: Path
-) -> None:  # noqa: F811
+) -> None:
     cfg = config(tiny_chat, faults={"restart_backoff_s": 0.1})
     clean, faulty = tmp_path / "clean", tmp_path / "faulty"
     uvloop.run(train.train(cfg, clean))

@@ -305,3 +305,34 @@ def test_a_dead_verifier_is_restarted_and_sent_its_requests_again() -> None:
             assert coord._metrics.duplicates == 1
 
     run(main())
+
+
+def test_a_rollout_dealt_nothing_is_idle_from_the_start_and_its_device_is_leased() -> None:
+    async def main() -> None:
+        sup = FakeSupervisor()
+        coord = Coordinator(
+            sup,
+            rollouts=["rollout:0", "rollout:1"],
+            drafters={"rollout:0": "drafter:0", "rollout:1": "drafter:1"},
+        )
+        async with coord:
+            stream = coord.rollout([request(0, 1)])  # one group, two rollouts
+            first = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0.05)
+            dealt = next(name for name, m in sup.sent if isinstance(m, GenerateRequest))
+            other = "rollout:1" if dealt == "rollout:0" else "rollout:0"
+            leases = [(name, m) for name, m in sup.sent if isinstance(m, Lease)]
+            assert [name for name, _ in leases] == [other.replace("rollout", "drafter")]
+            sup.deliver(dealt, completion(0, 0))
+            await first
+            await asyncio.sleep(0.05)  # the preemption goes out
+            sup.deliver(dealt, Idle(role="rollout", rank=int(dealt[-1]), policy_version=0))
+            drafter = other.replace("rollout", "drafter")
+            sup.deliver(drafter, Released(lease_id=leases[0][1].lease_id, latency_ns=1000))
+            sup.deliver(
+                drafter, DrafterStats(rank=0, version=0, steps=1, loss=1.0, buffer_tokens=0, elapsed_s=0.5)
+            )
+            metrics = await coord.finish_step(timeout_s=5)  # returns: no wait for an Idle that never comes
+            assert metrics.idle_device_s > 0
+
+    run(main())

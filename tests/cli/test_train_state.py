@@ -1,0 +1,67 @@
+"""The training loop's bookkeeping: checkpoint policy and pruning, metrics kept once across a resume,
+and a run whose reward fails on every sample ending with the reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+import uvloop
+
+from slipstream.cli import train
+from tests.cli.conftest import config
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def bad_signature(prompt: str, completion: str, answer: str) -> float:
+    """A reward written without **kwargs: it is also passed question and metadata, so it always raises."""
+    return 1.0
+
+
+def test_checkpoints_are_due_by_steps_by_time_and_at_the_end() -> None:
+    cfg = msgspec.convert({"steps": 10, "checkpoint_every": 4, "checkpoint_minutes": 1.0}, train.TrainConfig)
+    assert [s for s in range(10) if train._checkpoint_due(cfg, s, since_last_s=0)] == [3, 7, 9]
+    assert train._checkpoint_due(cfg, 0, since_last_s=61)  # a minute passed: protect the work
+    never = msgspec.convert(
+        {"steps": 10, "checkpoint_every": 0, "checkpoint_minutes": 0.0}, train.TrainConfig
+    )
+    assert [s for s in range(10) if train._checkpoint_due(never, s, since_last_s=1e9)] == [9]
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:
+    for step in (2, 4, 10, 6):
+        (tmp_path / "checkpoints" / f"step-{step}").mkdir(parents=True)
+    train._prune_checkpoints(tmp_path, keep=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-10", "step-6"]
+
+
+def test_a_resumed_run_keeps_each_earlier_step_once(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    fields = {
+        f: 0 for f in train.StepRecord.__struct_fields__ if f not in ("arms", "restarts", "reward_errors")
+    }
+
+    def line(step: int, reward: float) -> str:
+        return json.dumps({**fields, "step": step, "reward_mean": reward, "arms": {}})
+
+    # Steps 0-2 ran, the run crashed during step 3 (a cut line), and step 1 had been written twice.
+    path.write_text("\n".join([line(0, 0.1), line(1, 0.2), line(1, 0.3), line(2, 0.4), '{"step": 3, "rew']))
+    records = train._read_records(path, before=2)  # resumed from the checkpoint after step 1
+    assert [(r.step, r.reward_mean) for r in records] == [(0, 0.1), (1, 0.3)]
+    train._write_records(path, records)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [0, 1]
+
+
+def test_a_reward_that_fails_on_every_sample_ends_the_run_naming_the_fix(
+    tiny_chat: Path, tmp_path: Path
+) -> None:
+    cfg = config(
+        tiny_chat, steps=3, reward="tests.cli.test_train_state:bad_signature", faults={"max_invalid_steps": 2}
+    )
+    with pytest.raises(RuntimeError, match=r"2 steps in a row .*unexpected keyword argument .*\*\*kwargs"):
+        uvloop.run(train.train(cfg, tmp_path / "run"))
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["invalid"] for x in lines] == [12, 12]  # both steps recorded, every sample invalid
