@@ -8,6 +8,7 @@
     slipstream bench decode --json         # plain vs speculative decode tokens/s at batch 1/4/16/32
     slipstream bench rollout [--config F] [key=value …] --json   # deploy/configs/bench-rollout.yaml
     slipstream bench e2e [--config F] [key=value …] --json       # train vs --baseline, learner cost
+    slipstream bench soak --steps 30 --json                      # train under random SIGKILLs vs without
     slipstream logs RUN [--follow] [--role R] [--level L] [--event E]
 
 Every subcommand is named here from the start; one whose feature has not landed yet says so plainly
@@ -77,6 +78,32 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_soak(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from slipstream.benchmarks import soak
+    from slipstream.cli import train
+
+    root = Path(args.run_dir or f"runs/bench-soak-{time.strftime('%Y%m%d-%H%M%S')}")
+    model = args.model or str(soak.tiny_model(root / "model"))
+    overrides = [*soak.OVERRIDES, f"model={model}", f"steps={args.steps or 30}", *args.overrides]
+    cfg = train.load_config(args.config or packaged_config("demo.yaml"), overrides)
+    plan = soak.SoakPlan(
+        actors=[a for names in train.actor_names(cfg, baseline=False) for a in names],
+        steps=cfg.steps,
+        prompts_per_step=cfg.prompts_per_step,
+        group_size=cfg.group_size,
+        max_tokens=cfg.max_tokens,
+        max_restarts=cfg.faults.max_restarts,
+        kill_every_s=args.kill_every,
+        kills=args.kills,
+        seed=args.seed or 0,
+    )
+    result = soak.run(lambda run_dir: _run_training(cfg, run_dir, baseline=False), root, plan)
+    print(msgspec.json.encode(result).decode() if args.json else soak.render(result))
+    return 0 if result.ok else 1
+
+
 def _run_training(
     cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume: bool = False, echo: bool = False
 ) -> dict[str, Any]:
@@ -129,12 +156,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    if args.what not in ("rollout", "e2e") and (args.config is not None or args.overrides):
-        raise ValueError(f"--config and key=value overrides are for bench rollout and e2e, not {args.what}")
+    if args.what not in ("rollout", "e2e", "soak") and (args.config is not None or args.overrides):
+        raise ValueError(
+            f"--config and key=value overrides are for bench rollout, e2e and soak, not {args.what}"
+        )
     import msgspec
 
     if args.what == "e2e":
         return _bench_e2e(args)
+    if args.what == "soak":
+        return _bench_soak(args)
     if args.what == "gpu":
         from slipstream.benchmarks import gpu
 
@@ -322,25 +353,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "bench",
-        help="benchmarks printing JSON: transport, decode, rollout, e2e, gpu",
+        help="benchmarks printing JSON: transport, decode, rollout, e2e, soak, gpu",
         description="Benchmarks; each prints one JSON object with --json (fields: docs/benchmarks.md). "
         "bench rollout reads deploy/configs/bench-rollout.yaml (or --config F), then its flags, then "
         "KEY=VALUE overrides such as prompts=4 or tuner.buckets=[1,4]. bench e2e runs `slipstream train` "
         "and its --baseline on the same config (default: deploy/configs/demo.yaml with steps=4, then "
-        "KEY=VALUE overrides), then times the learner against a forward pass on the run's samples. bench gpu "
+        "KEY=VALUE overrides), then times the learner against a forward pass on the run's samples. bench soak "
+        "trains a tiny random model (or --model) under random SIGKILLs of rollout, verifier and drafter actors, "
+        "then without, and compares the samples (exit 1 if any was lost or differs). bench gpu "
         "is the GPU runbook (docs/gpu.md); it exits at once where there is no CUDA device.",
     )
-    s.add_argument("what", choices=["transport", "decode", "rollout", "e2e", "gpu"])
+    s.add_argument("what", choices=["transport", "decode", "rollout", "e2e", "soak", "gpu"])
     s.add_argument("--device", default="cpu", help="decode: cpu, cuda or cuda:N")
     s.add_argument(
-        "overrides", nargs="*", metavar="KEY=VALUE", help="rollout, e2e: config overrides (key.sub=value)"
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="rollout, e2e, soak: config overrides (key.sub=value)",
     )
     s.add_argument("--json", action="store_true", help="one JSON object on stdout")
     s.add_argument(
-        "--config", type=Path, default=None, help="rollout, e2e: a YAML config (default: the packaged one)"
+        "--config",
+        type=Path,
+        default=None,
+        help="rollout, e2e, soak: a YAML config (default: the packaged one)",
     )
     s.add_argument(
-        "--model", default=None, help="decode, rollout: model directory or name (default smollm2-135m)"
+        "--model",
+        default=None,
+        help="decode, rollout, soak: model directory or name (default smollm2-135m; soak: a tiny random one)",
     )
     s.add_argument("--batches", default="1,4,16,32", help="decode: comma-separated batch sizes")
     s.add_argument(
@@ -361,12 +402,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--temperature", type=float, default=None, help="decode, rollout: sampling temperature (1.0, 0.7)"
     )
-    s.add_argument("--seed", type=int, default=None, help="rollout: prompt and sampling seed (seed=)")
+    s.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="rollout: prompt and sampling seed (seed=); soak: the kills' RNG",
+    )
     s.add_argument(
         "--steps",
         type=int,
         default=None,
-        help="rollout: RL steps per mode; all but the first are measured (steps=)",
+        help="rollout: RL steps per mode; all but the first are measured (steps=); soak: steps per run (30)",
     )
     s.add_argument(
         "--modes", default=None, help="rollout: comma-separated subset of plain,ngram,adaptive (modes=)"
@@ -380,7 +426,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="decode, rollout: an exported EAGLE drafter (decode: adds eagle rows)",
     )
-    s.add_argument("--run-dir", type=Path, default=None, help="e2e: where both runs go (runs/bench-e2e-…)")
+    s.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="e2e, soak: where both runs go (runs/bench-e2e-…, bench-soak-…)",
+    )
+    s.add_argument("--kill-every", type=float, default=3.0, help="soak: mean seconds between kills")
+    s.add_argument("--kills", type=int, default=0, help="soak: the most kills (0 = no cap)")
 
     s = sub.add_parser("logs", help="print a run's logs, merged by time; --follow streams live events")
     s.add_argument("run", help="run directory")

@@ -1,0 +1,327 @@
+"""`slipstream bench soak`: a training run under random SIGKILLs of its actors, beside the same run without.
+
+    slipstream bench soak --steps 30 --json              # a tiny random model, a kill every ~3 s
+    slipstream bench soak --model smollm2-135m --kill-every 5 --kills 10 --seed 1 --json
+
+A seeded RNG picks each victim among the rollout, verifier and drafter actors (the learner's restart and
+replay are not built: its ranks are never killed, and the JSON says so), and a thread SIGKILLs it about
+every `kill_every_s` seconds, by the pid its log's "ready" event names, only if that process is a child of
+this one. Non-obvious choices: a rollout is killed only while it decodes, early in its step (the
+coordinator recovers a rollout inside the rollout phase; one dead during the weight sync ends the run); no
+actor is killed more often than `faults.max_restarts`; kills stop when the last step begins, so every kill
+is recovered within the run. Then the same config runs without kills and the two runs' samples are
+compared per (step, group, sample): reproducible mode makes them identical. The default model is a tiny
+random Llama with SmolLM2's tokenizer, built into the run directory (its answers are noise: rewards are
+mostly 0, which a soak does not mind). Runs the loop through a callable the CLI passes in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from slipstream.engine import hub
+from slipstream.runtime.transport import parse_actor_name
+
+__all__ = ["OVERRIDES", "Kill", "RunOutcome", "SoakPlan", "SoakResult", "render", "run", "tiny_model"]
+
+Key = tuple[int, int, int]  # (step, group, sample)
+TrainFn = Callable[[Path], dict[str, Any]]  # run directory -> the run's summary; the loop runs in-process
+VICTIMS = ("rollout", "verifier", "drafter")
+NOT_KILLED = {"learner": "restart and replay not built"}
+# Applied over the config before the command line's own overrides: a small fast run, and a restart budget
+# and backoff a kill every few seconds fits in.
+OVERRIDES = (
+    "prompts_per_step=4",
+    "max_tokens=48",
+    "checkpoint_every=0",
+    "drafter.batch_tokens=64",
+    "learner.threads=1",
+    "faults.max_restarts=8",
+    "faults.restart_backoff_s=0.1",
+)
+
+
+class SoakPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """What the soak needs to know of the run's config, and how it kills."""
+
+    actors: list[str]  # every actor of the run, "role:rank"
+    steps: int
+    prompts_per_step: int
+    group_size: int
+    max_tokens: int  # a rollout is killed within its first max_tokens // 2 decode iterations of a step
+    max_restarts: int  # faults.max_restarts: no actor is killed more often
+    kill_every_s: float = 3.0  # mean seconds between kills (uniform in [0.5, 1.5] of it)
+    kills: int = 0  # the most kills (0 = as many as the run and the budget allow)
+    seed: int = 0  # the victims' RNG
+
+
+class Kill(msgspec.Struct, frozen=True, kw_only=True):
+    at_s: float  # since the run started
+    actor: str
+    pid: int
+    step: int  # steps completed when it was killed
+
+
+class RunOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    run_dir: str
+    wall_s: float
+    steps_completed: int
+    expected: int  # samples the configured steps deal: steps x prompts_per_step x group_size
+    recorded: int  # rows in samples/step-N.jsonl
+    lost: int  # expected (step, group, sample) with no row
+    error: str = ""  # why the run ended early ("" = it finished)
+
+
+class SoakResult(msgspec.Struct, frozen=True, kw_only=True):
+    steps: int
+    seed: int
+    kill_every_s: float
+    max_restarts: int  # per actor per run
+    victims: list[str]  # roles killed
+    not_killed: dict[str, str]  # role -> why not
+    kills: dict[str, int]  # by role
+    kill_log: list[Kill]
+    restarts: dict[str, int]  # by role, from the run's metrics
+    requeued: int  # samples and score requests dealt again (metrics)
+    duplicates: int  # results dropped as seen already (metrics)
+    differing: int  # (step, group, sample) whose tokens differ from the run without kills, or missing
+    soak: RunOutcome
+    clean: RunOutcome
+    ok: bool  # both finished, nothing lost, recorded == expected, nothing differs, every kill restarted
+
+
+def tiny_model(path: Path) -> Path:
+    """A tiny random Llama (2 layers, hidden 64) with SmolLM2's tokenizer and chat template, at `path`;
+    reused if it is there."""
+    if (path / "model.safetensors").is_file():
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    smol = hub.pull("smollm2-135m")
+    vocab = json.loads((smol / "config.json").read_text())["vocab_size"]
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.15, bos_token_id=None,
+        eos_token_id=2, tie_word_embeddings=True,  # as SmolLM2
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(smol / name, path / name)
+    return path
+
+
+def run(train: TrainFn, root: Path, plan: SoakPlan) -> SoakResult:
+    """The run with kills under root/soak, then without under root/clean; the comparison."""
+    stop = threading.Event()
+    kills: list[Kill] = []
+    killer = threading.Thread(target=_kill_loop, args=(plan, root / "soak", stop, kills), daemon=True)
+    killer.start()
+    try:
+        soak, soak_samples = _outcome(train, root / "soak", plan)
+    finally:
+        stop.set()
+        killer.join()
+    clean, clean_samples = _outcome(train, root / "clean", plan)
+    steps = _records(root / "soak")
+    restarts = Counter(parse_actor_name(a)[0] for s in steps for a in s["restarts"])
+    killed = Counter(parse_actor_name(k.actor)[0] for k in kills)
+    differing = sum(soak_samples.get(k) != clean_samples.get(k) for k in _expected(plan))
+    return SoakResult(
+        steps=plan.steps,
+        seed=plan.seed,
+        kill_every_s=plan.kill_every_s,
+        max_restarts=plan.max_restarts,
+        victims=list(VICTIMS),
+        not_killed=dict(NOT_KILLED),
+        kills=dict(killed),
+        kill_log=kills,
+        restarts=dict(restarts),
+        requeued=sum(s["requeued"] for s in steps),
+        duplicates=sum(s["duplicates"] for s in steps),
+        differing=differing,
+        soak=soak,
+        clean=clean,
+        ok=all(not o.error and o.lost == 0 and o.recorded == o.expected for o in (soak, clean))
+        and differing == 0
+        and restarts == killed,
+    )
+
+
+def _outcome(train: TrainFn, run_dir: Path, plan: SoakPlan) -> tuple[RunOutcome, dict[Key, list[int]]]:
+    """One run, timed; an error ends it, and is reported rather than raised (what it left is compared)."""
+    started = time.monotonic()
+    error = ""
+    try:
+        train(run_dir)
+    except Exception as exc:  # a soak reports how the run ended
+        error = f"{type(exc).__name__}: {exc}"
+    wall_s = time.monotonic() - started
+    rows, samples = _samples(run_dir, plan.steps)
+    expected = _expected(plan)
+    outcome = RunOutcome(
+        run_dir=str(run_dir),
+        wall_s=round(wall_s, 1),
+        steps_completed=len(_records(run_dir)),
+        expected=len(expected),
+        recorded=rows,
+        lost=sum(k not in samples for k in expected),
+        error=error,
+    )
+    return outcome, samples
+
+
+def _expected(plan: SoakPlan) -> list[Key]:
+    """Every (step, group, sample) the run deals: step s holds groups s*P ... s*P + P - 1 (the data cursor)."""
+    p = plan.prompts_per_step
+    return [
+        (s, g, i)
+        for s in range(plan.steps)
+        for g in range(s * p, (s + 1) * p)
+        for i in range(plan.group_size)
+    ]
+
+
+def _samples(run_dir: Path, steps: int) -> tuple[int, dict[Key, list[int]]]:
+    """Rows in samples/step-N.jsonl, and each (step, group, sample)'s tokens."""
+    rows, out = 0, {}
+    for step in range(steps):
+        path = run_dir / "samples" / f"step-{step}.jsonl"
+        lines = path.read_text().splitlines() if path.is_file() else []
+        for r in (json.loads(line) for line in lines if line.strip()):
+            rows += 1
+            out[(step, r["group_id"], r["sample_index"])] = r["token_ids"]
+    return rows, out
+
+
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+# -- the killer -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Tail:
+    """A JSON-lines log read as it grows (a restarted actor appends to its predecessor's file)."""
+
+    path: Path
+    offset: int = 0
+    partial: bytes = b""
+
+    def new(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+@dataclass
+class _Actor:
+    name: str
+    tail: _Tail
+    pid: int | None = None  # the newest process's, from its "ready" event
+    iterations: int = 0  # decode iterations since it was last ready or idle (rollouts)
+    killed: set[int] = field(default_factory=set)
+
+    def update(self) -> None:
+        for event in self.tail.new():
+            if event.get("event") == "ready":
+                self.pid, self.iterations = int(event["pid"]), 0
+            elif event.get("event") == "idle":
+                self.iterations = 0
+            elif event.get("event") == "tuner_decision":
+                self.iterations += 1
+
+    def live_pid(self, plan: SoakPlan) -> int | None:
+        """Its pid if it is up, a child of this process (no other process is ever killed), and, for a
+        rollout, decoding early in its step."""
+        if self.pid is None or self.pid in self.killed or _parent(self.pid) != os.getpid():
+            return None
+        if self.name.startswith("rollout:") and not 1 <= self.iterations <= max(plan.max_tokens // 2, 1):
+            return None
+        return self.pid
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state; comm may hold spaces
+
+
+def _kill_loop(plan: SoakPlan, run_dir: Path, stop: threading.Event, kills: list[Kill]) -> None:
+    """SIGKILLs a victim about every kill_every_s seconds until the last step begins or `stop`."""
+    rng = random.Random(plan.seed)
+    logs = run_dir / "logs"
+    actors = {a: _Actor(a, _Tail(logs / f"{a.replace(':', '-')}.jsonl")) for a in plan.actors}
+    victims = sorted(a for a in actors if parse_actor_name(a)[0] in VICTIMS)
+    count: Counter[str] = Counter()
+    started = time.monotonic()
+
+    def window_open() -> bool:  # the last step's kills could go unrecovered: none there
+        return not stop.is_set() and len(_records(run_dir)) < plan.steps - 1
+
+    while window_open() and not all(a.pid for a in actors.values()):  # the whole run up first
+        for actor in actors.values():
+            actor.update()
+        stop.wait(0.05)
+    while window_open() and (not plan.kills or len(kills) < plan.kills):
+        choices = [v for v in victims if count[v] < plan.max_restarts]
+        if not choices or stop.wait(rng.uniform(0.5, 1.5) * plan.kill_every_s):
+            return
+        victim = actors[rng.choice(choices)]
+        while window_open():
+            victim.update()
+            pid = victim.live_pid(plan)
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:  # died meanwhile: wait for its successor
+                    victim.killed.add(pid)
+                    continue
+                victim.killed.add(pid)
+                count[victim.name] += 1
+                steps = len(_records(run_dir))
+                kills.append(
+                    Kill(at_s=round(time.monotonic() - started, 2), actor=victim.name, pid=pid, step=steps)
+                )
+                break
+            stop.wait(0.01)
+
+
+def render(result: SoakResult) -> str:
+    lines = [f"{'':>6} {'wall s':>7} {'steps':>5} {'expected':>8} {'recorded':>8} {'lost':>4}  error"]
+    for name in ("soak", "clean"):
+        o: RunOutcome = getattr(result, name)
+        lines.append(
+            f"{name:>6} {o.wall_s:>7.1f} {o.steps_completed:>5} {o.expected:>8} {o.recorded:>8} {o.lost:>4}"
+            f"  {o.error or '-'}"
+        )
+    lines.append(
+        f"kills {result.kills} (every ~{result.kill_every_s} s, seed {result.seed}), restarts {result.restarts}, "
+        f"requeued {result.requeued}, duplicates dropped {result.duplicates}; {result.differing} samples differ "
+        f"from the run without kills; not killed: {result.not_killed}; {'OK' if result.ok else 'FAILED'}"
+    )
+    return "\n".join(lines)
