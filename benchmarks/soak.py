@@ -4,15 +4,15 @@
     slipstream bench soak --model smollm2-135m --kill-every 5 --kills 10 --seed 1 --json
 
 A seeded RNG picks each victim among the rollout, verifier and drafter actors (the learner's restart and
-replay are not built: its ranks are never killed, and the JSON says so), and a thread SIGKILLs it about
-every `kill_every_s` seconds, by the pid its log's "ready" event names, only if that process is a child of
-this one. Non-obvious choices: a rollout is killed only while it decodes, early in its step (the
-coordinator recovers a rollout inside the rollout phase; one dead during the weight sync ends the run); no
-actor is killed more often than `faults.max_restarts`; kills stop when the last step begins, so every kill
-is recovered within the run. Then the same config runs without kills and the two runs' samples are
-compared per (step, group, sample): reproducible mode makes them identical. The default model is a tiny
-random Llama with SmolLM2's tokenizer, built into the run directory (its answers are noise: rewards are
-mostly 0, which a soak does not mind). Runs the loop through a callable the CLI passes in.
+replay are not built: its ranks are never killed, and the JSON says so); a thread SIGKILLs it about every
+`kill_every_s` seconds, by the pid its log's "ready" event names, if that pid is a child of this process.
+Non-obvious choices: a rollout is killed only while it decodes, early in its step (the coordinator
+recovers a rollout that owes samples; one killed once idle or during the weight sync ends the run); no
+actor is killed more often than `faults.max_restarts`; kills stop when the last step begins, so every
+kill is recovered within the run. Then the same config runs without kills, and the samples are compared
+per (step, group, sample): reproducible mode makes them identical. The default model is a tiny random
+Llama with SmolLM2's tokenizer, built into the run directory (its answers are noise, rewards mostly 0: a
+soak does not mind). Runs the loop through a callable the CLI passes in (benchmarks do not import cli/).
 """
 
 from __future__ import annotations
@@ -41,6 +41,13 @@ Key = tuple[int, int, int]  # (step, group, sample)
 TrainFn = Callable[[Path], dict[str, Any]]  # run directory -> the run's summary; the loop runs in-process
 VICTIMS = ("rollout", "verifier", "drafter")
 NOT_KILLED = {"learner": "restart and replay not built"}
+WINDOWS = {
+    "rollout": "while it decodes, in its first max_tokens // 2 iterations of a step: a rollout killed once "
+    "idle (the step then times out waiting for its Idle) or during the weight sync ends the run",
+    "verifier": "any time",
+    "drafter": "any time",
+    "last step": "no kills (one there could go unrecovered)",
+}
 # Applied over the config before the command line's own overrides: a small fast run, and a restart budget
 # and backoff a kill every few seconds fits in.
 OVERRIDES = (
@@ -92,6 +99,7 @@ class SoakResult(msgspec.Struct, frozen=True, kw_only=True):
     max_restarts: int  # per actor per run
     victims: list[str]  # roles killed
     not_killed: dict[str, str]  # role -> why not
+    kill_windows: dict[str, str]  # when each role may be killed, and why
     kills: dict[str, int]  # by role
     kill_log: list[Kill]
     restarts: dict[str, int]  # by role, from the run's metrics
@@ -148,6 +156,7 @@ def run(train: TrainFn, root: Path, plan: SoakPlan) -> SoakResult:
         max_restarts=plan.max_restarts,
         victims=list(VICTIMS),
         not_killed=dict(NOT_KILLED),
+        kill_windows=dict(WINDOWS),
         kills=dict(killed),
         kill_log=kills,
         restarts=dict(restarts),

@@ -30,6 +30,7 @@ def test_a_short_soak_loses_nothing_and_matches_the_run_without_kills(
     assert result.restarts == result.kills  # every kill restarted, within the run
     assert result.requeued > 0  # the rollout was killed while it decoded: it owed samples
     assert result.not_killed == {"learner": "restart and replay not built"}
+    assert set(result.kill_windows) >= {"rollout", "verifier", "drafter"}
     for run in (result.soak, result.clean):
         assert run.error == "" and run.steps_completed == 3
         assert run.recorded == run.expected == 3 * 3 * 4 and run.lost == 0
