@@ -135,6 +135,9 @@ def tiny_model(path: Path) -> Path:
 
 def run(train: TrainFn, root: Path, plan: SoakPlan) -> SoakResult:
     """The run with kills under root/soak, then without under root/clean; the comparison."""
+    for name in ("soak", "clean"):
+        if (root / name).exists():  # the loop appends to metrics.jsonl: an old run's steps would count
+            raise ValueError(f"{root / name} exists: a soak needs fresh run directories (--run-dir)")
     stop = threading.Event()
     kills: list[Kill] = []
     killer = threading.Thread(target=_kill_loop, args=(plan, root / "soak", stop, kills), daemon=True)
@@ -148,7 +151,7 @@ def run(train: TrainFn, root: Path, plan: SoakPlan) -> SoakResult:
     steps = _records(root / "soak")
     restarts = Counter(parse_actor_name(a)[0] for s in steps for a in s["restarts"])
     killed = Counter(parse_actor_name(k.actor)[0] for k in kills)
-    differing = sum(soak_samples.get(k) != clean_samples.get(k) for k in _expected(plan))
+    differing = sum(k not in soak_samples or soak_samples[k] != clean_samples.get(k) for k in _expected(plan))
     return SoakResult(
         steps=plan.steps,
         seed=plan.seed,
