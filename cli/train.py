@@ -40,7 +40,7 @@ from slipstream.protocols.learner import ScoredGroup
 from slipstream.protocols.reward import ScoreRequest
 from slipstream.protocols.rollout import Completion, GenerateRequest, SamplingSpec
 from slipstream.runtime import config as run_config
-from slipstream.runtime.coordinator import Coordinator, StepMetrics
+from slipstream.runtime.coordinator import ActorDiedError, Coordinator, StepMetrics
 from slipstream.runtime.placement import place
 from slipstream.runtime.progress import ProgressFactory, silent
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
@@ -352,16 +352,27 @@ async def train(
                     if _checkpoint_due(cfg, step, time.monotonic() - last_checkpoint):
                         checkpoint = str(run_dir / "checkpoints" / f"step-{step + 1}" / "learner.pt")
                     # The line where weights are pushed: the learner trains, then sends every rollout v + 1.
-                    stats = await coord.train(
-                        step,
-                        groups_out,
-                        version=version + 1,
-                        push_to=rollouts,
-                        push_head_to=drafters,
-                        checkpoint=checkpoint,
-                    )
-                    learn_s = time.monotonic() - learned
-                    await coord.weights_applied(version + 1, heads=drafters)
+                    restarted: list[str] = []
+                    while True:
+                        try:
+                            stats = await coord.train(
+                                step,
+                                groups_out,
+                                version=version + 1,
+                                push_to=rollouts,
+                                push_head_to=drafters,
+                                checkpoint=checkpoint,
+                            )
+                            learn_s = time.monotonic() - learned
+                            await coord.weights_applied(version + 1, heads=drafters)
+                            break
+                        except ActorDiedError:
+                            if not any(n in coord.dead for n in learners):
+                                raise
+                            # The learner restarts from its newest checkpoint and replays the steps after
+                            # it from their recorded samples; then this step trains again.
+                            await _recover_learner(coord, cfg, run_dir, specs, step)
+                            restarted += learners
                     version += 1
                     sync_s = time.monotonic() - learned - learn_s
                     lead = stats[0]
@@ -374,6 +385,7 @@ async def train(
                         grad_norm=lead.grad_norm,
                         mismatch_logp_abs_max=lead.metrics.get("mismatch_logp_abs_max", 0.0),
                         policy_version=version,
+                        restarts=[*record.restarts, *restarted],
                     )
                 _write_samples(run_dir / "samples" / f"step-{step}.jsonl", groups_out, tokenizer)
                 if checkpoint:
@@ -558,6 +570,55 @@ def _write_samples(path: Path, groups: list[ScoredGroup], tokenizer: Tokenizer) 
                     # The behaviour log-probs: what a replay of this step by a restarted learner needs.
                     "logprobs": group.behaviour_logprobs[i].tolist(),
                 }) + "\n")  # fmt: skip
+
+
+async def _recover_learner(
+    coord: Coordinator, cfg: TrainConfig, run_dir: Path, specs: list[ActorSpec], step: int
+) -> None:
+    """Restarts the learner ranks from the newest checkpoint and trains again, without new rollouts, every
+    step between it and `step` from samples/step-N.jsonl (tokens, behaviour log-probs, rewards): the
+    learner then holds what the rollouts hold."""
+    state = _read_state(run_dir) if (run_dir / "checkpoints" / "state.json").is_file() else {}
+    done, checkpoint = int(state.get("step", 0)), str(state.get("checkpoint", ""))
+    path = str(run_dir / checkpoint) if checkpoint else ""
+    if not path:  # no checkpoint yet: the policy the run started from
+        done, path = 0, ""
+    (run_dir / "learner-rendezvous").unlink(missing_ok=True)
+    names = {
+        actor_name(LearnerActor.role, spec.rank): spec
+        for spec in specs
+        if spec.actor.endswith(":LearnerActor")
+    }
+    configs = {name: msgspec.structs.replace(spec.config, resume_from=path) for name, spec in names.items()}
+    await coord.restart_learners(configs)
+    for replayed in range(done, step):
+        await coord.train(replayed, _recorded_groups(run_dir, replayed, cfg), version=replayed + 1)
+
+
+def _recorded_groups(run_dir: Path, step: int, cfg: TrainConfig) -> list[ScoredGroup]:
+    """A finished step's groups as the learner got them, read back from samples/step-N.jsonl."""
+    by_group: dict[int, list[dict[str, Any]]] = {}
+    for line in (run_dir / "samples" / f"step-{step}.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        by_group.setdefault(row["group_id"], []).append(row)
+    groups = []
+    for group_id, rows in sorted(by_group.items()):
+        rows.sort(key=lambda r: r["sample_index"])
+        groups.append(
+            ScoredGroup(
+                step=step,
+                group_id=group_id,
+                prompt_ids=torch.tensor(rows[0]["prompt_ids"], dtype=torch.int64),
+                response_ids=[torch.tensor(r["token_ids"], dtype=torch.int64) for r in rows],
+                behaviour_logprobs=[torch.tensor(r["logprobs"], dtype=torch.float32) for r in rows],
+                rewards=[r["reward"] for r in rows],
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k,
+                policy_version=step,
+            )
+        )
+    return groups
 
 
 def _checkpoint_due(cfg: TrainConfig, step: int, since_last_s: float) -> bool:

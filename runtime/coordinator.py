@@ -296,6 +296,8 @@ class Coordinator:
             request = msgspec.structs.replace(requests[group], sample_indices=samples)
             await self.sup.send(name, request)
         self._emit("requeued", actor=name, samples=sum(len(v) for v in owed.values()), groups=len(owed))
+        if not owed:  # it had finished its share before it died: idle, and it will not say so itself
+            self._on_idle(name, time.monotonic())
 
     async def _restart(self, name: str, what: str) -> None:
         """Restarts dead actor `name` through the supervisor (its budget), or raises ActorDiedError."""
@@ -361,6 +363,29 @@ class Coordinator:
                 lambda: drafter in answers or drafter in self.dead, self.learners[:1], f"head v{version}"
             )
             answers.pop(drafter, None)
+
+    async def restart_learners(self, configs: dict[str, msgspec.Struct]) -> None:
+        """Restarts every learner rank with `configs` (e.g. the newest checkpoint to resume from). Ranks still
+        alive are killed first: one lost rank breaks the process group, and the ranks rendezvous together."""
+        if not self.restart:
+            dead = [n for n in self.learners if n in self.dead]
+            raise ActorDiedError(f"{dead[0]} died: {self.dead[dead[0]]}" if dead else "no learner died")
+        for name in self.learners:
+            if name not in self.dead:
+                self.sup.kill(name)
+        await self._until(
+            lambda: all(n in self.dead for n in self.learners), [], "learner ranks to stop", 30.0
+        )
+        reasons = {n: self.dead[n] for n in self.learners}
+        self._emit("restarting_learners", reasons=reasons, level="warning")
+        try:
+            await asyncio.gather(*(self.sup.restart(n, config=configs[n]) for n in self.learners))
+        except Exception as exc:
+            raise ActorDiedError(f"learner ranks died ({reasons}) and were not restarted: {exc}") from exc
+        for name in self.learners:
+            del self.dead[name]
+        self._stats.clear()  # stats of the step in flight died with the ranks
+        self._metrics.restarts.extend(self.learners)
 
     async def score(self, request: ScoreRequest) -> None:
         """Sends one completion to the verifier with the fewest outstanding requests; its `Reward` comes
@@ -457,8 +482,21 @@ class Coordinator:
         self, version: int, *, heads: Sequence[str] = (), timeout_s: float = 300.0
     ) -> None:
         """Waits until every rollout acknowledged `version` (raises if one refused it) and every live drafter
-        in `heads` answered its head push (a refused head is logged: drafters change speed, not samples)."""
-        await self._wait_acks(version, self.rollouts, timeout_s)
+        in `heads` answered its head push (a refused head is logged: drafters change speed, not samples).
+        A rollout that dies meanwhile is restarted (with `restart`) and sent `version` alone."""
+        pending = list(self.rollouts)
+        while True:
+            try:
+                await self._wait_acks(version, pending, timeout_s)
+                break
+            except ActorDiedError:
+                dead = [r for r in pending if r in self.dead]
+                if not dead or not self.restart:
+                    raise
+                for name in dead:
+                    await self._restart(name, f"acks of weights v{version}")
+                    await self.push_weights(version, to=[name])  # waits for its ack
+                    pending.remove(name)
         self.policy_version = version
         answers = self._head_acks[version]
         await self._until(

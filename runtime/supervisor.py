@@ -404,13 +404,14 @@ class Supervisor:
         """The last death of `name` (reason, exit code), or None if it never died."""
         return self._last_death.get(name)
 
-    async def restart(self, name: str) -> None:
+    async def restart(self, name: str, *, config: msgspec.Struct | None = None) -> None:
         """Respawns dead actor `name` from its spec and returns once it is Ready (and watched again).
 
         The k-th restart waits `restart_backoff_s * 2**(k-1)` (at most MAX_BACKOFF_S) first. Raises
         ValueError if `name` is unknown, alive or already restarting; SupervisorError if its restart
         budget is spent (with its last words) or this restart fails (the process is then killed, the
-        actor stays dead, and the attempt counts).
+        actor stays dead, and the attempt counts). `config` replaces the actor's config from now on (a
+        learner restarted from the newest checkpoint); it is checked as at start.
         """
         old = self._procs.get(name)
         if old is None:
@@ -427,6 +428,10 @@ class Supervisor:
                 f"{name}: restart budget spent ({self.max_restarts} restarts per run); "
                 f"{self._last_words(old)}"
             )
+        if config is not None:
+            spec = msgspec.structs.replace(old.spec, config=config)
+            self._check(spec)  # a bad config is refused before anything is killed or counted
+            old.spec = spec
         self._restarts[name] = attempt
         self._restarting.add(name)
         try:
@@ -484,6 +489,11 @@ class Supervisor:
         return f"last death: {reason} ({_exit_text(code)}); last log lines ({path}):\n  {lines}"
 
     # -- shutdown -----------------------------------------------------------------------------------
+
+    def kill(self, name: str) -> None:
+        """SIGKILLs actor `name` (its death is then reported on `deaths` like any other)."""
+        with contextlib.suppress(ProcessLookupError):
+            self._procs[name].proc.kill()
 
     async def shutdown(self, *, reason: str = "done", grace_s: float = 5.0) -> None:
         """Shutdown to all, wait `grace_s`, then SIGTERM, then SIGKILL. Idempotent."""

@@ -51,9 +51,9 @@ async def _kill_while_working(run_dir: Path, victim: str, watch: str, step: int)
     return pid
 
 
-def _samples(run_dir: Path) -> dict[tuple[int, int, int], list[int]]:
+def _samples(run_dir: Path, steps: int = 3) -> dict[tuple[int, int, int], list[int]]:
     out: dict[tuple[int, int, int], list[int]] = {}
-    for step in range(3):
+    for step in range(steps):
         for line in (run_dir / "samples" / f"step-{step}.jsonl").read_text().splitlines():
             r = json.loads(line)
             key = (step, r["group_id"], r["sample_index"])
@@ -103,3 +103,51 @@ def test_a_killed_rollout_and_verifier_are_restarted_and_nothing_is_lost(
     clean_steps = json.loads((clean / "summary.json").read_text())["steps"]
     assert [s["reward_mean"] for s in steps] == [s["reward_mean"] for s in clean_steps]
     assert all(s["invalid"] == 0 for s in steps)
+
+
+async def _kill_after_steps(run_dir: Path, victim: str, steps: int) -> int:
+    """SIGKILLs `victim` once `steps` steps are recorded in metrics.jsonl (the next step is rolling out)."""
+    metrics = run_dir / "metrics.jsonl"
+    while not metrics.is_file() or len(metrics.read_text().splitlines()) < steps:
+        await asyncio.sleep(0.01)
+    pid = next(
+        e["pid"] for e in reversed(_events(run_dir / "logs" / f"{victim}.jsonl")) if e["event"] == "ready"
+    )
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def test_a_killed_learner_restarts_from_its_checkpoint_and_replays_to_the_same_weights(
+    tiny_chat: Path, tmp_path: Path
+) -> None:
+    import torch
+
+    cfg = config(tiny_chat, steps=4, checkpoint_every=2, faults={"restart_backoff_s": 0.1})
+    clean, faulty = tmp_path / "clean", tmp_path / "faulty"
+    uvloop.run(train.train(cfg, clean))
+
+    async def run_with_kill() -> dict[str, Any]:
+        job = asyncio.create_task(train.train(cfg, faulty))
+        killer = asyncio.create_task(_kill_after_steps(faulty, "learner-0", steps=3))
+        summary = await job
+        killer.result()
+        return summary
+
+    steps = uvloop.run(run_with_kill())["steps"]
+    assert [s["policy_version"] for s in steps] == [1, 2, 3, 4]
+    assert "learner:0" in steps[3]["restarts"]
+    events = _events(faulty / "logs" / "learner-0.jsonl")
+    loaded = [e for e in events if e["event"] == "checkpoint_loaded"]
+    assert [e["version"] for e in loaded] == [2]  # the step-2 checkpoint, then step 2 replayed, then step 3
+    trained = [e["step"] for e in events if e["event"] == "trained"]
+    assert trained == [0, 1, 2, 2, 3]
+    # The replay reproduced the lost step: the same final weights as without faults. Within 1e-5, not bitwise:
+    # once in ~10 runs the replayed step differed in the last bits (cause not found; one lost step at lr 1e-3
+    # moves weights by ~1e-3, so a skipped or wrong replay still fails).
+    final = [
+        torch.load(run / "checkpoints" / "step-4" / "learner.pt", weights_only=True)
+        for run in (clean, faulty)
+    ]
+    assert _samples(faulty, 4) == _samples(clean, 4)
+    for name, tensor in final[0]["model"].items():
+        torch.testing.assert_close(final[1]["model"][name], tensor, rtol=0, atol=1e-5, msg=name)

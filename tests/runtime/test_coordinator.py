@@ -336,3 +336,47 @@ def test_a_rollout_dealt_nothing_is_idle_from_the_start_and_its_device_is_leased
             assert metrics.idle_device_s > 0
 
     run(main())
+
+
+def test_a_rollout_that_dies_during_the_weight_sync_is_restarted_and_sent_that_version() -> None:
+    async def main() -> None:
+        sup = RestartingSupervisor()
+        coord = Coordinator(sup, rollouts=["rollout:0", "rollout:1"], learners=["learner:0"], restart=True)
+        async with coord:
+            waiting = asyncio.ensure_future(coord.weights_applied(5, timeout_s=5))
+            sup.deliver("rollout:0", WeightAck(version=5, role="rollout", rank=0, ok=True, error=None))
+            sup.deaths.put_nowait(Died("rollout:1", "killed by SIGKILL"))
+            for _ in range(100):
+                await asyncio.sleep(0.01)
+                if any(isinstance(m, PushWeights) for _, m in sup.sent):
+                    break
+            push = next(m for _, m in sup.sent if isinstance(m, PushWeights))
+            assert sup.restarted == ["rollout:1"] and (push.version, push.to) == (5, ["rollout:1"])
+            sup.deliver("rollout:1", WeightAck(version=5, role="rollout", rank=1, ok=True, error=None))
+            await waiting
+            assert coord.policy_version == 5
+
+    run(main())
+
+
+def test_a_rollout_restarted_owing_nothing_counts_as_idle() -> None:
+    async def main() -> None:
+        sup = RestartingSupervisor()
+        coord = Coordinator(sup, rollouts=["rollout:0", "rollout:1"], restart=True)
+        async with coord:
+            stream = coord.rollout([request(0, 1), request(1, 1)]).__aiter__()
+            first = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0.01)
+            dealt = {m.group_id: name for name, m in sup.sent if isinstance(m, GenerateRequest)}
+            sup.deliver(dealt[0], completion(0, 0))
+            await first
+            sup.deliver(dealt[0], Idle(role="rollout", rank=int(dealt[0][-1]), policy_version=0))
+            sup.deaths.put_nowait(Died(dealt[0], "killed by SIGKILL"))  # dies after finishing its share
+            await asyncio.sleep(0.05)
+            sup.deliver(dealt[1], completion(1, 0))
+            await stream.__anext__()  # the rollout's wait restarts the dead one, which owes nothing
+            sup.deliver(dealt[1], Idle(role="rollout", rank=int(dealt[1][-1]), policy_version=0))
+            await coord.finish_step(timeout_s=5)  # no wait for an Idle the restarted one never sends
+            assert sup.restarted == [dealt[0]]
+
+    run(main())
