@@ -131,8 +131,9 @@ def packaged_config(name: str) -> Path:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    import msgspec
+
     from slipstream.cli import train
-    from slipstream.runtime import config as run_config
 
     overrides = list(args.overrides)
     config_path = args.config
@@ -144,7 +145,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         resolved = run_dir / "config.json"
         if not resolved.is_file():
             raise ValueError(f"--resume {run_dir}: not a training run directory (no config.json)")
-        cfg = run_config.convert(json.loads(resolved.read_text()), train.TrainConfig, where=str(resolved))
+        # The run's own config, then this command line's overrides (`--resume RUN steps=20`), recorded in it.
+        cfg = train.load_config(resolved, overrides)
+        if overrides:
+            resolved.write_text(json.dumps(msgspec.to_builtins(cfg)))
+            with (run_dir / "overrides.log").open("a") as log_file:
+                log_file.write(json.dumps({"resumed_at": time.time(), "overrides": overrides}) + "\n")
     else:
         cfg = train.load_config(config_path or packaged_config("demo.yaml"), overrides)
         run_dir = args.run_dir or Path(f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")

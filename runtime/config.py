@@ -9,6 +9,7 @@ before any process is spawned. Never pass raw dicts around past this module.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, TypeVar
@@ -86,7 +87,10 @@ def read_yaml(path: Path | str) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        # A run's config.json is read as JSON: YAML 1.1 would read its 1e-06 as a string.
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
     if data is None:

@@ -42,6 +42,13 @@ def test_config_yaml_and_overrides(tmp_path: Path) -> None:
     assert cfg == Run(name="b", learner=Learner(lr=0.5, steps=7))
 
 
+def test_a_runs_config_json_takes_overrides_and_keeps_its_numbers(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(msgspec.json.encode(Run(learner=Learner(lr=1e-06))).decode())  # JSON writes 1e-06
+    cfg = load(path, Run, ["learner.steps=20"])  # what `train --resume RUN steps=20` does
+    assert cfg == Run(learner=Learner(lr=1e-06, steps=20))
+
+
 @pytest.mark.parametrize(
     ("yaml_text", "overrides", "message"),
     [
