@@ -45,7 +45,8 @@ from slipstream.runtime.placement import place
 from slipstream.runtime.progress import ProgressFactory, silent
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
 from slipstream.runtime.transport import actor_name
-from slipstream.tasks.datasets import Row, chat_prompt_ids, reasoning_gym_rows
+from slipstream.tasks.datasets import DEFAULT_DATASET_SIZE, Row, chat_prompt_ids, load_rows
+from slipstream.tasks.stream import DataStream
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 GROUP_BITS = 20  # a group's sampling seed is (run seed << 20) | group id
@@ -101,6 +102,9 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     model: str = "smollm2-135m"  # model directory or registry name
     task: str = "chain_sum"  # reasoning-gym task name, or a JSONL file of {question, answer}
     task_options: dict[str, Any] = {}  # the reasoning-gym task's own options (difficulty)
+    # Rows per epoch of a reasoning-gym task (generated as read); a file's epoch is its rows. Epochs are
+    # shuffled by the seed; the cursor is checkpointed, so a resume neither skips nor replays a prompt.
+    dataset_size: Positive = DEFAULT_DATASET_SIZE
     reward: str = ""  # "pkg.mod:fn"; "" = the task's scorer (reasoning-gym) or math-verify (JSONL)
     system_prompt: str = ""  # a system turn before every question ("" = none)
     steps: Positive = 8
@@ -155,28 +159,23 @@ def load_config(path: Path | str | None, overrides: list[str] | tuple[str, ...] 
     return run_config.load(path, TrainConfig, overrides)
 
 
-def dataset(cfg: TrainConfig, count: int) -> list[Row]:
-    """The first `count` rows of the run's data, in order (the data cursor is a row index)."""
-    if cfg.task.endswith(".jsonl"):
-        rows = []
-        for n, line in enumerate(Path(cfg.task).read_text().splitlines(), 1):
-            if line.strip():
-                item = json.loads(line)
-                if "question" not in item or "answer" not in item:
-                    raise ValueError(f"{cfg.task}:{n}: a row needs 'question' and 'answer'")
-                rows.append(
-                    Row(question=item["question"], answer=item["answer"], metadata=item.get("metadata", {}))
-                )
-        if len(rows) < count:
-            raise ValueError(f"task: {cfg.task} holds {len(rows)} rows, the run needs {count}")
-        return rows[:count]
-    return reasoning_gym_rows(cfg.task, count, cfg.seed, **cfg.task_options)
+def data_stream(cfg: TrainConfig, state: dict[str, Any], log: Any = None) -> DataStream:
+    """The run's prompts as a stream of epochs, at the cursor `state` saved (or at the start)."""
+    source, report = load_rows(cfg.task, seed=cfg.seed, size=cfg.dataset_size, options=cfg.task_options)
+    if report is not None and log is not None:
+        log.info("data", summary=report.summary(), rows=len(source), skipped=len(report.skipped))
+    if "data" in state:
+        return DataStream.from_state(source, cfg.seed, state["data"])
+    stream = DataStream(source, cfg.seed)
+    # A checkpoint from before the cursor was saved: the steps done read the rows in order.
+    stream.seek(*divmod(int(state.get("step", 0)) * cfg.prompts_per_step, stream.size))
+    return stream
 
 
 def default_reward(cfg: TrainConfig) -> str:
     if cfg.reward:
         return cfg.reward
-    name = "math_verify" if cfg.task.endswith(".jsonl") else "reasoning_gym"
+    name = "math_verify" if cfg.task.endswith((".jsonl", ".parquet")) else "reasoning_gym"
     return f"slipstream.tasks.rewards:{name}"
 
 
@@ -308,9 +307,8 @@ async def train(
     if state["checkpoint"]:
         state["checkpoint"] = str(run_dir / state["checkpoint"])  # relative (an absolute one stays as it is)
     start = int(state["step"])
-    rows = dataset(cfg, cfg.steps * cfg.prompts_per_step)
+    stream = data_stream(cfg, state, log)
     system = cfg.system_prompt or None
-    prompts = [chat_prompt_ids(tokenizer, row.question, system=system) for row in rows]
     sampling = SamplingSpec(
         temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_tokens,
         stop_token_ids=sorted(tokenizer.stop_ids),
@@ -343,6 +341,12 @@ async def train(
                 coord.policy_version = start
             for step in range(start, cfg.steps):
                 chunk = range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step)
+                # Group ids stay global (their sampling seeds too); the rows come from the stream.
+                rows = dict(zip(chunk, stream.take(cfg.prompts_per_step), strict=True))
+                data_cursor = stream.state()
+                prompts = {
+                    g: chat_prompt_ids(tokenizer, row.question, system=system) for g, row in rows.items()
+                }
                 with progress(f"step {step + 1}/{cfg.steps}", len(chunk) * cfg.group_size) as bar:
                     record, groups_out = await _step(
                         coord, cfg, step, version, chunk, rows, prompts, tokenizer, sampling, bar.advance
@@ -391,7 +395,12 @@ async def train(
                 if checkpoint:
                     # Relative to the run directory: a run moved or resumed from elsewhere still finds it.
                     _write_state(
-                        run_dir, {"step": step + 1, "checkpoint": f"checkpoints/step-{step + 1}/learner.pt"}
+                        run_dir,
+                        {
+                            "step": step + 1,
+                            "checkpoint": f"checkpoints/step-{step + 1}/learner.pt",
+                            "data": data_cursor,  # the rows after this step's: where a resume reads on
+                        },
                     )
                     _prune_checkpoints(run_dir, cfg.keep_checkpoints)
                     last_checkpoint = time.monotonic()
@@ -421,8 +430,8 @@ async def _step(
     step: int,
     version: int,
     chunk: range,
-    rows: list[Row],
-    prompts: list[list[int]],
+    rows: dict[int, Row],
+    prompts: dict[int, list[int]],
     tokenizer: Tokenizer,
     sampling: SamplingSpec,
     advance: Any,

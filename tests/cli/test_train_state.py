@@ -65,3 +65,17 @@ def test_a_reward_that_fails_on_every_sample_ends_the_run_naming_the_fix(
         uvloop.run(train.train(cfg, tmp_path / "run"))
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["invalid"] for x in lines] == [12, 12]  # both steps recorded, every sample invalid
+
+
+def test_a_short_jsonl_is_read_in_epochs_and_resumed_at_its_cursor(tmp_path: Path) -> None:
+    data = tmp_path / "data.jsonl"
+    rows = [{"question": f"q{i}", "answer": str(i)} for i in range(3)]
+    data.write_text("\n".join([json.dumps(rows[0]), "{not json", *map(json.dumps, rows[1:])]))
+    cfg = msgspec.convert({"task": str(data), "steps": 4, "prompts_per_step": 2}, train.TrainConfig)
+    stream = train.data_stream(cfg, {})
+    read = [r.question for _ in range(2) for r in stream.take(cfg.prompts_per_step)]
+    cursor = stream.state()
+    rest = [r.question for _ in range(2) for r in stream.take(cfg.prompts_per_step)]
+    assert sorted(read[:3]) == ["q0", "q1", "q2"]  # an epoch is every usable row once (the bad line skipped)
+    resumed = train.data_stream(cfg, {"step": 2, "data": json.loads(json.dumps(cursor))})
+    assert [r.question for _ in range(2) for r in resumed.take(cfg.prompts_per_step)] == rest
