@@ -236,6 +236,11 @@ class RolloutActor(Actor):
 
     @handler
     def on_weights(self, msg: WeightUpdate, sender: str) -> None:
+        if msg.version == self.policy_version:
+            # The version it holds, again: after a restart both the push in flight when it died (queued by
+            # the learner's socket) and the coordinator's re-push arrive. It applied and acked one already.
+            self.log.info("weights_duplicate", version=msg.version, bucket=msg.bucket)
+            return
         error = self._check_weights(msg)
         if error is not None:
             self.log.error("weights_refused", version=msg.version, bucket=msg.bucket, error=error)

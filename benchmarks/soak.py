@@ -3,11 +3,9 @@
     slipstream bench soak --steps 30 --json              # a tiny random model, a kill every ~3 s
     slipstream bench soak --model smollm2-135m --kill-every 5 --kills 10 --seed 1 --json
 
-A seeded RNG picks each victim among the rollout, verifier and drafter actors (the learner's restart and
-replay are not built: its ranks are never killed, and the JSON says so); a thread SIGKILLs it about every
-`kill_every_s` seconds, by the pid its log's "ready" event names, if that pid is a child of this process.
-Non-obvious choices: a rollout is killed only while it decodes, early in its step (the coordinator
-recovers a rollout that owes samples; one killed once idle or during the weight sync ends the run); no
+A seeded RNG picks each victim among the rollout, verifier, drafter and learner actors; a thread SIGKILLs
+it about every `kill_every_s` seconds, by the pid its log's "ready" event names, if that pid is a child of
+this process. Non-obvious choices: no
 actor is killed more often than `faults.max_restarts`; kills stop when the last step begins, so every
 kill is recovered within the run. Then the same config runs without kills, and the samples are compared
 per (step, group, sample): reproducible mode makes them identical. The default model is a tiny random
@@ -39,13 +37,13 @@ __all__ = ["OVERRIDES", "Kill", "RunOutcome", "SoakPlan", "SoakResult", "render"
 
 Key = tuple[int, int, int]  # (step, group, sample)
 TrainFn = Callable[[Path], dict[str, Any]]  # run directory -> the run's summary; the loop runs in-process
-VICTIMS = ("rollout", "verifier", "drafter")
-NOT_KILLED = {"learner": "restart and replay not built"}
+VICTIMS = ("rollout", "verifier", "drafter", "learner")
+NOT_KILLED: dict[str, str] = {}
 WINDOWS = {
-    "rollout": "while it decodes, in its first max_tokens // 2 iterations of a step: a rollout killed once "
-    "idle (the step then times out waiting for its Idle) or during the weight sync ends the run",
+    "rollout": "any time",
     "verifier": "any time",
     "drafter": "any time",
+    "learner": "any time (it restarts from its newest checkpoint and replays the steps after it)",
     "last step": "no kills (one there could go unrecovered)",
 }
 # Applied over the config before the command line's own overrides: a small fast run, and a restart budget
@@ -68,7 +66,7 @@ class SoakPlan(msgspec.Struct, frozen=True, kw_only=True):
     steps: int
     prompts_per_step: int
     group_size: int
-    max_tokens: int  # a rollout is killed within its first max_tokens // 2 decode iterations of a step
+    max_tokens: int  # new tokens per response at most (the workload's size)
     max_restarts: int  # faults.max_restarts: no actor is killed more often
     kill_every_s: float = 3.0  # mean seconds between kills (uniform in [0.5, 1.5] of it)
     kills: int = 0  # the most kills (0 = as many as the run and the budget allow)
@@ -253,24 +251,16 @@ class _Actor:
     name: str
     tail: _Tail
     pid: int | None = None  # the newest process's, from its "ready" event
-    iterations: int = 0  # decode iterations since it was last ready or idle (rollouts)
     killed: set[int] = field(default_factory=set)
 
     def update(self) -> None:
         for event in self.tail.new():
             if event.get("event") == "ready":
-                self.pid, self.iterations = int(event["pid"]), 0
-            elif event.get("event") == "idle":
-                self.iterations = 0
-            elif event.get("event") == "tuner_decision":
-                self.iterations += 1
+                self.pid = int(event["pid"])
 
     def live_pid(self, plan: SoakPlan) -> int | None:
-        """Its pid if it is up, a child of this process (no other process is ever killed), and, for a
-        rollout, decoding early in its step."""
+        """Its pid if it is up and a child of this process (no other process is ever killed)."""
         if self.pid is None or self.pid in self.killed or _parent(self.pid) != os.getpid():
-            return None
-        if self.name.startswith("rollout:") and not 1 <= self.iterations <= max(plan.max_tokens // 2, 1):
             return None
         return self.pid
 

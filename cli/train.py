@@ -341,6 +341,7 @@ async def train(
                 coord.policy_version = start
             for step in range(start, cfg.steps):
                 chunk = range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step)
+                restarts_before = len(coord.restarted)
                 # Group ids stay global (their sampling seeds too); the rows come from the stream.
                 rows = dict(zip(chunk, stream.take(cfg.prompts_per_step), strict=True))
                 data_cursor = stream.state()
@@ -356,7 +357,6 @@ async def train(
                     if _checkpoint_due(cfg, step, time.monotonic() - last_checkpoint):
                         checkpoint = str(run_dir / "checkpoints" / f"step-{step + 1}" / "learner.pt")
                     # The line where weights are pushed: the learner trains, then sends every rollout v + 1.
-                    restarted: list[str] = []
                     while True:
                         try:
                             stats = await coord.train(
@@ -375,8 +375,13 @@ async def train(
                                 raise
                             # The learner restarts from its newest checkpoint and replays the steps after
                             # it from their recorded samples; then this step trains again.
-                            await _recover_learner(coord, cfg, run_dir, specs, step)
-                            restarted += learners
+                            while True:  # it may die again while it replays: restart again (within budget)
+                                try:
+                                    await _recover_learner(coord, cfg, run_dir, specs, step)
+                                    break
+                                except ActorDiedError:
+                                    if not any(n in coord.dead for n in learners):
+                                        raise
                     version += 1
                     sync_s = time.monotonic() - learned - learn_s
                     lead = stats[0]
@@ -389,7 +394,7 @@ async def train(
                         grad_norm=lead.grad_norm,
                         mismatch_logp_abs_max=lead.metrics.get("mismatch_logp_abs_max", 0.0),
                         policy_version=version,
-                        restarts=[*record.restarts, *restarted],
+                        restarts=coord.restarted[restarts_before:],
                     )
                 _write_samples(run_dir / "samples" / f"step-{step}.jsonl", groups_out, tokenizer)
                 if checkpoint:
@@ -519,7 +524,6 @@ async def _step(
         loss=0.0,
         grad_norm=0.0,
         reward_errors=errors,
-        restarts=list(metrics.restarts),
         requeued=metrics.requeued,
         duplicates=metrics.duplicates,
         mismatch_logp_abs_max=0.0,

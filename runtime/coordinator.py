@@ -72,7 +72,6 @@ class StepMetrics:
     reclaimed_s: float = 0.0
     preempt_ms: list[float] = field(default_factory=list)
     finish_reasons: dict[str, int] = field(default_factory=dict)
-    restarts: list[str] = field(default_factory=list)  # actors restarted during the step (once each time)
     requeued: int = 0  # samples and score requests dealt again after their actor died
     duplicates: int = 0  # completions and rewards dropped: their (group, sample) had come back already
 
@@ -116,6 +115,7 @@ class Coordinator:
         # off, a death ends the wait that sees it (ActorDiedError).
         self.restart = restart
         self.policy_version = policy_version  # the version every rollout holds (what a restarted one needs)
+        self.restarted: list[str] = []  # every restart of the run, in order (a step reports its slice)
         self._completions: asyncio.Queue[tuple[str, Completion]] = asyncio.Queue()
         self._rewards: asyncio.Queue[tuple[str, Reward]] = asyncio.Queue()
         self._scores = Ledger()  # score requests: which verifier holds which (group, sample)
@@ -310,7 +310,7 @@ class Coordinator:
         except Exception as exc:  # the budget is spent, or the restart failed its own start-up
             raise ActorDiedError(f"{name} died ({reason}) and was not restarted: {exc}") from exc
         del self.dead[name]
-        self._metrics.restarts.append(name)
+        self.restarted.append(name)
 
     async def finish_step(self, timeout_s: float = 60.0) -> StepMetrics:
         """After `rollout`: waits until every lease is released and every rollout has reported Idle, then
@@ -328,7 +328,12 @@ class Coordinator:
             # is void. Drafters change speed, never samples: the step goes on meanwhile.
             for drafter in [d for d in table.drafter_of.values() if d in self.dead]:
                 await self._recover_drafter(drafter)
-            self._raise_if_dead(self.rollouts, "leases released")
+            for rollout in [r for r in self.rollouts if r in self.dead]:
+                # Its share was in (the rollout is over): back up with the current weights, and idle.
+                await self._restart(rollout, "leases released")
+                if self.policy_version > 0:
+                    await self.push_weights(self.policy_version, to=[rollout])
+                self._on_idle(rollout, ended)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no leases released within {timeout_s:.0f} s")
@@ -380,12 +385,12 @@ class Coordinator:
         self._emit("restarting_learners", reasons=reasons, level="warning")
         try:
             await asyncio.gather(*(self.sup.restart(n, config=configs[n]) for n in self.learners))
-        except Exception as exc:
-            raise ActorDiedError(f"learner ranks died ({reasons}) and were not restarted: {exc}") from exc
+        except Exception as exc:  # final: not an ActorDiedError, which a caller would answer with a restart
+            raise RuntimeError(f"learner ranks died ({reasons}) and were not restarted: {exc}") from exc
         for name in self.learners:
             del self.dead[name]
         self._stats.clear()  # stats of the step in flight died with the ranks
-        self._metrics.restarts.extend(self.learners)
+        self.restarted.extend(self.learners)
 
     async def score(self, request: ScoreRequest) -> None:
         """Sends one completion to the verifier with the fewest outstanding requests; its `Reward` comes

@@ -1,5 +1,5 @@
-"""`bench soak` end to end through the CLI: a 3-step tiny-model run with two real SIGKILLs (seed 0 picks
-rollout:1, then verifier:0), beside the same run without; nothing lost, every kill restarted, the same
+"""`bench soak` end to end through the CLI: a 3-step tiny-model run with two real SIGKILLs (seeded victims
+among rollouts, verifiers, drafters and the learner), beside the same run without; nothing lost, every kill restarted, the same
 samples, and the JSON it prints round-trips through `SoakResult`.
 """
 
@@ -25,12 +25,10 @@ def test_a_short_soak_loses_nothing_and_matches_the_run_without_kills(
     result = msgspec.json.decode(out, type=SoakResult)
     assert msgspec.json.decode(msgspec.json.encode(result)) == json.loads(out)
 
-    assert [k.actor for k in result.kill_log] == ["rollout:1", "verifier:0"], result.kill_log
-    assert result.kills == {"rollout": 1, "verifier": 1}
+    assert len(result.kill_log) == 2 and sum(result.kills.values()) == 2, result.kill_log
     assert result.restarts == result.kills  # every kill restarted, within the run
-    assert result.requeued > 0  # the rollout was killed while it decoded: it owed samples
-    assert result.not_killed == {"learner": "restart and replay not built"}
-    assert set(result.kill_windows) >= {"rollout", "verifier", "drafter"}
+    assert result.not_killed == {}
+    assert set(result.kill_windows) >= {"rollout", "verifier", "drafter", "learner"}
     for run in (result.soak, result.clean):
         assert run.error == "" and run.steps_completed == 3
         assert run.recorded == run.expected == 3 * 3 * 4 and run.lost == 0

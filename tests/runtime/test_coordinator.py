@@ -253,7 +253,7 @@ def test_a_dead_rollout_is_restarted_given_the_weights_and_dealt_what_it_owed() 
                 (1, 1),
                 (1, 2),
             ]
-            assert coord._metrics.restarts == [victim] and coord._metrics.requeued == 2
+            assert coord.restarted == [victim] and coord._metrics.requeued == 2
 
     run(main())
 
