@@ -9,7 +9,9 @@ One step: deal the step's prompts to the rollout actors → stream each completi
 it arrives (rewards overlap the tail), while idle rollout devices are leased to drafter training → preempt
 when the last completion is in → build GRPO groups → one learner step → the learner pushes the weights and
 every rollout acknowledges the new version. Each step's record goes to metrics.jsonl, the run's to
-summary.json. Configuration: `TrainConfig` (every field documented where it is declared).
+summary.json. A dead actor is restarted and its work dealt again (the coordinator); a dead learner
+restarts from its newest checkpoint and replays the steps after it from their samples files (here).
+Configuration: `TrainConfig` (every field documented where it is declared).
 """
 
 from __future__ import annotations
