@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -31,6 +30,8 @@ from slipstream.actors.drafter import DrafterActor
 from slipstream.actors.learner import LearnerActor
 from slipstream.actors.rollout import RolloutActor
 from slipstream.actors.verifier import VerifierActor
+from slipstream.cli import run_dir as run_dir_files
+from slipstream.cli.run_dir import StepRecord
 from slipstream.engine import hub
 from slipstream.engine.device import require_device
 from slipstream.engine.grpo import LossConfig
@@ -128,35 +129,6 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     faults: FaultsSection = FaultsSection()
 
 
-class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """One line of metrics.jsonl."""
-
-    step: int
-    reward_mean: float  # over valid samples
-    correct_share: float  # valid samples with reward >= 1
-    nonzero_adv_share: float  # groups whose rewards differ (they carry the gradient)
-    invalid: int  # samples whose reward failed (masked out)
-    tokens: int
-    mean_response_tokens: float
-    step_s: float
-    rollout_s: float
-    reward_s: float  # from the last completion to the last reward
-    learn_s: float
-    sync_s: float  # weight push until every rollout acknowledged
-    accept_length: float
-    arms: dict[str, int]
-    idle_device_s: float
-    reclaimed_s: float
-    loss: float
-    grad_norm: float
-    mismatch_logp_abs_max: float
-    policy_version: int
-    reward_errors: dict[str, int] = {}  # why rewards failed: error → samples
-    restarts: list[str] = []  # actors restarted during the step
-    requeued: int = 0  # samples and score requests dealt again after their actor died
-    duplicates: int = 0  # results dropped because their (group, sample) had come back already
-
-
 def load_config(path: Path | str | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     return run_config.load(path, TrainConfig, overrides)
 
@@ -172,6 +144,11 @@ def data_stream(cfg: TrainConfig, state: dict[str, Any], log: Any = None) -> Dat
     # A checkpoint from before the cursor was saved: the steps done read the rows in order.
     stream.seek(*divmod(int(state.get("step", 0)) * cfg.prompts_per_step, stream.size))
     return stream
+
+
+def sampling_of(cfg: TrainConfig) -> dict[str, Any]:
+    """How the run samples, as a ScoredGroup states it."""
+    return {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
 
 
 def default_reward(cfg: TrainConfig) -> str:
@@ -305,7 +282,7 @@ async def train(
     (run_dir / "learner-rendezvous").unlink(missing_ok=True)
     model_dir = hub.resolve(cfg.model)
     tokenizer = Tokenizer.from_dir(model_dir)
-    state = _read_state(run_dir) if resume else {"step": 0, "checkpoint": ""}
+    state = run_dir_files.read_state(run_dir) if resume else {"step": 0, "checkpoint": ""}
     if state["checkpoint"]:
         state["checkpoint"] = str(run_dir / state["checkpoint"])  # relative (an absolute one stays as it is)
     start = int(state["step"])
@@ -322,8 +299,8 @@ async def train(
     )
     # A resumed run keeps the steps before its checkpoint and drops those after it (they are done again):
     # metrics.jsonl and the summary then hold every step once.
-    records = _read_records(run_dir / "metrics.jsonl", before=start) if resume else []
-    _write_records(run_dir / "metrics.jsonl", records)
+    records = run_dir_files.read_records(run_dir / "metrics.jsonl", before=start) if resume else []
+    run_dir_files.write_records(run_dir / "metrics.jsonl", records)
     metrics_file = (run_dir / "metrics.jsonl").open("a")
     last_checkpoint, invalid_steps = time.monotonic(), 0
     try:
@@ -398,10 +375,10 @@ async def train(
                         policy_version=version,
                         restarts=coord.restarted[restarts_before:],
                     )
-                _write_samples(run_dir / "samples" / f"step-{step}.jsonl", groups_out, tokenizer)
+                run_dir_files.write_samples(run_dir / "samples" / f"step-{step}.jsonl", groups_out, tokenizer)
                 if checkpoint:
                     # Relative to the run directory: a run moved or resumed from elsewhere still finds it.
-                    _write_state(
+                    run_dir_files.write_state(
                         run_dir,
                         {
                             "step": step + 1,
@@ -409,7 +386,7 @@ async def train(
                             "data": data_cursor,  # the rows after this step's: where a resume reads on
                         },
                     )
-                    _prune_checkpoints(run_dir, cfg.keep_checkpoints)
+                    run_dir_files.prune_checkpoints(run_dir, cfg.keep_checkpoints)
                     last_checkpoint = time.monotonic()
                 records.append(record)
                 metrics_file.write(msgspec.json.encode(record).decode() + "\n")
@@ -570,30 +547,13 @@ def render(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _write_samples(path: Path, groups: list[ScoredGroup], tokenizer: Tokenizer) -> None:
-    """Every response of the step with its reward, for reading what the policy does and replaying the
-    learner on it (`bench e2e`), as JSON lines."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as out:
-        for group in groups:
-            prompt = group.prompt_ids.tolist()
-            for i, (ids, reward) in enumerate(zip(group.response_ids, group.rewards, strict=True)):
-                tokens = ids.tolist()
-                out.write(json.dumps({
-                    "group_id": group.group_id, "sample_index": i, "reward": reward,
-                    "text": tokenizer.decode(tokens), "token_ids": tokens, "prompt_ids": prompt,
-                    # The behaviour log-probs: what a replay of this step by a restarted learner needs.
-                    "logprobs": group.behaviour_logprobs[i].tolist(),
-                }) + "\n")  # fmt: skip
-
-
 async def _recover_learner(
     coord: Coordinator, cfg: TrainConfig, run_dir: Path, specs: list[ActorSpec], step: int
 ) -> None:
     """Restarts the learner ranks from the newest checkpoint and trains again, without new rollouts, every
     step between it and `step` from samples/step-N.jsonl (tokens, behaviour log-probs, rewards): the
     learner then holds what the rollouts hold."""
-    state = _read_state(run_dir) if (run_dir / "checkpoints" / "state.json").is_file() else {}
+    state = run_dir_files.read_state(run_dir) if (run_dir / "checkpoints" / "state.json").is_file() else {}
     done, checkpoint = int(state.get("step", 0)), str(state.get("checkpoint", ""))
     path = str(run_dir / checkpoint) if checkpoint else ""
     if not path:  # no checkpoint yet: the policy the run started from
@@ -607,33 +567,9 @@ async def _recover_learner(
     configs = {name: msgspec.structs.replace(spec.config, resume_from=path) for name, spec in names.items()}
     await coord.restart_learners(configs)
     for replayed in range(done, step):
-        await coord.train(replayed, _recorded_groups(run_dir, replayed, cfg), version=replayed + 1)
-
-
-def _recorded_groups(run_dir: Path, step: int, cfg: TrainConfig) -> list[ScoredGroup]:
-    """A finished step's groups as the learner got them, read back from samples/step-N.jsonl."""
-    by_group: dict[int, list[dict[str, Any]]] = {}
-    for line in (run_dir / "samples" / f"step-{step}.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        by_group.setdefault(row["group_id"], []).append(row)
-    groups = []
-    for group_id, rows in sorted(by_group.items()):
-        rows.sort(key=lambda r: r["sample_index"])
-        groups.append(
-            ScoredGroup(
-                step=step,
-                group_id=group_id,
-                prompt_ids=torch.tensor(rows[0]["prompt_ids"], dtype=torch.int64),
-                response_ids=[torch.tensor(r["token_ids"], dtype=torch.int64) for r in rows],
-                behaviour_logprobs=[torch.tensor(r["logprobs"], dtype=torch.float32) for r in rows],
-                rewards=[r["reward"] for r in rows],
-                temperature=cfg.temperature,
-                top_p=cfg.top_p,
-                top_k=cfg.top_k,
-                policy_version=step,
-            )
+        await coord.train(
+            replayed, run_dir_files.recorded_groups(run_dir, replayed, sampling_of(cfg)), version=replayed + 1
         )
-    return groups
 
 
 def _checkpoint_due(cfg: TrainConfig, step: int, since_last_s: float) -> bool:
@@ -642,38 +578,6 @@ def _checkpoint_due(cfg: TrainConfig, step: int, since_last_s: float) -> bool:
     by_steps = cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0
     by_time = cfg.checkpoint_minutes > 0 and since_last_s >= cfg.checkpoint_minutes * 60
     return by_steps or by_time or step + 1 == cfg.steps
-
-
-def _prune_checkpoints(run_dir: Path, keep: int) -> None:
-    """Deletes all but the newest `keep` checkpoints/step-N directories (state.json names the newest)."""
-    steps = sorted(
-        (int(p.name.removeprefix("step-")), p)
-        for p in (run_dir / "checkpoints").glob("step-*")
-        if p.is_dir() and p.name.removeprefix("step-").isdigit()
-    )
-    for _, path in steps[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _read_records(path: Path, *, before: int) -> list[StepRecord]:
-    """The metrics of steps before `before`, once each (a crashed run may have written a step twice)."""
-    if not path.is_file():
-        return []
-    by_step: dict[int, StepRecord] = {}
-    for line in path.read_text().splitlines():
-        try:
-            record = msgspec.json.decode(line, type=StepRecord)
-        except msgspec.DecodeError:  # a line cut short by the crash
-            continue
-        if record.step < before:
-            by_step[record.step] = record
-    return [by_step[k] for k in sorted(by_step)]
-
-
-def _write_records(path: Path, records: list[StepRecord]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(msgspec.json.encode(r).decode() + "\n" for r in records))
-    os.replace(tmp, path)
 
 
 def _explain(errors: dict[str, int]) -> str:
@@ -688,21 +592,6 @@ def _explain(errors: dict[str, int]) -> str:
             "(question, answer, metadata): accept **kwargs (e.g. def reward(prompt, completion, answer, **_))"
         )
     return text
-
-
-def _read_state(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / "checkpoints" / "state.json"
-    if not path.is_file():
-        raise ValueError(f"--resume {run_dir}: no checkpoint in this run directory ({path} is missing)")
-    return json.loads(path.read_text())
-
-
-def _write_state(run_dir: Path, state: dict[str, Any]) -> None:
-    path = run_dir / "checkpoints" / "state.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state))
-    os.replace(tmp, path)  # atomic, written after the learner's checkpoint it names
 
 
 __all__ = ["StepRecord", "TrainConfig", "actor_specs", "load_config", "render", "train"]

@@ -284,10 +284,9 @@ class Coordinator:
 
     async def _recover_rollout(self, name: str, ledger: Ledger, requests: dict[int, GenerateRequest]) -> None:
         """Restarts dead rollout `name`, gives it the current weights, and deals it what it owed."""
-        await self._restart(name, "a completion")
+        # A fresh process holds the checkpoint's weights (version 0): it gets the current ones first.
+        await self._revive_rollout(name, "a completion", self.policy_version)
         self.leases.idle_at.pop(name, None)
-        if self.policy_version > 0:  # a fresh process holds the checkpoint's weights: version 0
-            await self.push_weights(self.policy_version, to=[name])
         owed: dict[int, list[int]] = defaultdict(list)
         for group, sample in ledger.held_by(name):
             owed[group].append(sample)
@@ -307,10 +306,23 @@ class Coordinator:
         self._emit("restarting", actor=name, reason=reason, level="warning")
         try:
             await self.sup.restart(name)
-        except Exception as exc:  # the budget is spent, or the restart failed its own start-up
-            raise ActorDiedError(f"{name} died ({reason}) and was not restarted: {exc}") from exc
+        except Exception as exc:  # the budget is spent, or the restart failed: final, not another death
+            raise RuntimeError(f"{name} died ({reason}) and was not restarted: {exc}") from exc
         del self.dead[name]
         self.restarted.append(name)
+
+    async def _revive_rollout(self, name: str, what: str, version: int) -> None:
+        """Restarts dead rollout `name` and hands it weights `version` (none for 0, what it loads); again if
+        it dies meanwhile (the supervisor's budget bounds the tries)."""
+        while True:
+            try:
+                await self._restart(name, what)
+                if version > 0:
+                    await self.push_weights(version, to=[name])
+                return
+            except ActorDiedError:
+                if not (self.restart and name in self.dead):
+                    raise
 
     async def finish_step(self, timeout_s: float = 60.0) -> StepMetrics:
         """After `rollout`: waits until every lease is released and every rollout has reported Idle, then
@@ -330,9 +342,7 @@ class Coordinator:
                 await self._recover_drafter(drafter)
             for rollout in [r for r in self.rollouts if r in self.dead]:
                 # Its share was in (the rollout is over): back up with the current weights, and idle.
-                await self._restart(rollout, "leases released")
-                if self.policy_version > 0:
-                    await self.push_weights(self.policy_version, to=[rollout])
+                await self._revive_rollout(rollout, "leases released", self.policy_version)
                 self._on_idle(rollout, ended)
             left = deadline - time.monotonic()
             if left <= 0:
@@ -364,8 +374,11 @@ class Coordinator:
         if version > 0 and self.learners:  # the restarted process loaded the step-0 head
             await self.sup.send(self.learners[0], PushWeights(version=version, to=[], head_to=[drafter]))
             answers = self._head_acks[version]
+            # A learner that dies meanwhile is the train loop's to restart; the head then comes with the next push.
             await self._until(
-                lambda: drafter in answers or drafter in self.dead, self.learners[:1], f"head v{version}"
+                lambda: drafter in answers or drafter in self.dead or self.learners[0] in self.dead,
+                [],
+                f"head v{version}",
             )
             answers.pop(drafter, None)
 
@@ -499,8 +512,7 @@ class Coordinator:
                 if not dead or not self.restart:
                     raise
                 for name in dead:
-                    await self._restart(name, f"acks of weights v{version}")
-                    await self.push_weights(version, to=[name])  # waits for its ack
+                    await self._revive_rollout(name, f"acks of weights v{version}", version)  # acked
                     pending.remove(name)
         self.policy_version = version
         answers = self._head_acks[version]

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import uvloop
 
-from slipstream.cli import train
+from slipstream.cli import run_dir, train
 from tests.cli.conftest import config
 
 pytestmark = pytest.mark.timeout(300)
@@ -34,14 +34,14 @@ def test_checkpoints_are_due_by_steps_by_time_and_at_the_end() -> None:
 def test_only_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:
     for step in (2, 4, 10, 6):
         (tmp_path / "checkpoints" / f"step-{step}").mkdir(parents=True)
-    train._prune_checkpoints(tmp_path, keep=2)
+    run_dir.prune_checkpoints(tmp_path, keep=2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-10", "step-6"]
 
 
 def test_a_resumed_run_keeps_each_earlier_step_once(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     fields = {
-        f: 0 for f in train.StepRecord.__struct_fields__ if f not in ("arms", "restarts", "reward_errors")
+        f: 0 for f in run_dir.StepRecord.__struct_fields__ if f not in ("arms", "restarts", "reward_errors")
     }
 
     def line(step: int, reward: float) -> str:
@@ -49,9 +49,9 @@ def test_a_resumed_run_keeps_each_earlier_step_once(tmp_path: Path) -> None:
 
     # Steps 0-2 ran, the run crashed during step 3 (a cut line), and step 1 had been written twice.
     path.write_text("\n".join([line(0, 0.1), line(1, 0.2), line(1, 0.3), line(2, 0.4), '{"step": 3, "rew']))
-    records = train._read_records(path, before=2)  # resumed from the checkpoint after step 1
+    records = run_dir.read_records(path, before=2)  # resumed from the checkpoint after step 1
     assert [(r.step, r.reward_mean) for r in records] == [(0, 0.1), (1, 0.3)]
-    train._write_records(path, records)
+    run_dir.write_records(path, records)
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [0, 1]
 
 

@@ -1,0 +1,149 @@
+"""The run directory's files: metrics records, samples files, checkpoints and the resume state.
+
+`slipstream train` writes and reads them through these functions (layout: docs/training.md). What a resume
+or a restarted learner needs is here: state.json names the newest checkpoint relative to the directory and
+the data cursor; samples/step-N.jsonl holds every response with its behaviour log-probs, so a learner can
+replay a step without rolling it out again; metrics.jsonl holds each step's record once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from slipstream.engine.tokenizer import Tokenizer
+from slipstream.protocols.learner import ScoredGroup
+
+__all__ = [
+    "StepRecord",
+    "prune_checkpoints",
+    "read_records",
+    "read_state",
+    "recorded_groups",
+    "write_records",
+    "write_samples",
+    "write_state",
+]
+
+
+class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One line of metrics.jsonl."""
+
+    step: int
+    reward_mean: float  # over valid samples
+    correct_share: float  # valid samples with reward >= 1
+    nonzero_adv_share: float  # groups whose rewards differ (they carry the gradient)
+    invalid: int  # samples whose reward failed (masked out)
+    tokens: int
+    mean_response_tokens: float
+    step_s: float
+    rollout_s: float
+    reward_s: float  # from the last completion to the last reward
+    learn_s: float
+    sync_s: float  # weight push until every rollout acknowledged
+    accept_length: float
+    arms: dict[str, int]
+    idle_device_s: float
+    reclaimed_s: float
+    loss: float
+    grad_norm: float
+    mismatch_logp_abs_max: float
+    policy_version: int
+    reward_errors: dict[str, int] = {}  # why rewards failed: error → samples
+    restarts: list[str] = []  # actors restarted during the step
+    requeued: int = 0  # samples and score requests dealt again after their actor died
+    duplicates: int = 0  # results dropped because their (group, sample) had come back already
+
+
+def write_samples(path: Path, groups: list[ScoredGroup], tokenizer: Tokenizer) -> None:
+    """Every response of the step with its reward, for reading what the policy does and replaying the
+    learner on it (`bench e2e`), as JSON lines."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as out:
+        for group in groups:
+            prompt = group.prompt_ids.tolist()
+            for i, (ids, reward) in enumerate(zip(group.response_ids, group.rewards, strict=True)):
+                tokens = ids.tolist()
+                out.write(json.dumps({
+                    "group_id": group.group_id, "sample_index": i, "reward": reward,
+                    "text": tokenizer.decode(tokens), "token_ids": tokens, "prompt_ids": prompt,
+                    # The behaviour log-probs: what a replay of this step by a restarted learner needs.
+                    "logprobs": group.behaviour_logprobs[i].tolist(),
+                }) + "\n")  # fmt: skip
+
+
+def recorded_groups(run_dir: Path, step: int, sampling: dict[str, Any]) -> list[ScoredGroup]:
+    """A finished step's groups as the learner got them, read back from samples/step-N.jsonl."""
+    by_group: dict[int, list[dict[str, Any]]] = {}
+    for line in (run_dir / "samples" / f"step-{step}.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        by_group.setdefault(row["group_id"], []).append(row)
+    groups = []
+    for group_id, rows in sorted(by_group.items()):
+        rows.sort(key=lambda r: r["sample_index"])
+        groups.append(
+            ScoredGroup(
+                step=step,
+                group_id=group_id,
+                prompt_ids=torch.tensor(rows[0]["prompt_ids"], dtype=torch.int64),
+                response_ids=[torch.tensor(r["token_ids"], dtype=torch.int64) for r in rows],
+                behaviour_logprobs=[torch.tensor(r["logprobs"], dtype=torch.float32) for r in rows],
+                rewards=[r["reward"] for r in rows],
+                **sampling,  # temperature, top_p, top_k: how the step was sampled
+                policy_version=step,
+            )
+        )
+    return groups
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> None:
+    """Deletes all but the newest `keep` checkpoints/step-N directories (state.json names the newest)."""
+    steps = sorted(
+        (int(p.name.removeprefix("step-")), p)
+        for p in (run_dir / "checkpoints").glob("step-*")
+        if p.is_dir() and p.name.removeprefix("step-").isdigit()
+    )
+    for _, path in steps[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def read_records(path: Path, *, before: int) -> list[StepRecord]:
+    """The metrics of steps before `before`, once each (a crashed run may have written a step twice)."""
+    if not path.is_file():
+        return []
+    by_step: dict[int, StepRecord] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = msgspec.json.decode(line, type=StepRecord)
+        except msgspec.DecodeError:  # a line cut short by the crash
+            continue
+        if record.step < before:
+            by_step[record.step] = record
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def write_records(path: Path, records: list[StepRecord]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(msgspec.json.encode(r).decode() + "\n" for r in records))
+    os.replace(tmp, path)
+
+
+def read_state(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "checkpoints" / "state.json"
+    if not path.is_file():
+        raise ValueError(f"--resume {run_dir}: no checkpoint in this run directory ({path} is missing)")
+    return json.loads(path.read_text())
+
+
+def write_state(run_dir: Path, state: dict[str, Any]) -> None:
+    path = run_dir / "checkpoints" / "state.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, path)  # atomic, written after the learner's checkpoint it names
