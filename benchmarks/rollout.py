@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -249,14 +248,7 @@ def rollout_specs(
     adaptive = mode == "adaptive"
     rollouts = [actor_name(RolloutActor.role, r) for r in range(DEVICES)]
     drafters = [actor_name(DrafterActor.role, r) for r in range(DEVICES)]
-    where = place(
-        config.device,
-        rollouts=DEVICES,
-        learners=1,  # none runs here; placement wants the run's shape
-        learner_threads=1,
-        cores=os.cpu_count() or 1,
-        gpus=torch.cuda.device_count() if config.device == "cuda" else 0,
-    )
+    where = place(config.device, rollouts=DEVICES, learners=1, learner_threads=1)  # (no learner runs here)
     specs = []
     for rank, slot in enumerate(where.rollouts):
         rollout = RolloutActor.Config(

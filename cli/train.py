@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -184,8 +183,6 @@ def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from:
         rollouts=devices,
         learners=cfg.learner.ranks,
         learner_threads=cfg.learner.threads,
-        cores=os.cpu_count() or 1,
-        gpus=torch.cuda.device_count() if cfg.device == "cuda" else 0,
     )
     rollouts, drafters = actor_names(cfg, baseline=baseline)[:2]
     train_drafter = bool(drafters)

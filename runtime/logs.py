@@ -12,6 +12,7 @@ Metrics are logs with `event="metric"`; the coordinator reduces them per step.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from pathlib import Path
@@ -139,3 +140,26 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
                     records.append(rec)
     records.sort(key=lambda r: r.get("ts", 0.0))
     return records
+
+
+def log_tail(path: Path, n: int, max_chars: int = 400) -> list[str]:
+    """The last `n` lines of an actor's JSON-lines log, "error"-level and "dead" records first."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 256 * 1024))
+            raw = f.read().splitlines()[-200:]
+    except OSError:
+        return []
+    lines = [line.decode(errors="replace") for line in raw if line.strip()]
+
+    def grave(line: str) -> bool:
+        try:
+            rec = msgspec.json.decode(line)
+        except msgspec.DecodeError:
+            return False  # a torn last line of a killed process
+        return isinstance(rec, dict) and (rec.get("level") == "error" or rec.get("event") == "dead")
+
+    graves = [line for line in lines if grave(line)][-n:]
+    rest = [line for line in lines if line not in graves][-(n - len(graves)) :] if len(graves) < n else []
+    return [line if len(line) <= max_chars else line[:max_chars] + "…" for line in graves + rest]

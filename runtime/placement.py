@@ -12,7 +12,10 @@ r mod cores with one thread each, and the learner takes `learner_threads` unpinn
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+
+import torch
 
 __all__ = ["Placement", "Slot", "place"]
 
@@ -38,10 +41,19 @@ class Placement:
 
 
 def place(
-    kind: str, *, rollouts: int, learners: int, learner_threads: int, cores: int, gpus: int = 0
+    kind: str,
+    *,
+    rollouts: int,
+    learners: int,
+    learner_threads: int,
+    cores: int | None = None,
+    gpus: int | None = None,
 ) -> Placement:
     """Slots for `rollouts` rollout actors (and their drafters) and `learners` learner ranks on a host of
-    `cores` cores and `gpus` GPUs; `kind` is the run's device setting ("cpu" or "cuda")."""
+    `cores` cores and `gpus` GPUs (default: this host's); `kind` is the run's device setting."""
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    if gpus is None:
+        gpus = torch.cuda.device_count() if kind == "cuda" else 0
     if rollouts < 1 or learners < 1:
         raise ValueError(
             f"placement needs at least one rollout and one learner, got {rollouts} and {learners}"

@@ -39,6 +39,7 @@ import zmq.asyncio
 
 from slipstream.protocols import PROTOCOL_VERSION, Message
 from slipstream.protocols.control import Dead, Heartbeat, Hello, Init, Ready, Shutdown
+from slipstream.runtime import logs
 from slipstream.runtime.actor import Actor
 from slipstream.runtime.codec import Codec, ProtocolError
 from slipstream.runtime.config import ConfigError, convert
@@ -484,7 +485,7 @@ class Supervisor:
         code = entry.proc.returncode if died is None or died.exit_code is None else died.exit_code
         reason = died.reason if died is not None else entry.reason
         path = self.run_dir / "logs" / f"{entry.role}-{entry.spec.rank}.jsonl"
-        tail = _log_tail(path, _LOG_TAIL_LINES)
+        tail = logs.log_tail(path, _LOG_TAIL_LINES)
         lines = "\n  ".join(tail) if tail else f"(nothing in {path})"
         return f"last death: {reason} ({_exit_text(code)}); last log lines ({path}):\n  {lines}"
 
@@ -543,29 +544,6 @@ def _exit_text(code: int | None) -> str:
         except ValueError:
             return f"exit code {code}, signal {-code}"
     return f"exit code {code}"
-
-
-def _log_tail(path: Path, n: int, max_chars: int = 400) -> list[str]:
-    """The last `n` lines of an actor's JSON-lines log, "error"-level and "dead" records first."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 256 * 1024))
-            raw = f.read().splitlines()[-200:]
-    except OSError:
-        return []
-    lines = [line.decode(errors="replace") for line in raw if line.strip()]
-
-    def grave(line: str) -> bool:
-        try:
-            rec = msgspec.json.decode(line)
-        except msgspec.DecodeError:
-            return False  # a torn last line of a killed process
-        return isinstance(rec, dict) and (rec.get("level") == "error" or rec.get("event") == "dead")
-
-    graves = [line for line in lines if grave(line)][-n:]
-    rest = [line for line in lines if line not in graves][-(n - len(graves)) :] if len(graves) < n else []
-    return [line if len(line) <= max_chars else line[:max_chars] + "…" for line in graves + rest]
 
 
 async def _wait_all(procs: list[asyncio.subprocess.Process], timeout: float) -> bool:
