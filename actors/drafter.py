@@ -267,6 +267,11 @@ class DrafterActor(Actor):
         Handlers run on the compute thread between two `step()`s, so weights never change mid-step. A bad
         bucket is refused (logged, and said to the coordinator); the weights held stay, and serving goes on.
         """
+        if msg.version == self.head_version:
+            # The head it holds, again: after a restart the learner's push in flight when it died (queued by
+            # the learner's socket) and the coordinator's re-push both arrive; it applied one already.
+            self.log.info("head_duplicate", version=msg.version, bucket=msg.bucket)
+            return
         why = self._check_head_bucket(msg)
         if why is not None:
             self._head_staged.pop(msg.version, None)  # that version can no longer complete
