@@ -30,6 +30,7 @@ import torch
 
 from slipstream.engine import hub
 from slipstream.engine.buffer import OnlineBuffer
+from slipstream.engine.device import parse_device, require_device
 from slipstream.engine.drafter_train import DrafterTrainer
 from slipstream.engine.eagle import EagleHead
 from slipstream.engine.weights import load_head_parts
@@ -85,12 +86,7 @@ class DrafterActor(Actor):
         device: str = "cpu"  # where the target's head parts, the drafter, its optimizer and batches live
 
         def __post_init__(self) -> None:
-            try:
-                kind = torch.device(self.device).type
-            except RuntimeError as e:
-                raise ValueError(f"device: {self.device!r} is not a torch device ({e})") from None
-            if kind not in ("cpu", "cuda"):
-                raise ValueError(f"device: {self.device!r}; a drafter trains on cpu or cuda[:N]")
+            parse_device(self.device)
 
     def on_start(self) -> None:
         cfg = self.config
@@ -101,11 +97,7 @@ class DrafterActor(Actor):
         missing = [name for name in self.group if name not in self.peers]
         if missing:
             raise ValueError(f"world_size: {cfg.world_size} ranks, but {missing} are not in this run")
-        self.device = torch.device(cfg.device)
-        try:
-            torch.empty(0, device=self.device)
-        except (RuntimeError, AssertionError) as e:  # no such device here (torch without CUDA asserts)
-            raise ValueError(f"device: {cfg.device!r} is not usable on this host ({e})") from None
+        self.device = require_device(cfg.device)
         torch.manual_seed(cfg.seed + self.rank)
         # Only the embedding, final norm and LM head: the drafter never runs the target's layers.
         self.target = load_head_parts(hub.resolve(cfg.model), device=self.device)

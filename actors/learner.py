@@ -21,7 +21,6 @@ Non-obvious choices:
 from __future__ import annotations
 
 import os
-import re
 import time
 from pathlib import Path
 from typing import Annotated, Literal
@@ -32,6 +31,7 @@ import torch.distributed as dist
 
 from slipstream.engine import hub
 from slipstream.engine.config import ModelConfig, dtype_from_name
+from slipstream.engine.device import capabilities, parse_device, require_device
 from slipstream.engine.grpo import LossConfig, group_advantages
 from slipstream.engine.policy_train import OptimConfig, PolicySample, PolicyTrainer
 from slipstream.engine.weights import HEAD_PARTS, load_model
@@ -49,6 +49,10 @@ from slipstream.runtime.codec import checksum
 STOP_BARRIER_S = 60.0  # how long a stopping rank waits for its peers before tearing down anyway
 
 
+RENDEZVOUS_FILE = "learner-rendezvous"
+"""The ranks' torch.distributed rendezvous, in the run directory (a stale one must go before they start)."""
+
+
 class LearnerActor(Actor):
     role = "learner"
 
@@ -64,21 +68,20 @@ class LearnerActor(Actor):
         push_dtype: Literal["", "float32", "bfloat16", "float16"] = ""  # pushed weights; "": the checkpoint's
 
         def __post_init__(self) -> None:
-            if re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is None:
-                raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+            parse_device(self.device)
 
     def on_start(self) -> None:
         cfg = self.config
         if self.rank >= cfg.world_size:
             raise ValueError(f"world_size: {cfg.world_size} ranks, but this is rank {self.rank}")
         torch.manual_seed(cfg.seed)
-        device = torch.device(cfg.device)
+        device = require_device(cfg.device)
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # NCCL binds each rank to the current device
         if cfg.world_size > 1:
-            rendezvous = Path(self.run_dir or ".") / "learner-rendezvous"
+            rendezvous = Path(self.run_dir or ".") / RENDEZVOUS_FILE
             dist.init_process_group(
-                "nccl" if device.type == "cuda" else "gloo",
+                capabilities(device).dist_backend,
                 init_method=f"file://{rendezvous.resolve()}",
                 rank=self.rank,
                 world_size=cfg.world_size,

@@ -26,7 +26,7 @@ import msgspec
 import torch
 
 from slipstream.actors.drafter import DrafterActor
-from slipstream.actors.learner import LearnerActor
+from slipstream.actors.learner import RENDEZVOUS_FILE, LearnerActor
 from slipstream.actors.rollout import RolloutActor
 from slipstream.actors.verifier import VerifierActor
 from slipstream.cli import run_dir as run_dir_files
@@ -43,6 +43,7 @@ from slipstream.protocols.reward import ScoreRequest
 from slipstream.protocols.rollout import Completion, GenerateRequest, SamplingSpec
 from slipstream.runtime import config as run_config
 from slipstream.runtime.coordinator import ActorDiedError, Coordinator, StepMetrics
+from slipstream.runtime.host import actor_path
 from slipstream.runtime.placement import place
 from slipstream.runtime.progress import ProgressFactory, silent
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
@@ -276,7 +277,7 @@ async def train(
     run_dir.mkdir(parents=True, exist_ok=True)
     # The learner ranks' rendezvous file: one a crashed run left behind would hand a resumed run stale
     # addresses and counts.
-    (run_dir / "learner-rendezvous").unlink(missing_ok=True)
+    (run_dir / RENDEZVOUS_FILE).unlink(missing_ok=True)
     model_dir = hub.resolve(cfg.model)
     tokenizer = Tokenizer.from_dir(model_dir)
     state = run_dir_files.read_state(run_dir) if resume else {"step": 0, "checkpoint": ""}
@@ -552,15 +553,10 @@ async def _recover_learner(
     learner then holds what the rollouts hold."""
     state = run_dir_files.read_state(run_dir) if (run_dir / "checkpoints" / "state.json").is_file() else {}
     done, checkpoint = int(state.get("step", 0)), str(state.get("checkpoint", ""))
-    path = str(run_dir / checkpoint) if checkpoint else ""
-    if not path:  # no checkpoint yet: the policy the run started from
-        done, path = 0, ""
-    (run_dir / "learner-rendezvous").unlink(missing_ok=True)
-    names = {
-        actor_name(LearnerActor.role, spec.rank): spec
-        for spec in specs
-        if spec.actor.endswith(":LearnerActor")
-    }
+    path = str(run_dir / checkpoint) if checkpoint else ""  # "": none yet, the policy the run started from
+    (run_dir / RENDEZVOUS_FILE).unlink(missing_ok=True)
+    learner = actor_path(LearnerActor)
+    names = {actor_name(LearnerActor.role, spec.rank): spec for spec in specs if spec.actor == learner}
     configs = {name: msgspec.structs.replace(spec.config, resume_from=path) for name, spec in names.items()}
     await coord.restart_learners(configs)
     for replayed in range(done, step):

@@ -195,5 +195,5 @@ def test_device_is_validated_naming_the_field(tmp_path: Path) -> None:
         actor = DrafterActor(
             drafter_config(model, device="cuda"), rank=0, outbox=Sent(), inbox=Inbox(8), run_dir=str(tmp_path)
         )
-        with pytest.raises(ValueError, match="device: 'cuda' is not usable"):
+        with pytest.raises(ValueError, match="device: 'cuda' is not available"):
             actor.on_start()

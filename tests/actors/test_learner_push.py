@@ -124,7 +124,7 @@ def test_device_is_validated_naming_the_field() -> None:
     for good in ("cpu", "cuda", "cuda:1"):
         LearnerActor.Config(model="m", device=good)
     for bad in ("gpu", "cuda:", "cuda:x", "CPU"):
-        with pytest.raises(ValueError, match=r"device: expected 'cpu', 'cuda' or 'cuda:N'"):
+        with pytest.raises(ValueError, match=r"device: '.*' is not a device"):
             LearnerActor.Config(model="m", device=bad)
     with pytest.raises(msgspec.ValidationError, match="push_dtype"):
         msgspec.convert({"model": "m", "push_dtype": "int8"}, LearnerActor.Config)

@@ -193,6 +193,17 @@ class RestartingSupervisor(FakeSupervisor):
     async def restart(self, name: str) -> None:
         self.restarted.append(name)
 
+    def sent_any(self, kind: type) -> bool:
+        return any(isinstance(m, kind) for _, m in self.sent)
+
+
+async def until(ready: Any, seconds: float = 1.0) -> None:
+    """Lets the coordinator's tasks run until `ready()` (the test's own timeout bounds a hang)."""
+    for _ in range(int(seconds / 0.01)):
+        if ready():
+            return
+        await asyncio.sleep(0.01)
+
 
 def test_a_duplicate_completion_is_dropped_and_counted() -> None:
     async def main() -> None:
@@ -226,20 +237,14 @@ def test_a_dead_rollout_is_restarted_given_the_weights_and_dealt_what_it_owed() 
             assert (await first).sample_index == 1
             sup.deaths.put_nowait(Died(victim, "killed by SIGKILL"))
             nxt = asyncio.ensure_future(stream.__anext__())
-            for _ in range(50):  # the coordinator restarts it, then asks the learner for the weights
-                await asyncio.sleep(0.01)
-                if any(isinstance(m, PushWeights) for _, m in sup.sent):
-                    break
+            await until(lambda: sup.sent_any(PushWeights))  # restarted, then the learner asked for weights
             push = next(m for _, m in sup.sent if isinstance(m, PushWeights))
             assert sup.restarted == [victim] and push.version == 3 and push.to == [victim]
             sup.deliver(
                 victim, WeightAck(version=3, role="rollout", rank=int(victim[-1]), ok=True, error=None)
             )
-            for _ in range(50):
-                await asyncio.sleep(0.01)
-                requeued = [m for n, m in sup.sent if isinstance(m, GenerateRequest) and m.sample_indices]
-                if requeued:
-                    break
+            await until(lambda: any(isinstance(m, GenerateRequest) and m.sample_indices for _, m in sup.sent))
+            requeued = [m for _, m in sup.sent if isinstance(m, GenerateRequest) and m.sample_indices]
             assert [(m.group_id, m.sample_indices, m.seed) for m in requeued] == [(0, [0, 2], 0)]
             for i in (0, 2):
                 sup.deliver(victim, completion(0, i))
@@ -291,10 +296,7 @@ def test_a_dead_verifier_is_restarted_and_sent_its_requests_again() -> None:
             assert (await coord.reward()).sample_index == 0
             sup.deaths.put_nowait(Died("verifier:0", "killed by SIGKILL"))
             pending = asyncio.ensure_future(coord.reward())
-            for _ in range(50):
-                await asyncio.sleep(0.01)
-                if sup.restarted:
-                    break
+            await until(lambda: bool(sup.restarted))
             resent = [m.sample_index for _, m in sup.sent if isinstance(m, ScoreRequest)][3:]
             assert sup.restarted == ["verifier:0"] and resent == [1, 2]
             sup.deliver("verifier:0", reward(0, 1))
@@ -346,10 +348,7 @@ def test_a_rollout_that_dies_during_the_weight_sync_is_restarted_and_sent_that_v
             waiting = asyncio.ensure_future(coord.weights_applied(5, timeout_s=5))
             sup.deliver("rollout:0", WeightAck(version=5, role="rollout", rank=0, ok=True, error=None))
             sup.deaths.put_nowait(Died("rollout:1", "killed by SIGKILL"))
-            for _ in range(100):
-                await asyncio.sleep(0.01)
-                if any(isinstance(m, PushWeights) for _, m in sup.sent):
-                    break
+            await until(lambda: sup.sent_any(PushWeights))
             push = next(m for _, m in sup.sent if isinstance(m, PushWeights))
             assert sup.restarted == ["rollout:1"] and (push.version, push.to) == (5, ["rollout:1"])
             sup.deliver("rollout:1", WeightAck(version=5, role="rollout", rank=1, ok=True, error=None))
