@@ -6,18 +6,24 @@ the reason is logged and counted, and the actor serves on. Calls run in worker *
 a process can be stopped anywhere, C code included: past `timeout_s` the worker gets SIGKILL and a fresh
 one takes its place, so the pool keeps its size. Every ScoreRequest gets exactly one Reward, at stop too.
 
+A reward may start processes of its own (a subprocess, a sandbox); none may outlive its worker. Each
+worker leads its own session, so one killpg (at a deadline, at stop) takes everything it started. If
+the actor is SIGKILLed, PR_SET_PDEATHSIG kills a worker even inside C code, but then nothing of it runs:
+so each worker first forks a guard into its group, which waits for the worker's death and kills the
+group, itself included. A helper that leaves the group (setsid) leaves that reach too.
+
 Workers come from the "forkserver" context (fork is unsafe here: this process holds zmq sockets and
 threads). The server preloads this module and the built-in rewards, so a worker starts in milliseconds;
 each worker loads the reward itself, and one that cannot is a start-up error naming the path. Jobs and
-outcomes cross the pipe as msgspec bytes, never pickles. What counts as a reward is `judge`'s rule: a
-finite real number (numpy scalars too); None means "cannot score"; a bool is garbage (the contract is a
-number, and True would pass for 1.0 unnoticed). Counts go to the coordinator as `Status(topic=
-"verifier")` every `report_every_s` while they change, and at stop.
+outcomes cross the pipe as msgspec bytes, never pickles. A reward is a finite real number (`judge`);
+None means "cannot score"; a bool is garbage (True would pass for 1.0 unnoticed). Counts go to the
+coordinator as `Status(topic="verifier")` every `report_every_s` while they change, and at stop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import inspect
 import math
@@ -134,16 +140,49 @@ def _worker_main(conn: Connection, reward_path: str) -> None:
 
 
 def _die_with_the_actor() -> None:
-    """Ties this worker's life to the actor's, even in a call that hangs where no Python code runs."""
+    """Ties the life of this worker, and of every process its reward starts, to the actor's."""
     # A forkserver child inherits the server's liveness pipe (so that it could fork in turn), which
     # keeps the server alive as long as the child lives. Closed here, the server exits with the actor,
-    # and PDEATHSIG then kills this worker.
+    # and PDEATHSIG then kills this worker, even in a call that hangs where no Python code runs.
     server = getattr(multiprocessing.forkserver, "_forkserver", None)
     if getattr(server, "_forkserver_alive_fd", None) is not None:
         os.close(server._forkserver_alive_fd)
         server._forkserver_alive_fd = None
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    os.setsid()  # the group's id is now our pid: the actor's killpg reaches all the reward starts
+    _set_pdeathsig(signal.SIGKILL)
+    _start_guard()
+
+
+def _start_guard() -> None:
+    """Forks the process that kills this worker's group once the worker is gone, however it went."""
+    # A SIGKILLed worker cannot kill its group, and a signal handler in it would never run while a
+    # reward hangs in C code holding the GIL: only another process can be relied on to do it.
+    worker = os.getpid()
+    if os.fork() != 0:
+        return
+    try:
+        # The actor's pipe above all: the actor sees EOF when the worker dies, not when the guard does.
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # kept pending for sigwait
+        told = _set_pdeathsig(signal.SIGTERM)
+        while os.getppid() == worker:  # checked after prctl: the worker may have died before it
+            if told:
+                signal.sigwait({signal.SIGTERM})
+            else:
+                time.sleep(0.5)
+        os.killpg(0, signal.SIGKILL)
+    finally:
+        os._exit(0)  # never back into the worker's code
+
+
+def _set_pdeathsig(sig: int) -> bool:
+    """Asks the kernel for `sig` when this process's parent dies; False where that cannot be asked."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(1, sig) == 0  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
 
 
 def _clip(text: str) -> str:
@@ -352,7 +391,12 @@ class VerifierActor(Actor):
 
     def _stop_worker(self, w: _Worker) -> None:
         if w.proc.exitcode is None:
-            w.proc.kill()
+            # Not yet reaped, its pid cannot name another process, nor can the group it leads: this
+            # takes the worker, its guard and whatever its reward started. (One that died by itself
+            # is reaped by now; its guard kills what it left.)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(w.proc.pid, signal.SIGKILL)
+            w.proc.kill()  # a worker too young to lead its group yet
             w.proc.join(1.0)
         w.conn.close()
         if w.proc.exitcode is not None:

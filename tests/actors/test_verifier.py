@@ -3,21 +3,25 @@
 The rewards under test live here and are loaded by the workers by path ("tests.actors.test_verifier:
 behave"): `behave` does what the completion says, so one pool serves every case. The process tests
 share two actors under one Supervisor whose loop runs on a thread (starting an actor costs seconds on
-a small host); the last of them stops the pool and checks that nothing is left running.
+a small host); the last of them stops the pool and checks that nothing is left running. A "spawn"
+reward starts a helper (`sleep 300`) before it hangs and writes the helper's pid to the row's
+`pid_file`: the helper is no child of ours, so the tests watch that pid, not the process tree.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,7 @@ from slipstream.actors.verifier import call_reward, judge
 from slipstream.protocols.control import Shutdown, Status
 from slipstream.protocols.reward import Reward, ScoreRequest
 from slipstream.runtime.codec import Codec, ProtocolError
+from slipstream.runtime.process import pid_alive
 from slipstream.runtime.supervisor import ActorSpec, Supervisor, SupervisorError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,6 +54,9 @@ def behave(prompt: str, completion: str, **row: Any) -> Any:
         case "raise":
             return 1 / 0
         case "hang":
+            time.sleep(600)
+        case "spawn":
+            start_helper(row["pid_file"])
             time.sleep(600)
         case "nan":
             return math.nan
@@ -72,9 +80,18 @@ class CountingReward:
         self.calls = 0
 
     async def __call__(self, prompt: str, completion: str, **row: Any) -> float:
-        await asyncio.sleep(600 if completion == "hang" else 0.001)
+        if completion == "spawn":
+            start_helper(row["pid_file"])
+        await asyncio.sleep(600 if completion in ("hang", "spawn") else 0.001)
         self.calls += 1
         return float(self.calls)
+
+
+def start_helper(pid_file: str) -> None:
+    """Starts a process of the reward's own that would outlive its worker, and names it in `pid_file`."""
+    helper = subprocess.Popen(["sleep", "300"])
+    Path(pid_file + ".tmp").write_text(str(helper.pid))
+    os.replace(pid_file + ".tmp", pid_file)  # whole or absent: the test polls for it
 
 
 async def async_reward(prompt: str, completion: str, **row: Any) -> float:
@@ -175,6 +192,32 @@ def descendants(pid: int) -> set[int]:
             found.add(child)
             todo.append(child)
     return {p for p in found if states.get(p) != "Z"}
+
+
+@pytest.fixture
+def pid_file(tmp_path: Path) -> Iterator[Path]:
+    """Where a "spawn" reward names its helper; a helper still running at the end is killed."""
+    path = tmp_path / "helper.pid"
+    yield path
+    if path.exists() and pid_alive(pid := int(path.read_text())):
+        os.kill(pid, signal.SIGKILL)
+
+
+def helper_pid(pid_file: Path, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while not pid_file.exists():
+        assert time.monotonic() < deadline, "the reward never started its helper"
+        time.sleep(0.02)
+    return int(pid_file.read_text())
+
+
+def all_gone(pids: set[int], timeout: float = 10.0) -> bool:
+    """Whether every pid is gone within `timeout`; a zombie is gone (its parent may be an init that
+    reaps late, and it never runs again)."""
+    deadline = time.monotonic() + timeout
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(pid_alive(p) for p in pids)
 
 
 class Pools:
@@ -347,7 +390,17 @@ def test_a_hung_reward_is_killed_at_its_deadline_and_replaced(pools: Pools) -> N
     status = pools.status("verifier:0")
     assert status["restarts"] == restarts + 3 and status["workers"] == 2
     after = descendants(actor_pid)
-    assert len(after) == len(before) and len(before - after) == 2  # both first workers were killed
+    # Both first workers were killed, each with its guard, and their replacements started theirs.
+    assert len(after) == len(before) and len(before - after) == 4
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_reward_is_killed_with_the_processes_it_started(pools: Pools, pid_file: Path) -> None:
+    (got,) = pools.score("verifier:0", ["spawn"], row_json=json.dumps({"pid_file": str(pid_file)}))
+    assert got.reward is None and got.error == f"timeout after {TIMEOUT_S} s"
+    helper = helper_pid(pid_file)
+    assert all_gone({helper}), "the reward's helper outlived its worker's deadline"
+    assert pools.status("verifier:0")["workers"] == 2
 
 
 @pytest.mark.timeout(120)
@@ -380,50 +433,44 @@ def test_a_class_reward_is_built_once_per_worker_and_awaited(pools: Pools) -> No
 
 
 @pytest.mark.timeout(120)
-def test_stop_answers_every_pending_request_and_leaves_no_process_behind(pools: Pools) -> None:
-    """Runs last: it stops the shared pool."""
+def test_stop_answers_every_pending_request_and_leaves_no_process_behind(
+    pools: Pools, pid_file: Path
+) -> None:
+    """Runs last: it stops the shared pool, one of whose hung calls has started a helper."""
     actor_pid = pools.sup.pid("verifier:0")
-    processes = descendants(actor_pid) | {actor_pid}
-    assert len(processes) >= 4  # the actor, its forkserver and two workers
     group = next(pools.groups)
+    row_json = json.dumps({"answer": 1.0, "pid_file": str(pid_file)})
     # Control is one ordered lane: the requests are taken (two start, two queue), then Shutdown.
-    for i, completion in enumerate(["hang", "hang", "good", "good"]):
+    for i, completion in enumerate(["spawn", "hang", "good", "good"]):
         request = ScoreRequest(group_id=group, sample_index=i, prompt="p", completion=completion,
-                               row_json='{"answer": 1.0}', policy_version=0)  # fmt: skip
+                               row_json=row_json, policy_version=0)  # fmt: skip
         pools.send("verifier:0", request)
+    helper = helper_pid(pid_file)
+    processes = descendants(actor_pid) | {actor_pid}
+    assert helper in processes and len(processes) >= 7  # the actor, forkserver, 2 workers, 2 guards, helper
     pools.send("verifier:0", Shutdown(reason="test"))
     pools.wait_until(lambda: len(pools.rewards("verifier:0", group)) == 4)
     got = pools.rewards("verifier:0", group)
     assert all(r.reward is None and r.error.startswith("stopped: the verifier shut down") for r in got)
     assert pools.status("verifier:0")["invalid_stopped"] == 4  # the report sent at stop
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in processes) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in processes if _alive(p)], "processes outlived the actor"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert all_gone(processes), f"processes outlived the actor: {[p for p in processes if pid_alive(p)]}"
 
 
 @pytest.mark.timeout(120)
-def test_a_killed_verifier_leaves_no_worker_behind(pools: Pools) -> None:
-    """Runs last: it SIGKILLs the class-reward actor while its worker is busy."""
+def test_a_killed_verifier_leaves_no_worker_behind(pools: Pools, pid_file: Path) -> None:
+    """Runs last: it SIGKILLs the class-reward actor while its worker hangs with a helper started."""
     actor_pid = pools.sup.pid("verifier:1")
-    request = ScoreRequest(group_id=next(pools.groups), sample_index=0, prompt="p", completion="hang",
-                           row_json="{}", policy_version=0)  # fmt: skip
+    row_json = json.dumps({"pid_file": str(pid_file)})
+    request = ScoreRequest(group_id=next(pools.groups), sample_index=0, prompt="p", completion="spawn",
+                           row_json=row_json, policy_version=0)  # fmt: skip
     pools.send("verifier:1", request)
-    time.sleep(0.5)  # the handler hands it to the worker at once
+    helper = helper_pid(pid_file)
     processes = descendants(actor_pid)
-    assert len(processes) >= 2  # the forkserver and the busy worker
+    assert helper in processes and len(processes) >= 4  # the forkserver, the worker, its guard, the helper
     os.kill(actor_pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in processes) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in processes if _alive(p)], "processes outlived a SIGKILLed verifier"
+    assert all_gone(processes), (
+        f"processes outlived a SIGKILLed verifier: {[p for p in processes if pid_alive(p)]}"
+    )
 
 
 # -- start-up failures -------------------------------------------------------------------------------
