@@ -11,8 +11,10 @@ Between iterations it swaps in the newest `DrafterUpdate` (mid-generation: draft
 and applies a complete `WeightUpdate` once no request is in flight, so no response mixes two policies.
 Non-obvious: sample i of a group samples with `sample_seed(request.seed, i)` (engine/sampling.py, as
 `generate` seeds request i), so in the default reproducible mode its tokens depend on its seed alone;
-tuner rewards skip iterations with prefill in them. A request it cannot serve is answered with error
-completions naming the problem. The update rules and the other choices in full: docs/actors.md.
+tuner rewards skip iterations with prefill in them. An EAGLE head whose acceptance collapses (say, after a
+policy update) is benched by the tuner until a newer head arrives (event "drafter_stale"). A request it
+cannot serve is answered with error completions naming the problem. The update rules and the other choices
+in full: docs/actors.md.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from slipstream.engine.drafters import Drafter, EagleDrafter, NGramDrafter
 from slipstream.engine.eagle import EagleHead
 from slipstream.engine.generator import Completion, Generator, Request
 from slipstream.engine.sampling import SamplingParams, sample_seed
-from slipstream.engine.tuner import Tuner, TunerConfig
+from slipstream.engine.tuner import STALE_METHODS, Tuner, TunerConfig
 from slipstream.engine.weights import load_model
 from slipstream.protocols.control import Idle
 from slipstream.protocols.drafter import DrafterUpdate, HiddenStates
@@ -224,6 +226,9 @@ class RolloutActor(Actor):
         except ValueError as exc:
             self.log.error("drafter_update_refused", version=msg.version, why=str(exc))
             return
+        # Only a new head gives a method benched as stale another chance: after a policy update alone the
+        # same head would only lag further.
+        revived = [m for m in STALE_METHODS if self.tuner.refresh(m) is not None]
         retune = msg.version - self._retuned_version >= self.config.retune_drafter_versions
         if retune:
             # Only after a real change: every forget costs min_trials x hold iterations per bucket and arm.
@@ -231,7 +236,11 @@ class RolloutActor(Actor):
             self.tuner.forget("hybrid")
             self._retuned_version = msg.version
         self.log.info(
-            "drafter_swapped", version=msg.version, policy_version=msg.policy_version, retuned=retune
+            "drafter_swapped",
+            version=msg.version,
+            policy_version=msg.policy_version,
+            retuned=retune,
+            revived=revived,
         )
 
     @handler
@@ -343,8 +352,19 @@ class RolloutActor(Actor):
         seconds = time.perf_counter() - started
         after = generator.stats
         committed = after["committed"] - before["committed"]
+        drafted, accepted = after["drafted"] - before["drafted"], after["accepted"] - before["accepted"]
         if clean:
             self.tuner.record(batch, decision.arm, committed, seconds)
+        # Acceptance needs no clean clock: prefill rows draft nothing, so every iteration's decodes count.
+        stale = self.tuner.record_acceptance(decision.arm, batch, accepted, drafted)
+        if stale is not None:
+            self.log.warning(
+                "drafter_stale",
+                **stale.as_dict(),
+                threshold=self.config.tuner.stale_accept,
+                drafter_version=self.eagle.version if self.eagle is not None else None,
+                policy_version=self.policy_version,
+            )
         self.send(
             COORDINATOR,
             IterationStats(
@@ -352,8 +372,8 @@ class RolloutActor(Actor):
                 iteration=self._iteration,
                 batch_size=batch,
                 arm=decision.arm,
-                drafted=after["drafted"] - before["drafted"],
-                accepted=after["accepted"] - before["accepted"],
+                drafted=drafted,
+                accepted=accepted,
                 committed=committed,
                 iter_s=seconds,
             ),

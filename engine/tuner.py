@@ -16,6 +16,10 @@ Non-obvious choices (why, with the measurements: docs/engine.md, "Tuner"):
 - Per bucket: `hold` iterations pool into one sample, the estimate is a sliding-window median, untried arms
   go first, then ε-greedy explores the least-measured arm (less often the costlier it is); `forget(method)`
   restarts a method's arms when its drafter changes. All draws come from one seeded `random.Random`.
+- A stale drafter (eagle, hybrid: a trained head, e.g. one lagging a policy update) is benched: when the
+  caller's `record_acceptance` shows under `stale_accept` accepted draft tokens per sequence per pass over
+  the method's last `stale_window` iterations, `choose` skips its arms until `refresh(method)` (a new head
+  arrived) or `forget(method)`. The bandit alone would keep exploring them; benched, they cost nothing.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import msgspec
 
 from slipstream.engine.speculator import SpecConfig, SpecMode
 
-__all__ = ["Arm", "Decision", "Tuner", "TunerConfig", "parse_arm"]
+__all__ = ["STALE_METHODS", "Arm", "Decision", "StaleDrafter", "Tuner", "TunerConfig", "parse_arm"]
 
 Sample = tuple[float, float, float]
 """One reward sample: committed tokens per sequence, seconds, mean batch size (pooled over `hold` iterations)."""
@@ -46,6 +50,9 @@ _ARM = re.compile(
 _STATE_VERSION = 2
 PLAIN_WINDOW = 8
 """Recent "off" iteration times kept per batch size for the plain cost model."""
+STALE_METHODS = ("eagle", "hybrid")
+"""Methods whose drafter is a trained head that a newer one replaces, so a stale one can be benched until then
+(an n-gram table has no successor: a spell of text without repeats would bench it for good)."""
 
 
 @dataclass(frozen=True)
@@ -114,9 +121,14 @@ class TunerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     """Iterations a bucket keeps a chosen arm; they pool into one reward sample (1 = decide every iteration)."""
     seed: int = 0
     """Seed of the exploration draws."""
+    stale_window: int = 32
+    """Iterations of a drafter method (eagle, hybrid) over which its acceptance is judged for staleness."""
+    stale_accept: float = 0.05
+    """A method whose accepted draft tokens per sequence per pass stay below this over a full `stale_window`
+    is stale: never chosen until its drafter changes (0 = never stale)."""
 
     def __post_init__(self) -> None:
-        for field, least in (("window", 1), ("min_trials", 1), ("hold", 1)):
+        for field, least in (("window", 1), ("min_trials", 1), ("hold", 1), ("stale_window", 1)):
             value = getattr(self, field)
             if not _is_int(value) or value < least:
                 raise ValueError(f"TunerConfig.{field}: must be an integer >= {least}, got {value!r}")
@@ -130,6 +142,14 @@ class TunerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
             or not 0 <= self.epsilon <= 1
         ):
             raise ValueError(f"TunerConfig.epsilon: must lie in [0, 1], got {self.epsilon!r}")
+        if (
+            isinstance(self.stale_accept, bool)
+            or not isinstance(self.stale_accept, int | float)
+            or not 0 <= self.stale_accept < float("inf")
+        ):
+            raise ValueError(
+                f"TunerConfig.stale_accept: must be a finite number >= 0, got {self.stale_accept!r}"
+            )
         if not self.buckets or self.buckets[0] != 1:
             raise ValueError(
                 f"TunerConfig.buckets: must start at 1 (the first bucket's lower edge), got {self.buckets}"
@@ -175,6 +195,21 @@ class Decision:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class StaleDrafter:
+    """Why a drafter method is benched: its acceptance over its last `TunerConfig.stale_window` iterations."""
+
+    method: str
+    """"eagle" or "hybrid"."""
+    acceptance: float
+    """Accepted draft tokens per sequence per pass over the window (below `TunerConfig.stale_accept`)."""
+    iterations: int
+    """The window: iterations of this method judged."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 class Tuner:
     """ε-greedy bandit per batch-size bucket over speculation arms; see the module docstring."""
 
@@ -198,6 +233,11 @@ class Tuner:
         self._pending = [[_no_pending() for _ in range(na)] for _ in range(nb)]
         self._plain: dict[int, deque[float]] = {}  # batch size → recent seconds of "off" iterations
         self._plain_fit: _PlainCost | None = None  # built from _plain when first needed after a change
+        # method → its latest iterations' (accepted draft tokens, sequences), for the stale test
+        self._acceptance: dict[str, deque[tuple[int, int]]] = {
+            m: deque(maxlen=self.config.stale_window) for m in STALE_METHODS
+        }
+        self._stale: dict[str, StaleDrafter] = {}
         self.decisions = 0
         self._rng = random.Random(self.config.seed)
 
@@ -242,7 +282,7 @@ class Tuner:
         """The arm for the next iteration at this batch size.
 
         available: the methods that can run now — a predicate or a collection of method names (e.g. no
-        "eagle" before a drafter exists); None: all. "off" is always available.
+        "eagle" before a drafter exists); None: all. "off" is always available; a stale method never is.
         """
         b = self.bucket(batch_size)
         candidates = self._candidates(available)
@@ -275,10 +315,12 @@ class Tuner:
         return self._decision(batch_size, b, i, why)
 
     def _candidates(self, available: Available) -> list[int]:
-        if available is None:
-            return list(range(len(self.arms)))
-        ok = available if callable(available) else frozenset(available).__contains__
-        return [i for i, arm in enumerate(self.arms) if arm.method == "off" or ok(arm.method)]
+        ok = available if available is None or callable(available) else frozenset(available).__contains__
+        return [
+            i
+            for i, arm in enumerate(self.arms)
+            if arm.method == "off" or (arm.method not in self._stale and (ok is None or ok(arm.method)))
+        ]
 
     def _decision(self, batch_size: int, b: int, i: int, why: Why) -> Decision:
         window = self._windows[b][i]
@@ -320,6 +362,44 @@ class Tuner:
             self._trials[b][i] += 1
             self._pending[b][i] = _no_pending()
 
+    def record_acceptance(
+        self, arm: str, batch_size: int, accepted: int, drafted: int
+    ) -> StaleDrafter | None:
+        """Feed back the draft tokens one iteration run with `arm` proposed (`drafted`, all sequences) and
+        accepted, for `batch_size` decoding sequences; any iteration counts, prefill or not. Returns the
+        `StaleDrafter` when this iteration makes the arm's method stale (once: log it), else None.
+        Methods outside STALE_METHODS, and iterations that drafted nothing, tell nothing and are ignored."""
+        method = self.arm(arm).method
+        if not (_is_int(accepted) and _is_int(drafted) and 0 <= accepted <= drafted):
+            raise ValueError(f"need 0 <= accepted <= drafted, integers; got {accepted!r}, {drafted!r}")
+        if method not in self._acceptance or method in self._stale or drafted == 0:
+            return None
+        if not _is_int(batch_size) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        window = self._acceptance[method]
+        window.append((accepted, batch_size))
+        if len(window) < self.config.stale_window:
+            return None
+        acceptance = sum(a for a, _ in window) / sum(n for _, n in window)
+        if acceptance >= self.config.stale_accept:
+            return None
+        self._stale[method] = StaleDrafter(method, acceptance, len(window))
+        return self._stale[method]
+
+    def stale(self) -> dict[str, StaleDrafter]:
+        """The benched methods and why (see `record_acceptance`)."""
+        return dict(self._stale)
+
+    def refresh(self, method: str) -> StaleDrafter | None:
+        """A new drafter for `method` was installed: if the method was stale, it gets another chance — the
+        mark goes, and so do its acceptance window (the new drafter is judged on its own iterations) and its
+        arms' rewards (they measured the stale drafter: `forget`). Returns the mark it cleared, or None.
+        A method that was not stale keeps its window: a collapse that spans small version steps still shows."""
+        mark = self._stale.get(method)
+        if mark is not None:
+            self.forget(method)
+        return mark
+
     def plain_seconds(self, batch_size: float) -> float | None:
         """The plain cost model: seconds of one "off" iteration at `batch_size` (None before any was timed)."""
         plain = self._plain_cost()
@@ -339,8 +419,11 @@ class Tuner:
 
     def forget(self, method: str) -> int:
         """Empty the windows of `method`'s arms in every bucket (a new drafter version made their rewards
-        stale): they are re-tried `min_trials` times before the tuner exploits again. Returns the number of
-        non-empty windows emptied."""
+        stale): they are re-tried `min_trials` times before the tuner exploits again. A stale mark and the
+        acceptance window go too. Returns the number of non-empty windows emptied."""
+        self._stale.pop(method, None)
+        if method in self._acceptance:
+            self._acceptance[method].clear()
         cleared = 0
         for windows in self._windows:
             for arm, window in zip(self.arms, windows, strict=True):
@@ -400,14 +483,16 @@ class Tuner:
             "hold": [list(h) if h is not None else None for h in self._hold],
             "pending": [[list(p) for p in pending] for pending in self._pending],
             "plain": [[b, list(s)] for b, s in sorted(self._plain.items())],
+            "acceptance": {m: [list(x) for x in w] for m, w in self._acceptance.items()},
+            "stale": {m: [s.acceptance, s.iterations] for m, s in self._stale.items()},
             "decisions": self.decisions,
             "rng": [version, list(internal), gauss],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()` output (also after a JSON round trip). Buckets and arms must match this
-        tuner's; epsilon, min_trials and hold may differ (the new values apply from now on), and a shorter
-        window keeps the newest iterations."""
+        tuner's; epsilon, min_trials, hold and the stale knobs may differ (the new values apply from now on),
+        and a shorter window keeps the newest iterations. State saved before stale tracking loads as none."""
         version = state.get("version")
         if version not in (1, _STATE_VERSION):
             raise ValueError(f"tuner state version {version!r}, expected {_STATE_VERSION} (or 1)")
@@ -438,6 +523,15 @@ class Tuner:
             int(b): deque((float(x) for x in s), maxlen=PLAIN_WINDOW) for b, s in state.get("plain", [])
         }
         self._plain_fit = None
+        saved = state.get("acceptance", {})
+        self._acceptance = {
+            m: deque(((int(a), int(n)) for a, n in saved.get(m, [])), maxlen=self.config.stale_window)
+            for m in STALE_METHODS
+        }
+        self._stale = {
+            m: StaleDrafter(m, float(acceptance), int(iterations))
+            for m, (acceptance, iterations) in state.get("stale", {}).items()
+        }
         self.decisions = int(state["decisions"])
         version, internal, gauss = state["rng"]
         self._rng.setstate((version, tuple(internal), gauss))

@@ -10,6 +10,7 @@ import asyncio
 import json
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import uvloop
 
 from slipstream.actors.drafter import DrafterActor
 from slipstream.actors.rollout import RolloutActor
+from slipstream.engine.drafters import Draft, Drafter, DraftState
 from slipstream.engine.weights import load_model
 from slipstream.protocols.base import Message
 from slipstream.protocols.control import Idle, Lease
@@ -50,10 +52,27 @@ class Captured:
         return [m for _, m in self.sent if isinstance(m, kind)]
 
 
-def make_actor(model: Path, run_dir: Path, **config: Any) -> tuple[RolloutActor, Captured]:
+class Events:
+    """A log that keeps each event's name and fields, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def _log(self, event: str, **fields: Any) -> None:
+        self.events.append((event, fields))
+
+    debug = info = warning = error = exception = _log
+
+    def of(self, name: str) -> list[dict[str, Any]]:
+        return [fields for event, fields in self.events if event == name]
+
+
+def make_actor(
+    model: Path, run_dir: Path, log: Events | None = None, **config: Any
+) -> tuple[RolloutActor, Captured]:
     out = Captured()
     cfg = msgspec.convert({"model": str(model), **config}, RolloutActor.Config)
-    actor = RolloutActor(cfg, rank=0, outbox=out, inbox=Inbox(8), run_dir=str(run_dir))
+    actor = RolloutActor(cfg, rank=0, outbox=out, inbox=Inbox(8), run_dir=str(run_dir), log=log)
     actor.on_start()
     return actor, out
 
@@ -223,6 +242,65 @@ def test_tuner_state_survives_a_restart(tiny: Path, tmp_path: Path) -> None:
     saved = json.loads((tmp_path / "rollout" / "rank-0" / "tuner.json").read_text())
     restarted, _ = make_actor(tiny, tmp_path, max_batch=4, tuner=tuner)
     assert restarted.tuner.state_dict() == saved == actor.tuner.state_dict()
+
+
+class WrongDrafter(Drafter):
+    """Always proposes `token`, which the target never emits on these prompts: nothing is ever accepted."""
+
+    uses_hidden = False
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def propose(self, states: Sequence[DraftState], depth: int, topk: int, verify: int) -> list[Draft]:
+        return [Draft.chain([self.token] * depth) for _ in states]
+
+
+def test_a_drafter_whose_drafts_are_never_accepted_is_benched_until_a_new_head_arrives(
+    tiny: Path, tmp_path: Path
+) -> None:
+    log = Events()
+    # Decisions held for a whole window: eagle, untried after "off", runs a window whatever the clock says.
+    tuner = {"buckets": [1], "arms": ["off", "eagle:d3"], "epsilon": 0.0, "hold": 8, "stale_window": 8}
+    actor, out = make_actor(tiny, tmp_path, log, max_batch=4, tuner=tuner, hidden_to=["drafter:0"])
+    actor.generator.hold("eagle", WrongDrafter(1))
+    for group, prompt in enumerate(PROMPTS):
+        actor.on_generate(request(group, prompt, 2, 0.0, max_tokens=40), "coordinator")
+    drain(actor)
+    iterations = out.of(IterationStats)
+    eagle = [s for s in iterations if s.arm == "eagle:d3"]
+    assert sum(s.drafted for s in eagle) > 0 and sum(s.accepted for s in eagle) == 0
+    (stale,) = log.of("drafter_stale")
+    assert stale == {
+        "method": "eagle", "acceptance": 0.0, "iterations": 8, "threshold": 0.05, "drafter_version": 0,
+        "policy_version": 0,
+    }  # fmt: skip
+    names = [event for event, _ in log.events]
+    after = [f["arm"] for e, f in log.events[names.index("drafter_stale") :] if e == "tuner_decision"]
+    assert len(after) > 20 and set(after) == {"off"}  # eagle is never chosen again
+    assert actor.tuner.stale().keys() == {"eagle"}
+
+    # A new head arrives: eagle gets another chance (its rewards measured the old head: re-tried first).
+    names, tensors = zip(
+        *((n, t.detach() + 0.01) for n, t in actor.eagle.head.named_parameters()), strict=True
+    )
+    actor.on_drafter_update(
+        DrafterUpdate(version=1, policy_version=0, names=list(names), tensors=list(tensors),
+                      checksum=checksum(list(names), list(tensors))),
+        "drafter:0",
+    )  # fmt: skip
+    actor.on_generate(request(9, PROMPTS[0], 2, 0.0, max_tokens=40), "coordinator")
+    seen = len(log.events)
+    drain(actor)
+    (swapped,) = log.of("drafter_swapped")
+    assert swapped["revived"] == ["eagle"] and swapped["version"] == 1
+    later = [(e, f.get("arm"), f.get("why")) for e, f in log.events[seen:] if e != "drafter_swapped"]
+    assert later[0] == ("tuner_decision", "eagle:d3", "untried")
+    # The wrong drafter is still held (the update went to the real head): benched again after a window.
+    stale = log.of("drafter_stale")
+    assert len(stale) == 2 and stale[1]["drafter_version"] == 1
+    after = later[later.index(("drafter_stale", None, None)) :]
+    assert len(after) > 5 and {arm for e, arm, _ in after if e == "tuner_decision"} == {"off"}
 
 
 @pytest.mark.timeout(180)

@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections import Counter
 from dataclasses import dataclass
 
 import msgspec
 import pytest
 
 from slipstream.engine.speculator import SpecConfig
-from slipstream.engine.tuner import Arm, Decision, Tuner, TunerConfig, parse_arm
+from slipstream.engine.tuner import Arm, Decision, StaleDrafter, Tuner, TunerConfig, parse_arm
 from slipstream.runtime.config import ConfigError, convert
 
 
@@ -336,6 +337,128 @@ def test_finds_an_arm_that_gets_better_by_exploration_and_at_once_after_forget()
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Stale drafters
+
+# MIXED with the EAGLE head collapsed (e.g. lagging a policy update): its drafts are never accepted
+COLLAPSED = CostModel(
+    MIXED.arms
+    | {arm: ArmModel(accept=0.0, depth=d, draft_cost=0.06) for arm, d in (("eagle:d3", 3), ("eagle:d7", 7))}
+)
+
+
+def drive_drafts(
+    tuner: Tuner, model: CostModel, rng: random.Random, batch: int
+) -> tuple[Decision, StaleDrafter | None]:
+    """One iteration as the rollout actor runs it, draft counts fed back too."""
+    decision, committed, _ = drive(tuner, model, rng, batch)
+    depth = model.arms[decision.arm].depth
+    return decision, tuner.record_acceptance(decision.arm, batch, committed - batch, batch * depth)
+
+
+def test_a_drafter_whose_acceptance_collapses_is_benched_while_off_and_ngram_still_run():
+    tuner = Tuner(TunerConfig(arms=list(MIXED.arms), seed=4))
+    rng = random.Random(4)
+    for _ in range(300):
+        _, stale = drive_drafts(tuner, MIXED, rng, rng.choice(BATCHES))
+        assert stale is None
+    assert tuner.best(1) == MIXED_BEST[1] == "eagle:d7" and tuner.stale() == {}
+    eagle_runs, marks = 0, []
+    for _ in range(1000):
+        decision, stale = drive_drafts(tuner, COLLAPSED, rng, rng.choice(BATCHES))
+        eagle_runs += decision.arm.startswith("eagle")
+        marks += [stale] if stale is not None else []
+        if marks:
+            break
+    # Reported once, after at most one window of eagle iterations since the collapse.
+    assert marks and eagle_runs <= tuner.config.stale_window
+    (mark,) = marks
+    assert mark.method == "eagle" and mark.acceptance < 0.05 and mark.iterations == 32
+    assert tuner.stale() == {"eagle": mark}
+    chosen = Counter()
+    for _ in range(2000):
+        decision, stale = drive_drafts(tuner, COLLAPSED, rng, rng.choice(BATCHES))
+        assert stale is None
+        chosen[decision.arm] += 1
+    assert not any(arm.startswith("eagle") for arm in chosen)
+    assert {"off", "ngram:d3", "ngram:d7"} <= chosen.keys()
+    assert all(s["best"] is None or not s["best"].startswith("eagle") for s in tuner.summary())
+
+
+def test_a_new_drafter_revives_a_stale_method_and_its_arms_are_retried_at_once():
+    tuner = Tuner(TunerConfig(arms=["ngram:d3", "eagle:d3", "hybrid:d3"], hold=1, stale_window=4))
+    for arm in ("off", "ngram:d3", "eagle:d3", "hybrid:d3"):
+        tuner.record(1, arm, 2, 1.0)
+    for _ in range(4):
+        tuner.record_acceptance("eagle:d3", 2, 0, 6)
+    mark = tuner.stale()["eagle"]
+    assert mark == StaleDrafter("eagle", 0.0, 4)
+    assert tuner.refresh("ngram") is None and tuner.refresh("hybrid") is None  # neither is stale
+    assert tuner.refresh("eagle") == mark and tuner.stale() == {}
+    assert tuner.refresh("eagle") is None  # already cleared
+    # Its rewards measured the collapsed head: gone, so the new head is tried first.
+    assert tuner.estimate(1, "eagle:d3") is None and tuner.estimate(1, "ngram:d3") == 2.0
+    assert tuner.choose(1) == Decision(1, 0, "1", "eagle:d3", "untried", None)
+    # And it is judged on its own iterations: one more zero is not a full window.
+    assert tuner.record_acceptance("eagle:d3", 2, 0, 6) is None
+    for _ in range(3):
+        stale = tuner.record_acceptance("eagle:d3", 2, 0, 6)
+    assert stale is not None and tuner.forget("eagle") == 0 and tuner.stale() == {}  # forget clears it too
+
+
+def test_a_window_not_yet_full_or_at_the_threshold_marks_nothing_and_ngram_is_never_judged():
+    config = TunerConfig(
+        arms=["ngram:d3", "eagle:d3", "hybrid:d3"], hold=1, stale_window=8, stale_accept=0.05
+    )
+    tuner = Tuner(config)
+    assert tuner.record_acceptance("eagle:d3", 5, 2, 15) is None
+    for _ in range(6):
+        assert tuner.record_acceptance("eagle:d3", 5, 0, 15) is None
+    assert tuner.record_acceptance("eagle:d3", 5, 0, 0) is None  # drafted nothing: not counted
+    assert tuner.record_acceptance("off", 5, 0, 0) is None
+    assert tuner.record_acceptance("eagle:d3", 5, 0, 15) is None  # full: 2 / 40 = 0.05, not below
+    # Sliding: the accepted iteration leaves the window.
+    assert tuner.record_acceptance("eagle:d3", 5, 0, 15) == StaleDrafter("eagle", 0.0, 8)
+    assert tuner.record_acceptance("eagle:d3", 5, 0, 15) is None  # reported once
+    for _ in range(100):
+        assert tuner.record_acceptance("ngram:d3", 5, 0, 15) is None
+        assert tuner.record_acceptance("hybrid:d3", 5, 1, 15) is None  # per method: hybrid accepts 0.2
+    assert set(tuner.stale()) == {"eagle"}
+    chosen = set()
+    for _ in range(200):
+        decision = tuner.choose(5, {"ngram", "eagle", "hybrid"})
+        tuner.record(5, decision.arm, 5, 1.0)
+        chosen.add(decision.arm)
+    assert chosen == {"off", "ngram:d3", "hybrid:d3"}
+    with pytest.raises(ValueError, match="accepted <= drafted"):
+        tuner.record_acceptance("eagle:d3", 5, 16, 15)
+    with pytest.raises(ValueError, match="batch_size"):
+        tuner.record_acceptance("hybrid:d3", 0, 0, 15)
+    with pytest.raises(ValueError, match="unknown arm"):
+        tuner.record_acceptance("eagle:d6", 5, 0, 15)
+
+
+def test_stale_marks_and_acceptance_windows_round_trip_and_older_state_has_none():
+    config = TunerConfig(arms=["ngram:d3", "eagle:d3", "hybrid:d3"], stale_window=4)
+    original = Tuner(config)
+    for _ in range(4):
+        original.record_acceptance("eagle:d3", 3, 0, 9)
+    original.record_acceptance("hybrid:d3", 3, 0, 9)
+    state = json.loads(json.dumps(original.state_dict()))
+    restored = Tuner(config)
+    restored.load_state_dict(state)
+    assert restored.state_dict() == original.state_dict()
+    assert restored.stale() == original.stale() == {"eagle": StaleDrafter("eagle", 0.0, 4)}
+    assert all(not restored.choose(3).arm.startswith("eagle") for _ in range(100))
+    for _ in range(2):
+        assert restored.record_acceptance("hybrid:d3", 3, 0, 9) is None
+    assert restored.record_acceptance("hybrid:d3", 3, 0, 9) is not None  # the 4th, counting the saved one
+    older = {k: v for k, v in state.items() if k not in ("acceptance", "stale")}
+    fresh = Tuner(config)
+    fresh.load_state_dict(older)
+    assert fresh.stale() == {} and fresh.state_dict()["acceptance"] == {"eagle": [], "hybrid": []}
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Persistence
 
 
@@ -419,6 +542,10 @@ def test_state_loads_into_a_shorter_window_keeping_the_newest_samples():
         ({"min_trials": 0}, r"TunerConfig\.min_trials"),
         ({"window": 2, "min_trials": 3}, r"TunerConfig\.min_trials: 3 exceeds window \(2\)"),
         ({"hold": 0}, r"TunerConfig\.hold"),
+        ({"stale_window": 0}, r"TunerConfig\.stale_window: must be an integer >= 1"),
+        ({"stale_accept": -0.1}, r"TunerConfig\.stale_accept: must be a finite number >= 0"),
+        ({"stale_accept": float("inf")}, r"TunerConfig\.stale_accept"),
+        ({"stale_accept": True}, r"TunerConfig\.stale_accept"),
     ],
 )
 def test_config_errors_name_the_field(fields, message):
