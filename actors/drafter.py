@@ -34,7 +34,7 @@ from slipstream.engine.device import parse_device, require_device
 from slipstream.engine.drafter_train import DrafterTrainer
 from slipstream.engine.eagle import EagleHead
 from slipstream.engine.weights import load_head_parts
-from slipstream.protocols.control import Lease, Preempt, Released, Status
+from slipstream.protocols.control import Lease, Preempt, Released, SaveCheckpoint, Status
 from slipstream.protocols.drafter import DrafterDelta, DrafterStats, DrafterUpdate, HiddenStates
 from slipstream.protocols.learner import WeightUpdate
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
@@ -180,6 +180,14 @@ class DrafterActor(Actor):
             self._share(group_now=True)
         else:
             self._send_delta(final=True)
+
+    @handler
+    def on_checkpoint(self, msg: SaveCheckpoint, sender: str) -> None:
+        """The run checkpoints (step `msg.step`): the owner saves its drafter too, whatever its own cadence,
+        so a restarted or resumed drafter starts from at most one checkpoint interval back."""
+        if self.owner and self.version != self._checkpointed_version:
+            if self._checkpoint(wait=True):
+                self._checkpointed_version = self.version
 
     @handler
     def on_delta(self, msg: DrafterDelta, sender: str) -> None:
@@ -391,8 +399,7 @@ class DrafterActor(Actor):
             self._publish(update)
             self._published_version = v
             self._published_at = time.monotonic()
-        if _crossed(self._checkpointed_version, v, cfg.checkpoint_every_steps):
-            self._checkpoint()
+        if _crossed(self._checkpointed_version, v, cfg.checkpoint_every_steps) and self._checkpoint():
             self._checkpointed_version = v
         self._remote_merged = False
 
@@ -468,13 +475,17 @@ class DrafterActor(Actor):
 
     # -- checkpoints (owner) ------------------------------------------------------------------------
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, *, wait: bool = False) -> bool:
+        """Queues a checkpoint for the writer thread; `wait`: behind a write still running (a run checkpoint
+        must not be skipped), else skipped then. True if queued."""
         # trainer.state_dict() is a deep copy: safe to write later
         state = {"version": self.version, "policy_version": self.policy_version, **self.trainer.state_dict()}
         try:
-            self._ckpt_jobs.put_nowait((self.version, state))
+            self._ckpt_jobs.put((self.version, state), block=wait, timeout=60.0 if wait else None)
         except queue.Full:
             self.log.info("checkpoint_skipped", version=self.version, why="previous write still running")
+            return False
+        return True
 
     def _checkpoint_worker(self) -> None:
         while (job := self._ckpt_jobs.get()) is not None:

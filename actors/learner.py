@@ -35,6 +35,7 @@ from slipstream.engine.device import capabilities, parse_device, require_device
 from slipstream.engine.grpo import LossConfig, group_advantages
 from slipstream.engine.policy_train import OptimConfig, PolicySample, PolicyTrainer
 from slipstream.engine.weights import HEAD_PARTS, load_model
+from slipstream.protocols.control import SaveCheckpoint, Status
 from slipstream.protocols.learner import (
     PushWeights,
     ScoredGroup,
@@ -135,6 +136,16 @@ class LearnerActor(Actor):
         self._pending = msg
 
     @handler
+    def on_checkpoint(self, msg: SaveCheckpoint, sender: str) -> None:
+        """The named verb `save_checkpoint`: rank 0 saves the policy and optimizer to `msg.path` (atomic),
+        then says so; the coordinator records the run's state only after that."""
+        if self.rank != 0:
+            return
+        self._save(msg.path)
+        fields = {"step": msg.step, "path": msg.path, "version": self.version}
+        self.send(COORDINATOR, Status(topic="checkpoint_saved", fields=fields))
+
+    @handler
     def on_push(self, msg: PushWeights, sender: str) -> None:
         """The named verb `push_weights`: the current policy to `to` (and the head parts to `head_to`),
         outside a step. Handlers run between steps, so a push never sees half-updated weights."""
@@ -168,7 +179,7 @@ class LearnerActor(Actor):
         if msg.push_only or (alone and msg.num_groups == 0):
             stats = {"loss": 0.0, "grad_norm": 0.0, "tokens": 0}
         else:
-            stats = self.trainer.step(samples)
+            stats = self.trainer.step(samples, on_progress=self.tick)
         self.version = msg.version
         elapsed = time.perf_counter() - started
         metrics = {k: float(v) for k, v in stats.items() if k not in ("step", "loss", "grad_norm", "tokens")}
@@ -231,6 +242,7 @@ class LearnerActor(Actor):
             )
             for dest in dests:
                 self.send(dest, update)
+            self.tick()  # a push of many buckets is progress, not a hang
 
     def _save(self, path: str) -> None:
         target = Path(path)

@@ -38,6 +38,7 @@ import uvloop
 from slipstream.actors.drafter import DrafterActor
 from slipstream.actors.rollout import RolloutActor
 from slipstream.engine import hub
+from slipstream.engine.sampling import group_seed
 from slipstream.engine.tokenizer import Tokenizer
 from slipstream.engine.tuner import Tuner, TunerConfig
 from slipstream.engine.warmup import warmup
@@ -363,7 +364,7 @@ async def _step(
             group_id=group_base + i,
             prompt_ids=torch.tensor(prompt, dtype=torch.int64),
             num_samples=samples,
-            seed=seed * 1_000_003 + group_base + i,
+            seed=group_seed(seed, group_base + i),
             sampling=sampling,
             policy_version=0,
         )

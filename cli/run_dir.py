@@ -26,6 +26,8 @@ __all__ = [
     "read_records",
     "read_state",
     "recorded_groups",
+    "render",
+    "summary",
     "write_records",
     "write_samples",
     "write_state",
@@ -57,6 +59,7 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     policy_version: int
     reward_errors: dict[str, int] = {}  # why rewards failed: error → samples
     restarts: list[str] = []  # actors restarted during the step
+    checkpoint_s: float = 0.0  # saving the run's checkpoint after the sync (0: none this step)
     requeued: int = 0  # samples and score requests dealt again after their actor died
     duplicates: int = 0  # results dropped because their (group, sample) had come back already
 
@@ -147,3 +150,42 @@ def write_state(run_dir: Path, state: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(state))
     os.replace(tmp, path)  # atomic, written after the learner's checkpoint it names
+
+
+def summary(
+    config: dict[str, Any], records: list[StepRecord], run_dir: Path, *, baseline: bool
+) -> dict[str, Any]:
+    """summary.json: the run's config, every step's record, and the rewards at both ends."""
+    steps = [msgspec.structs.asdict(r) for r in records]
+    first, last = (steps[0], steps[-1]) if steps else ({}, {})
+    return {
+        "run_dir": str(run_dir),
+        "baseline": baseline,
+        "config": config,
+        "steps": steps,
+        "first_reward": first.get("reward_mean"),
+        "last_reward": last.get("reward_mean"),
+        "invalid": sum(r.invalid for r in records),
+        "step_s_mean": round(sum(r.step_s for r in records) / max(len(records), 1), 3),
+    }
+
+
+def render(summary: dict[str, Any]) -> str:
+    """The run's summary as a table, one row per step."""
+    head = (
+        f"{'step':>4} {'reward':>7} {'correct':>7} {'mixed':>6} {'inval':>5} {'tok':>6} {'step s':>7} "
+        f"{'roll':>6} {'rew':>5} {'learn':>6} {'sync':>5} {'accept':>6} {'idle s':>6} {'reclaim':>7}"
+    )
+    lines = [head]
+    for r in summary["steps"]:
+        lines.append(
+            f"{r['step']:>4} {r['reward_mean']:>7.3f} {r['correct_share']:>7.3f} {r['nonzero_adv_share']:>6.2f} "
+            f"{r['invalid']:>5} {r['tokens']:>6} {r['step_s']:>7.1f} {r['rollout_s']:>6.1f} {r['reward_s']:>5.2f} "
+            f"{r['learn_s']:>6.1f} {r['sync_s']:>5.2f} {r['accept_length']:>6.2f} {r['idle_device_s']:>6.1f} "
+            f"{r['reclaimed_s']:>7.1f}"
+        )
+    lines.append(
+        f"reward {summary['first_reward']} -> {summary['last_reward']} over {len(summary['steps'])} steps; "
+        f"{summary['invalid']} invalid samples; summary.json and metrics.jsonl in {summary['run_dir']}"
+    )
+    return "\n".join(lines)

@@ -30,12 +30,12 @@ from slipstream.actors.learner import RENDEZVOUS_FILE, LearnerActor
 from slipstream.actors.rollout import RolloutActor
 from slipstream.actors.verifier import VerifierActor
 from slipstream.cli import run_dir as run_dir_files
-from slipstream.cli.run_dir import StepRecord
+from slipstream.cli.run_dir import StepRecord, render
 from slipstream.engine import hub
 from slipstream.engine.device import require_device
 from slipstream.engine.grpo import LossConfig
 from slipstream.engine.policy_train import OptimConfig
-from slipstream.engine.sampling import MAX_SEED
+from slipstream.engine.sampling import GROUP_BITS, MAX_SEED, group_seed
 from slipstream.engine.tokenizer import Tokenizer
 from slipstream.engine.tuner import TunerConfig
 from slipstream.protocols.learner import ScoredGroup
@@ -52,7 +52,6 @@ from slipstream.tasks.datasets import DEFAULT_DATASET_SIZE, Row, chat_prompt_ids
 from slipstream.tasks.stream import DataStream
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
-GROUP_BITS = 20  # a group's sampling seed is (run seed << 20) | group id
 
 
 class RolloutSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -98,6 +97,11 @@ class FaultsSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     # Steps in a row whose every sample's reward failed before the run ends naming the reward's error (such a
     # step changes nothing: no sample, no optimizer step).
     max_invalid_steps: Annotated[int, msgspec.Meta(ge=1)] = 3
+    # An actor whose compute loop makes no progress for this long (no loop turn, no learner micro-batch)
+    # while its heartbeats still arrive is killed and handled as dead: restarted, its work dealt again.
+    # A stopped process (no heartbeats) is caught in ~3 s regardless. 0 = off. There is no fixed deadline
+    # for a learner step or a weight sync: a step takes what its batch takes while its actors progress.
+    hang_s: Annotated[float, msgspec.Meta(ge=0.0)] = 300.0
 
 
 class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -207,6 +211,7 @@ def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from:
                 verify_applied_weights=cfg.rollout.verify_weights,
             ),
             threads=slot.threads,
+            hang_s=cfg.faults.hang_s,
             cpus=slot.cpus,
         )
         for r, slot in enumerate(where.rollouts)
@@ -228,6 +233,7 @@ def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from:
                     seed=cfg.seed,
                 ),
                 threads=slot.threads,
+                hang_s=cfg.faults.hang_s,
                 cpus=slot.cpus,
             )
             for r, slot in enumerate(where.drafters)
@@ -239,6 +245,7 @@ def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from:
             config=VerifierActor.Config(
                 reward=default_reward(cfg), workers=cfg.verifier.workers, timeout_s=cfg.verifier.timeout_s
             ),
+            hang_s=cfg.faults.hang_s,
         )
         for r in range(cfg.verifier.actors)
     ]
@@ -257,6 +264,7 @@ def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from:
                 seed=cfg.seed,
             ),
             threads=slot.threads,
+            hang_s=cfg.faults.hang_s,
         )
         for r, slot in enumerate(where.learners)
     ]
@@ -332,7 +340,7 @@ async def train(
                     learned = time.monotonic()
                     checkpoint = ""
                     if _checkpoint_due(cfg, step, time.monotonic() - last_checkpoint):
-                        checkpoint = str(run_dir / "checkpoints" / f"step-{step + 1}" / "learner.pt")
+                        checkpoint = f"checkpoints/step-{step + 1}/learner.pt"  # in the run directory
                     # The line where weights are pushed: the learner trains, then sends every rollout v + 1.
                     while True:
                         try:
@@ -342,10 +350,14 @@ async def train(
                                 version=version + 1,
                                 push_to=rollouts,
                                 push_head_to=drafters,
-                                checkpoint=checkpoint,
                             )
                             learn_s = time.monotonic() - learned
                             await coord.weights_applied(version + 1, heads=drafters)
+                            synced = time.monotonic()
+                            if checkpoint:  # the policy, its optimizer and the drafter, after the sync
+                                await coord.save_checkpoint(
+                                    step + 1, str(run_dir / checkpoint), drafters=drafters[:1]
+                                )
                             break
                         except ActorDiedError:
                             if not any(n in coord.dead for n in learners):
@@ -360,13 +372,15 @@ async def train(
                                     if not any(n in coord.dead for n in learners):
                                         raise
                     version += 1
-                    sync_s = time.monotonic() - learned - learn_s
+                    sync_s = synced - learned - learn_s
+                    checkpoint_s = time.monotonic() - synced
                     lead = stats[0]
                     record = msgspec.structs.replace(
                         record,
                         learn_s=round(learn_s, 3),
                         sync_s=round(sync_s, 3),
-                        step_s=round(record.step_s + learn_s + sync_s, 3),
+                        step_s=round(record.step_s + learn_s + sync_s + checkpoint_s, 3),
+                        checkpoint_s=round(checkpoint_s, 3),
                         loss=lead.loss,
                         grad_norm=lead.grad_norm,
                         mismatch_logp_abs_max=lead.metrics.get("mismatch_logp_abs_max", 0.0),
@@ -380,7 +394,7 @@ async def train(
                         run_dir,
                         {
                             "step": step + 1,
-                            "checkpoint": f"checkpoints/step-{step + 1}/learner.pt",
+                            "checkpoint": checkpoint,
                             "data": data_cursor,  # the rows after this step's: where a resume reads on
                         },
                     )
@@ -401,7 +415,7 @@ async def train(
     finally:
         metrics_file.close()
         await sup.shutdown(reason="training finished")
-    summary = _summary(cfg, records, run_dir, baseline=baseline)
+    summary = run_dir_files.summary(msgspec.to_builtins(cfg), records, run_dir, baseline=baseline)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -425,7 +439,7 @@ async def _step(
             group_id=g,
             prompt_ids=torch.tensor(prompts[g], dtype=torch.int64),
             num_samples=cfg.group_size,
-            seed=(cfg.seed << GROUP_BITS) | g,
+            seed=group_seed(cfg.seed, g),
             sampling=sampling,
             policy_version=version,
         )
@@ -507,42 +521,6 @@ async def _step(
         policy_version=version,
     )
     return record, groups
-
-
-def _summary(cfg: TrainConfig, records: list[StepRecord], run_dir: Path, *, baseline: bool) -> dict[str, Any]:
-    steps = [msgspec.structs.asdict(r) for r in records]
-    first, last = (steps[0], steps[-1]) if steps else ({}, {})
-    return {
-        "run_dir": str(run_dir),
-        "baseline": baseline,
-        "config": msgspec.to_builtins(cfg),
-        "steps": steps,
-        "first_reward": first.get("reward_mean"),
-        "last_reward": last.get("reward_mean"),
-        "invalid": sum(r.invalid for r in records),
-        "step_s_mean": round(sum(r.step_s for r in records) / max(len(records), 1), 3),
-    }
-
-
-def render(summary: dict[str, Any]) -> str:
-    """The run's summary as a table, one row per step."""
-    head = (
-        f"{'step':>4} {'reward':>7} {'correct':>7} {'mixed':>6} {'inval':>5} {'tok':>6} {'step s':>7} "
-        f"{'roll':>6} {'rew':>5} {'learn':>6} {'sync':>5} {'accept':>6} {'idle s':>6} {'reclaim':>7}"
-    )
-    lines = [head]
-    for r in summary["steps"]:
-        lines.append(
-            f"{r['step']:>4} {r['reward_mean']:>7.3f} {r['correct_share']:>7.3f} {r['nonzero_adv_share']:>6.2f} "
-            f"{r['invalid']:>5} {r['tokens']:>6} {r['step_s']:>7.1f} {r['rollout_s']:>6.1f} {r['reward_s']:>5.2f} "
-            f"{r['learn_s']:>6.1f} {r['sync_s']:>5.2f} {r['accept_length']:>6.2f} {r['idle_device_s']:>6.1f} "
-            f"{r['reclaimed_s']:>7.1f}"
-        )
-    lines.append(
-        f"reward {summary['first_reward']} -> {summary['last_reward']} over {len(summary['steps'])} steps; "
-        f"{summary['invalid']} invalid samples; summary.json and metrics.jsonl in {summary['run_dir']}"
-    )
-    return "\n".join(lines)
 
 
 async def _recover_learner(

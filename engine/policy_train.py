@@ -21,7 +21,7 @@ Non-obvious choices:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,9 +184,12 @@ class PolicyTrainer:
         self.steps = 0
         self._stat_keys = _stat_keys(self.loss, with_ref=ref_model is not None)
 
-    def step(self, samples: Sequence[PolicySample]) -> dict[str, Any]:
+    def step(
+        self, samples: Sequence[PolicySample], on_progress: Callable[[], None] | None = None
+    ) -> dict[str, Any]:
         """One optimizer step on this rank's `samples` (every rank of a data-parallel group calls it, with
-        no samples too: the collectives need every rank)."""
+        no samples too: the collectives need every rank). `on_progress` is called after each micro-batch:
+        a step of any size shows its owner that it moves (the learner actor's hang deadline)."""
         device = self.model.embed_tokens.weight.device
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         counts = torch.tensor(
@@ -216,6 +219,8 @@ class PolicyTrainer:
             loss.backward()
             losses += float(loss.detach())
             totals.add(stats, tokens)
+            if on_progress is not None:
+                on_progress()
         grad_norm = self._reduce_and_clip(world)
         self.optimizer.step()
         self.steps += 1

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "GROUP_BITS",
     "HEAD_MIN_PROB",
     "MAX_SAMPLE_INDEX",
     "MAX_SEED",
@@ -34,6 +35,7 @@ __all__ = [
     "STREAM_SAMPLE",
     "STREAM_TAIL",
     "SamplingParams",
+    "group_seed",
     "keyed_exponential",
     "keyed_pick",
     "keyed_rank",
@@ -63,6 +65,17 @@ MAX_SAMPLE_INDEX = 2**24
 """Samples per seed (a group's samples, or the requests of one `generate` run): indices in [0, 2**24)."""
 MAX_SEED = 2**39
 """Seeds of runs and groups are in [0, 2**39)."""
+GROUP_BITS = 20
+"""A group's seed holds its id in the low 20 bits: runs seeded below 2**19 and ~1M groups a run."""
+
+
+def group_seed(run_seed: int, group_id: int) -> int:
+    """The sampling seed of group `group_id` of a run seeded `run_seed`: `train` and `bench rollout` alike,
+    distinct per (run, group), so a requeued or replayed group draws the same tokens."""
+    if not (0 <= run_seed < MAX_SEED >> GROUP_BITS and 0 <= group_id < 1 << GROUP_BITS):
+        raise ValueError(f"group seed out of range: run seed {run_seed}, group {group_id}")
+    return (run_seed << GROUP_BITS) | group_id
+
 
 # splitmix64 constants as signed int64 (torch has no uint64 arithmetic; int64 multiplication wraps).
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15

@@ -4,7 +4,7 @@ from typing import Annotated, ClassVar
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: Heartbeat.ticks, SaveCheckpoint
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 NonNegF = Annotated[float, msgspec.Meta(ge=0.0)]

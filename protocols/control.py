@@ -26,6 +26,7 @@ class ControlKind(StrEnum):
     RELEASED = "control.released"
     SHUTDOWN = "control.shutdown"
     DEAD = "control.dead"
+    CHECKPOINT = "control.checkpoint"
 
 
 class Hello(Message, frozen=True, kw_only=True):
@@ -60,13 +61,16 @@ class Ready(Message, frozen=True, kw_only=True):
 
 
 class Heartbeat(Message, frozen=True, kw_only=True):
-    """Both directions, every heartbeat interval. `handled` and `queued` let an owner see a stuck loop."""
+    """Both directions, every heartbeat interval. `handled` and `queued` let an owner see a stuck loop;
+    `ticks` counts the compute loop's turns (and long handlers' progress marks): frozen ticks under live
+    heartbeats are a hang."""
 
     kind = ControlKind.HEARTBEAT
     seq: NonNeg
     sent_ns: int
     handled: NonNeg = 0
     queued: NonNeg = 0
+    ticks: NonNeg = 0
 
 
 class Ping(Message, frozen=True, kw_only=True):
@@ -142,6 +146,16 @@ class Dead(Message, frozen=True, kw_only=True):
     exit_code: int | None = None
 
 
+class SaveCheckpoint(Message, frozen=True, kw_only=True):
+    """Coordinator → learner rank 0 and the drafter owner, after step `step` is trained and synced: save a
+    checkpoint (the learner to `path`, atomically, then Status "checkpoint_saved" with step and path; the
+    drafter to its own directory, in the background). Handled between steps, so it sees whole weights."""
+
+    kind = ControlKind.CHECKPOINT
+    step: NonNeg
+    path: str = ""
+
+
 MESSAGES: tuple[type[Message], ...] = (
     Hello,
     Init,
@@ -155,6 +169,7 @@ MESSAGES: tuple[type[Message], ...] = (
     Preempt,
     Released,
     Shutdown,
+    SaveCheckpoint,
     Dead,
 )
 

@@ -112,6 +112,9 @@ class Actor:
         self._local_codec = local_codec or self._codec
         self._stopping = False
         self.handled = 0
+        # Turns of the compute loop, plus `tick()` marks from long handlers: the heartbeats carry it, and a
+        # supervisor with a hang deadline kills an actor whose ticks stop while its heartbeats arrive.
+        self.ticks = 0
 
     # -- hooks for subclasses -----------------------------------------------------------------------
 
@@ -138,6 +141,10 @@ class Actor:
     def control_pending(self) -> bool:
         """True while a control message (preempt, shutdown, lease) waits: long steps poll this."""
         return self.inbox.control_event.is_set()
+
+    def tick(self) -> None:
+        """Marks progress inside one long handler or step (a learner's micro-batch): not a hang."""
+        self.ticks += 1
 
     def stop(self) -> None:
         """Ends `serve` after the current message."""
@@ -167,6 +174,7 @@ class Actor:
         """Runs until shutdown: drain control, then data, then `step()`; block only when idle."""
         busy = False
         while not self._stopping:
+            self.ticks += 1
             got = self.inbox.get(timeout=0 if busy else idle_wait_s)
             if got is not None:
                 _, (sender, msg) = got

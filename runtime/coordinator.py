@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -31,7 +32,7 @@ from typing import Any
 import msgspec
 
 from slipstream.protocols.base import Message
-from slipstream.protocols.control import Idle, Lease, Preempt, Released, Status
+from slipstream.protocols.control import Idle, Lease, Preempt, Released, SaveCheckpoint, Status
 from slipstream.protocols.drafter import DrafterStats
 from slipstream.protocols.learner import PushWeights, ScoredGroup, StepStats, TrainStep, WeightAck
 from slipstream.protocols.reward import Reward, ScoreRequest
@@ -123,6 +124,7 @@ class Coordinator:
         self._acks: dict[int, dict[str, WeightAck]] = defaultdict(dict)
         self._head_acks: dict[int, dict[str, bool]] = defaultdict(dict)  # version -> drafter -> applied
         self._stats: dict[int, dict[str, StepStats]] = defaultdict(dict)
+        self._saved: set[int] = set()  # steps whose checkpoint the learner reported on disk
         self._changed = asyncio.Event()  # set on every routed message or death: waiters re-check
         self._metrics = StepMetrics()
         self._step_started = 0.0
@@ -188,6 +190,8 @@ class Coordinator:
         elif isinstance(msg, Status):
             if msg.topic in ("head_synced", "head_refused"):  # a drafter's answer to a head push
                 self._head_acks[int(msg.fields.get("version", -1))][sender] = msg.topic == "head_synced"
+            elif msg.topic == "checkpoint_saved":  # the learner's answer to save_checkpoint
+                self._saved.add(int(msg.fields.get("step", -1)))
             self._emit("status", sender=sender, topic=msg.topic, **msg.fields)
         else:
             self._emit("unrouted", sender=sender, kind=msg.kind, level="warning")
@@ -326,16 +330,18 @@ class Coordinator:
 
     async def finish_step(self, timeout_s: float = 60.0) -> StepMetrics:
         """After `rollout`: waits until every lease is released and every rollout has reported Idle, then
-        returns the step's metrics (idle device-seconds and the share drafter training reclaimed)."""
+        returns the step's metrics (idle device-seconds and the share drafter training reclaimed). A drafter
+        or rollout that has not settled `timeout_s` after the last completion is killed and handled as dead
+        (restarted; drafters change speed, never samples), not waited on for ever."""
         table = self.leases
         ended = self._step_started + self._metrics.rollout_s
 
-        def settled() -> bool:
-            live = [r for r in self.rollouts if r not in self.dead]
-            return not table.active and not table.awaiting_stats and all(r in table.idle_at for r in live)
+        def unsettled() -> list[str]:
+            drafters = [*table.active, *table.awaiting_stats]
+            return drafters + [r for r in self.rollouts if r not in self.dead and r not in table.idle_at]
 
         deadline = time.monotonic() + timeout_s
-        while not settled():
+        while unsettled():
             # A drafter that died is restarted (from its checkpoint) and handed the policy's head; its lease
             # is void. Drafters change speed, never samples: the step goes on meanwhile.
             for drafter in [d for d in table.drafter_of.values() if d in self.dead]:
@@ -344,12 +350,15 @@ class Coordinator:
                 # Its share was in (the rollout is over): back up with the current weights, and idle.
                 await self._revive_rollout(rollout, "leases released", self.policy_version)
                 self._on_idle(rollout, ended)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no leases released within {timeout_s:.0f} s")
+            if time.monotonic() >= deadline:
+                for name in unsettled():
+                    if name not in self.dead:
+                        self._emit("unsettled_killed", actor=name, after_s=timeout_s, level="error")
+                        self.sup.kill(name)
+                deadline = time.monotonic() + timeout_s
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), timeout=min(left, 1.0))
+                await asyncio.wait_for(self._changed.wait(), timeout=1.0)
         m = self._metrics
         idle = {r: max(0.0, ended - t) for r, t in table.idle_at.items()}
         m.idle_device_s = sum(idle.values())
@@ -478,14 +487,35 @@ class Coordinator:
                 push_head_to=list(push_head_to) if lead else [],
             )
             await self.sup.send(rank, msg)
+        # No fixed deadline: a step takes what its batch takes. A rank that stops making progress is killed
+        # by its hang deadline (the supervisor) and this wait raises ActorDiedError naming it.
         await self._until(
             lambda: len(self._stats[step]) == len(self.learners), self.learners, "learner stats"
         )
         stats = self._stats.pop(step)
         return [stats[name] for name in self.learners]
 
+    async def save_checkpoint(self, step: int, path: str, *, drafters: Sequence[str] = ()) -> None:
+        """The learner's rank 0 saves the policy and optimizer after step `step` to `path`, and each drafter in
+        `drafters` (the owner) its own; returns once the learner's file is on disk (drafters are not waited
+        on: they change speed, never samples). Raises ActorDiedError if the learner dies meanwhile."""
+        if not self.learners:
+            raise ValueError("no learner actors to checkpoint")
+        self._saved.discard(step)
+        await self.sup.send(self.learners[0], SaveCheckpoint(step=step, path=path))
+        for drafter in drafters:
+            if drafter not in self.dead:
+                await self.sup.send(drafter, SaveCheckpoint(step=step))
+        await self._until(lambda: step in self._saved, self.learners[:1], f"checkpoint of step {step}")
+        self._saved.discard(step)
+
     async def push_weights(
-        self, version: int, *, to: Sequence[str], head_to: Sequence[str] = (), timeout_s: float = 300.0
+        self,
+        version: int,
+        *,
+        to: Sequence[str],
+        head_to: Sequence[str] = (),
+        timeout_s: float | None = None,
     ) -> None:
         """The learner's rank 0 sends its policy, version `version`, to `to` (and the head parts to
         `head_to`) outside a step; returns when every actor in `to` has acknowledged it."""
@@ -497,7 +527,7 @@ class Coordinator:
         await self._wait_acks(version, list(to), timeout_s)
 
     async def weights_applied(
-        self, version: int, *, heads: Sequence[str] = (), timeout_s: float = 300.0
+        self, version: int, *, heads: Sequence[str] = (), timeout_s: float | None = None
     ) -> None:
         """Waits until every rollout acknowledged `version` (raises if one refused it) and every live drafter
         in `heads` answered its head push (a refused head is logged: drafters change speed, not samples).
@@ -526,7 +556,7 @@ class Coordinator:
             self._emit("head_refused", actor=drafter, version=version, level="warning")
         del self._head_acks[version]
 
-    async def _wait_acks(self, version: int, names: list[str], timeout_s: float) -> None:
+    async def _wait_acks(self, version: int, names: list[str], timeout_s: float | None) -> None:
         acks = self._acks[version]
 
         def done() -> bool:
@@ -553,14 +583,16 @@ class Coordinator:
         return queue.get_nowait()
 
     async def _until(
-        self, ready: Callable[[], bool], peers: Sequence[str], what: str, timeout_s: float = 600.0
+        self, ready: Callable[[], bool], peers: Sequence[str], what: str, timeout_s: float | None = None
     ) -> None:
-        deadline = time.monotonic() + timeout_s
+        """Waits until `ready()`; raises ActorDiedError as soon as one of `peers` is dead, TimeoutError past
+        `timeout_s` (None: no deadline, the peers' hang deadlines bound the wait)."""
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else math.inf)
         while not ready():
             self._raise_if_dead(peers, what)
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"no {what} within {timeout_s:.0f} s")
+                raise TimeoutError(f"no {what} within {timeout_s} s")
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=min(left, 1.0))

@@ -11,7 +11,7 @@ parks that message and stops taking new ones from the compute thread until it dr
 blocks the compute loop instead of growing memory.
 
 Liveness: a heartbeat goes to the coordinator every interval from this thread (it proves the process is
-alive; `handled`/`queued` in it show whether the compute loop moves). If the coordinator falls silent
+alive; `handled`/`queued`/`ticks` in it show whether the compute loop moves). If the coordinator falls silent
 for `supervisor_timeout_s`, the actor is told to shut down — an orphan never outlives its run.
 """
 
@@ -163,6 +163,7 @@ class ActorIO(threading.Thread):
             sent_ns=time.time_ns(),
             handled=getattr(self.progress, "handled", 0),
             queued=len(self.inbox),
+            ticks=getattr(self.progress, "ticks", 0),
         )
         self._send(self.control, self._codec.encode(beat))
 

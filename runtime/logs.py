@@ -163,3 +163,41 @@ def log_tail(path: Path, n: int, max_chars: int = 400) -> list[str]:
     graves = [line for line in lines if grave(line)][-n:]
     rest = [line for line in lines if line not in graves][-(n - len(graves)) :] if len(graves) < n else []
     return [line if len(line) <= max_chars else line[:max_chars] + "…" for line in graves + rest]
+
+
+class EventProxy:
+    """XSUB (actors' log PUBs connect) → XPUB (log followers connect), on its own thread."""
+
+    def __init__(self, inbound: str, outbound: str) -> None:
+        self.inbound, self.outbound = inbound, outbound
+        self._ctx = zmq.Context()
+        self._thread: threading.Thread | None = None
+        self._ctrl_endpoint = f"inproc://events-ctrl-{id(self)}"
+
+    def start(self) -> None:
+        xsub = make_socket(self._ctx, zmq.XSUB, bind=self.inbound)
+        xpub = make_socket(self._ctx, zmq.XPUB, bind=self.outbound)
+        ctrl = self._ctx.socket(zmq.PAIR)
+        ctrl.bind(self._ctrl_endpoint)
+        self._ctrl = self._ctx.socket(zmq.PAIR)
+        self._ctrl.connect(self._ctrl_endpoint)
+
+        def run() -> None:
+            try:
+                zmq.proxy_steerable(xsub, xpub, None, ctrl)
+            except zmq.ContextTerminated:
+                pass
+            finally:
+                for s in (xsub, xpub, ctrl):
+                    s.close(linger=0)
+
+        self._thread = threading.Thread(target=run, name="event-proxy", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._ctrl.send(b"TERMINATE")
+            self._thread.join(5)
+            self._ctrl.close(linger=0)
+            self._thread = None
+        self._ctx.term()

@@ -5,9 +5,10 @@ every actor sends Hello, then (once all data endpoints are known) gets Init with
 peer directory, and must answer Ready within the handshake timeout — otherwise every process is killed
 and `SupervisorError` names the actor and its reason (a bad config names its field).
 
-Death is seen as a process exit (awaited, so SIGKILL is seen at once) or as `missed_beats` silent
-heartbeat intervals (a hang; the process is then killed). The owner gets an `ActorDied` on `deaths` and
-decides. Nothing restarts by itself: `await restart(name)` is the owner's verb. It respawns the actor
+Death is seen as a process exit (awaited, so SIGKILL is seen at once), as `missed_beats` silent
+heartbeat intervals (a stopped process), or, with a spec's `hang_s`, as a compute loop whose ticks froze
+while its IO thread still beats (a hang); a silent or hung process is killed. The owner gets an
+`ActorDied` on `deaths` and decides. Nothing restarts by itself: `await restart(name)` is the owner's verb. It respawns the actor
 from its original `ActorSpec` after a backoff (`restart_backoff_s * 2**(k-1)` before the k-th, ≤ 30 s)
 and shakes hands with it alone. Its data endpoint is ipc:// and fixed per role and rank, so peers
 reconnect by themselves. Each actor gets `max_restarts` tries per run, failed ones included. Past the
@@ -26,7 +27,6 @@ import contextlib
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -70,6 +70,9 @@ class ActorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     threads: int = 1  # torch/OpenMP threads: the actor's share of this host's cores
     cpus: list[int] = []  # cores to pin to (empty: no pinning)
     env: dict[str, str] = {}
+    # A hang deadline: ready, heartbeats arriving, but its compute loop made no turn (and a long handler
+    # no `tick()`) for this long -> killed and reported dead as hung. 0 = off.
+    hang_s: float = 0.0
 
     @classmethod
     def of(
@@ -81,6 +84,7 @@ class ActorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
         threads: int = 1,
         cpus: Sequence[int] = (),
         env: Mapping[str, str] | None = None,
+        hang_s: float = 0.0,
     ) -> ActorSpec:
         """The spec of Actor subclass `actor` with its typed `config` (default: `actor.Config()`)."""
         if not (isinstance(actor, type) and issubclass(actor, Actor)):
@@ -99,6 +103,7 @@ class ActorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
             threads=threads,
             cpus=list(cpus),
             env=dict(env or {}),
+            hang_s=hang_s,
         )
 
     def plain_config(self) -> dict[str, Any]:
@@ -125,6 +130,8 @@ class _Proc:
     dead: bool = False
     reason: str = ""
     last_seen: float = field(default_factory=time.monotonic)
+    ticks: int = -1  # the compute loop's turns, as its last heartbeat said
+    moved_at: float = field(default_factory=time.monotonic)  # when its ticks last changed (or it got ready)
     watcher: asyncio.Task[None] | None = None
     restarting: bool = False  # in a restart's handshake: a death here is raised, not put on `deaths`
 
@@ -171,7 +178,7 @@ class Supervisor:
         self._restarting: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
-        self._proxy = _EventProxy(self.events_in, self.events_out)
+        self._proxy = logs.EventProxy(self.events_in, self.events_out)
         (self.run_dir / "endpoints.json").write_bytes(
             msgspec.json.encode({"control": self.control_endpoint, "events": self.events_out})
         )
@@ -324,6 +331,8 @@ class Supervisor:
                 continue
             entry.last_seen = time.monotonic()
             if isinstance(msg, Heartbeat):
+                if msg.ticks != entry.ticks:
+                    entry.ticks, entry.moved_at = msg.ticks, entry.last_seen
                 continue
             if isinstance(msg, Hello):
                 if msg.protocol_version != PROTOCOL_VERSION:
@@ -334,7 +343,7 @@ class Supervisor:
                     continue
                 entry.hello = msg
             elif isinstance(msg, Ready):
-                entry.ready = True
+                entry.ready, entry.moved_at = True, time.monotonic()
                 self._emit("ready", actor=sender)
             elif isinstance(msg, Dead):
                 self._mark_dead(entry, msg.reason, msg.exit_code)
@@ -352,6 +361,7 @@ class Supervisor:
                     now = time.monotonic()
                     for p in self._procs.values():
                         p.last_seen = max(p.last_seen, now)  # unheard while this loop waited
+                        p.moved_at = max(p.moved_at, now)  # blocked sends stop compute loops too
 
     # -- liveness -----------------------------------------------------------------------------------
 
@@ -374,11 +384,21 @@ class Supervisor:
                     continue
                 # Liveness is judged once an actor is ready: until then it may be busy loading a model
                 # on its compute thread while its IO thread still beats.
-                if p.ready and not self._backpressure and now - p.last_seen > limit:
-                    self._mark_dead(p, f"no heartbeat for {now - p.last_seen:.2f}s", None)
-                    with contextlib.suppress(ProcessLookupError):
-                        p.proc.kill()
-                    continue
+                hang = p.spec.hang_s
+                if p.ready and not self._backpressure:
+                    reason = ""
+                    if now - p.last_seen > limit:  # the whole process is silent: stopped, or its IO stuck
+                        reason = f"no heartbeat for {now - p.last_seen:.2f}s"
+                    elif hang > 0 and now - p.moved_at > hang:
+                        reason = (
+                            f"hung: no progress for {now - p.moved_at:.1f}s (hang_s {hang:g}) while its "
+                            "heartbeats arrived"
+                        )
+                    if reason:
+                        self._mark_dead(p, reason, None)
+                        with contextlib.suppress(ProcessLookupError):
+                            p.proc.kill()
+                        continue
                 await self.send(name, beat)
             await asyncio.sleep(self.heartbeat_s)
 
@@ -554,41 +574,3 @@ async def _wait_all(procs: list[asyncio.subprocess.Process], timeout: float) -> 
     for fut in not_done:
         fut.cancel()
     return not not_done
-
-
-class _EventProxy:
-    """XSUB (actors' log PUBs connect) → XPUB (log followers connect), on its own thread."""
-
-    def __init__(self, inbound: str, outbound: str) -> None:
-        self.inbound, self.outbound = inbound, outbound
-        self._ctx = zmq.Context()
-        self._thread: threading.Thread | None = None
-        self._ctrl_endpoint = f"inproc://events-ctrl-{id(self)}"
-
-    def start(self) -> None:
-        xsub = make_socket(self._ctx, zmq.XSUB, bind=self.inbound)
-        xpub = make_socket(self._ctx, zmq.XPUB, bind=self.outbound)
-        ctrl = self._ctx.socket(zmq.PAIR)
-        ctrl.bind(self._ctrl_endpoint)
-        self._ctrl = self._ctx.socket(zmq.PAIR)
-        self._ctrl.connect(self._ctrl_endpoint)
-
-        def run() -> None:
-            try:
-                zmq.proxy_steerable(xsub, xpub, None, ctrl)
-            except zmq.ContextTerminated:
-                pass
-            finally:
-                for s in (xsub, xpub, ctrl):
-                    s.close(linger=0)
-
-        self._thread = threading.Thread(target=run, name="event-proxy", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._ctrl.send(b"TERMINATE")
-            self._thread.join(5)
-            self._ctrl.close(linger=0)
-            self._thread = None
-        self._ctx.term()

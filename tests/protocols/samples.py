@@ -32,6 +32,7 @@ def samples() -> dict[str, Message]:
         control.Preempt(lease_id=9, reason="step done", sent_ns=5),
         control.Released(lease_id=9, latency_ns=1000),
         control.Shutdown(reason="done"),
+        control.SaveCheckpoint(step=4, path="run/checkpoints/step-4/learner.pt"),
         control.Dead(role="drafter", rank=0, reason="OOM", exit_code=137),
         sampling,
         rollout.GenerateRequest(

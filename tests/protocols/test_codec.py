@@ -16,7 +16,7 @@ GOLDEN = {
         "2f7230cb3fe000000000000002"
     ),
     "control.ready": "92a7726f6c6c6f757401",
-    "control.heartbeat": "9407ce075bcd150301",
+    "control.heartbeat": "9507ce075bcd15030100",
     "control.ping": "920163",
     "control.pong": "920163",
     "control.status": (
@@ -27,6 +27,7 @@ GOLDEN = {
     "control.preempt": "9309a97374657020646f6e6505",
     "control.released": "9209cd03e8",
     "control.shutdown": "91a4646f6e65",
+    "control.checkpoint": "9204d92172756e2f636865636b706f696e74732f737465702d342f6c6561726e65722e7074",
     "control.dead": "94a76472616674657200a34f4f4dcc89",
     "rollout.sampling": "95cb3fe6666666666666cb3feccccccccccccd14cc809102",
     "rollout.generate": (

@@ -189,9 +189,14 @@ class RestartingSupervisor(FakeSupervisor):
     def __init__(self) -> None:
         super().__init__()
         self.restarted: list[str] = []
+        self.killed: list[str] = []
 
     async def restart(self, name: str) -> None:
         self.restarted.append(name)
+
+    def kill(self, name: str) -> None:  # the real one SIGKILLs; the death then arrives like any other
+        self.killed.append(name)
+        self.deaths.put_nowait(Died(name, "killed by SIGKILL"))
 
     def sent_any(self, kind: type) -> bool:
         return any(isinstance(m, kind) for _, m in self.sent)
@@ -377,5 +382,32 @@ def test_a_rollout_restarted_owing_nothing_counts_as_idle() -> None:
             sup.deliver(dealt[1], Idle(role="rollout", rank=int(dealt[1][-1]), policy_version=0))
             await coord.finish_step(timeout_s=5)  # no wait for an Idle the restarted one never sends
             assert sup.restarted == [dealt[0]]
+
+    run(main())
+
+
+def test_a_drafter_that_never_releases_its_lease_is_killed_and_restarted_not_waited_on() -> None:
+    async def main() -> None:
+        sup = RestartingSupervisor()
+        coord = Coordinator(
+            sup, rollouts=["rollout:0", "rollout:1"], drafters={"rollout:1": "drafter:1"}, restart=True
+        )
+        async with coord:
+            stream = coord.rollout([request(0, 1), request(1, 1)]).__aiter__()
+            first = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0.01)
+            dealt = {m.group_id: name for name, m in sup.sent if isinstance(m, GenerateRequest)}
+            sup.deliver("rollout:1", completion(1 if dealt[1] == "rollout:1" else 0, 0))
+            await first
+            sup.deliver("rollout:1", Idle(role="rollout", rank=1, policy_version=0))
+            await until(lambda: sup.sent_any(Lease))
+            other = 0 if dealt[1] == "rollout:1" else 1
+            sup.deliver("rollout:0", completion(other, 0))
+            await stream.__anext__()
+            sup.deliver("rollout:0", Idle(role="rollout", rank=0, policy_version=0))
+            # drafter:1 is preempted but never answers (alive, stuck): killed at the deadline, restarted.
+            metrics = await coord.finish_step(timeout_s=0.3)
+            assert sup.killed == ["drafter:1"] and sup.restarted == ["drafter:1"]
+            assert metrics.rollout_s > 0 and not coord.leases.active
 
     run(main())

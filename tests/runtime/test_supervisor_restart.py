@@ -44,11 +44,19 @@ class Flaky(Actor):
     def on_status(self, msg: Status, sender: str) -> None:
         if msg.topic == "ping":
             self.send(sender, Status(topic="pong", fields={"pid": os.getpid()}))
+        elif msg.topic == "hang":  # the compute loop stops for good; the IO thread still beats
+            while True:
+                time.sleep(0.1)
+        elif msg.topic == "slow":  # a long handler that marks its progress: not a hang
+            for _ in range(int(msg.fields["seconds"] * 10)):
+                time.sleep(0.1)
+                self.tick()
+            self.send(sender, Status(topic="done", fields={}))
 
 
-def flaky_spec(**config: str) -> ActorSpec:
+def flaky_spec(hang_s: float = 0.0, **config: str) -> ActorSpec:
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    return ActorSpec.of(Flaky, config=Flaky.Config(**config), env=env)
+    return ActorSpec.of(Flaky, config=Flaky.Config(**config), env=env, hang_s=hang_s)
 
 
 async def kill_and_see_death(sup: Supervisor, name: str) -> int:
@@ -213,3 +221,46 @@ def test_restart_settings_are_validated(tmp_path: Path) -> None:
         Supervisor(tmp_path, max_restarts=-1)
     with pytest.raises(ValueError, match="restart_backoff_s"):
         Supervisor(tmp_path, restart_backoff_s=-0.1)
+
+
+@pytest.mark.timeout(90)
+def test_a_hung_compute_loop_is_killed_at_its_deadline_and_a_ticking_one_is_not(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with supervised(tmp_path, restart_backoff_s=0.05) as (sup, _):
+            await sup.start([flaky_spec(hang_s=1.0)])
+            await asyncio.sleep(2.0)  # idle past the deadline: an idle loop turns, so it is no hang
+            await sup.send("flaky:0", Status(topic="slow", fields={"seconds": 2.5}))
+            assert (await next_status(sup, "done")).topic == "done"  # ticking through 2.5 s: no hang
+            assert sup.deaths.empty()
+            pid = sup.pid("flaky:0")
+            started = time.monotonic()
+            await sup.send("flaky:0", Status(topic="hang", fields={}))
+            died = await asyncio.wait_for(sup.deaths.get(), timeout=10)
+            assert died.name == "flaky:0" and died.reason.startswith("hung: no progress for")
+            assert "heartbeats arrived" in died.reason and 1.0 <= time.monotonic() - started < 5.0
+            for _ in range(50):
+                if gone(pid):
+                    break
+                await asyncio.sleep(0.1)
+            assert gone(pid), "a hung actor is killed, not only reported"
+            await sup.restart("flaky:0")  # and handled as dead: restartable like any other
+
+    uvloop.run(main())
+
+
+@pytest.mark.timeout(90)
+def test_a_stopped_process_is_seen_by_its_silent_heartbeats_and_killed(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with supervised(tmp_path) as (sup, _):
+            await sup.start([flaky_spec()])
+            pid = sup.pid("flaky:0")
+            os.kill(pid, signal.SIGSTOP)
+            died = await asyncio.wait_for(sup.deaths.get(), timeout=10)
+            assert died.name == "flaky:0" and died.reason.startswith("no heartbeat for")
+            for _ in range(50):
+                if gone(pid):
+                    break
+                await asyncio.sleep(0.1)
+            assert gone(pid)
+
+    uvloop.run(main())

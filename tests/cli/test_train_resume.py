@@ -1,0 +1,121 @@
+"""Killing `slipstream train` itself: its actors stop by themselves, and `--resume RUN` continues the run.
+
+The real command runs in its own process on a 5-row JSONL file (3 prompts a step: epoch boundaries fall
+inside steps 1 and 3) and is SIGKILLed after its second step. Its orphaned actors must exit on their own
+(they hear no coordinator); `slipstream train --resume RUN` must then read on at the checkpointed cursor
+and reproduce an uninterrupted run: the same prompts in the same order (each row once per epoch, none
+skipped or replayed across the boundary) and, in reproducible mode, the same tokens — which after the
+resume depend on the restored weights and optimizer moments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import uvloop
+
+from slipstream.cli import train
+from slipstream.runtime.process import pid_alive
+from tests.cli.conftest import config
+
+pytestmark = pytest.mark.timeout(600)
+ROOT = Path(__file__).resolve().parents[2]
+ROWS = 5
+
+
+def parity(prompt: str, completion: str, **_: Any) -> float:
+    """A reward that differs between samples (a random model never answers right)."""
+    return float(len(completion) % 2)
+
+
+def _cli(*args: str) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+    }
+    exe = shutil.which("slipstream")
+    command = [exe] if exe else [sys.executable, "-m", "slipstream.cli.main"]
+    return subprocess.Popen(
+        [*command, "train", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+
+
+def _steps(run: Path) -> list[list[tuple[list[int], int, list[int]]]]:
+    """Per step, each sample's (prompt ids, sample index, token ids) in group order."""
+    out = []
+    for step in range(4):
+        records = [
+            json.loads(line) for line in (run / "samples" / f"step-{step}.jsonl").read_text().splitlines()
+        ]
+        records.sort(key=lambda r: (r["group_id"], r["sample_index"]))
+        out.append([(r["prompt_ids"], r["sample_index"], r["token_ids"]) for r in records])
+    return out
+
+
+def _actor_pids(run: Path) -> list[int]:
+    pids = []
+    for path in (run / "logs").glob("*-*.jsonl"):
+        for line in path.read_text().splitlines():
+            with_pid = json.loads(line)
+            if with_pid.get("event") == "ready" and "pid" in with_pid:
+                pids.append(int(with_pid["pid"]))
+    return pids
+
+
+def test_a_killed_coordinator_resumes_where_it_stopped(tiny_chat: Path, tmp_path: Path) -> None:
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        "".join(
+            json.dumps({"question": f"What is {i} + {i + 2}?", "answer": str(2 * i + 2)}) + "\n"
+            for i in range(ROWS)
+        )
+    )
+    cfg = config(tiny_chat, task=str(rows), reward=f"{__name__}:parity", steps=4, checkpoint_every=1)
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    uvloop.run(train.train(cfg, whole))
+
+    config_file = tmp_path / "run.yaml"  # JSON is YAML
+    config_file.write_text(json.dumps(msgspec.to_builtins(cfg)))
+    first = _cli(str(config_file), "--run-dir", str(killed))
+    metrics = killed / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+        assert first.poll() is None, first.communicate()[0].decode()[-2000:]
+        assert time.monotonic() < deadline, "two steps did not finish"
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    # No coordinator: every actor it started stops by itself (it hears no heartbeat), and leaves nothing.
+    orphans = _actor_pids(killed)
+    assert len(orphans) >= 5
+    deadline = time.monotonic() + 60
+    while any(pid_alive(p) for p in orphans):
+        assert time.monotonic() < deadline, f"orphans left: {[p for p in orphans if pid_alive(p)]}"
+        time.sleep(0.2)
+
+    resumed = _cli("--resume", str(killed))
+    out, _ = resumed.communicate(timeout=400)
+    assert resumed.returncode == 0, out.decode()[-3000:]
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps[:2] == [0, 1] and steps[-2:] == [2, 3]  # a step done again after the kill counts once
+    assert len(set(steps)) == len(steps) == 4
+
+    got, want = _steps(killed), _steps(whole)
+    order = [prompt for step in want for prompt, index, _ in step if index == 0]
+    assert len(order) == 12
+    for epoch in range(2):  # each epoch reads every row once, in its own order
+        assert len({tuple(p) for p in order[epoch * ROWS : (epoch + 1) * ROWS]}) == ROWS
+    assert [[p for p, i, _ in step if i == 0] for step in got] == [
+        [p for p, i, _ in step if i == 0] for step in want
+    ]
+    assert got == want  # the same tokens: the same weights, optimizer moments and seeds after the resume
