@@ -48,6 +48,7 @@ from slipstream.runtime import config as run_config
 from slipstream.runtime.coordinator import Coordinator
 from slipstream.runtime.placement import place
 from slipstream.runtime.progress import bar
+from slipstream.runtime.step import rollout_step
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
 from slipstream.runtime.transport import actor_name
 from slipstream.tasks.datasets import task_prompts
@@ -370,10 +371,8 @@ async def _step(
         )
         for i, prompt in enumerate(prompts)
     ]
-    responses: dict[tuple[int, int], list[int]] = {}
-    async for completion in coord.rollout(requests):
-        responses[(completion.group_id, completion.sample_index)] = completion.token_ids.tolist()
-    m = await coord.finish_step()  # every rollout idle, every lease released and accounted
+    completions, m = await rollout_step(coord, requests)  # every rollout idle, every lease accounted
+    responses = {key: completion.token_ids.tolist() for key, completion in completions.items()}
     return _Step(
         makespan_s=round(m.rollout_s, 3),
         tokens=sum(len(r) for r in responses.values()),

@@ -42,10 +42,11 @@ from slipstream.protocols.learner import ScoredGroup
 from slipstream.protocols.reward import ScoreRequest
 from slipstream.protocols.rollout import Completion, GenerateRequest, SamplingSpec
 from slipstream.runtime import config as run_config
-from slipstream.runtime.coordinator import ActorDiedError, Coordinator, StepMetrics
+from slipstream.runtime.coordinator import ActorDiedError, Coordinator
 from slipstream.runtime.host import actor_path
 from slipstream.runtime.placement import place
 from slipstream.runtime.progress import ProgressFactory, silent
+from slipstream.runtime.step import rollout_step
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
 from slipstream.runtime.transport import actor_name
 from slipstream.tasks.datasets import DEFAULT_DATASET_SIZE, Row, chat_prompt_ids, load_rows
@@ -445,12 +446,13 @@ async def _step(
         )
         for g in chunk
     ]
-    completions: dict[tuple[int, int], Completion] = {}
-    async for completion in coord.rollout(requests):
-        key = (completion.group_id, completion.sample_index)
-        completions[key] = completion
-        row = rows[completion.group_id]
+
+    last_completion = [started]
+
+    async def score(completion: Completion) -> None:
         # Each completion goes to a verifier at once: rewards overlap the rollout's tail.
+        last_completion[0] = time.monotonic()
+        row = rows[completion.group_id]
         await coord.score(
             ScoreRequest(
                 group_id=completion.group_id,
@@ -464,8 +466,9 @@ async def _step(
             )
         )
         advance()
-    rollout_end = time.monotonic()
-    metrics: StepMetrics = await coord.finish_step()  # every lease released, every rollout idle
+
+    completions, metrics = await rollout_step(coord, requests, score)
+    rollout_end = last_completion[0]  # the reward tail: from the last completion to the last reward
     rewards: dict[tuple[int, int], float | None] = {}
     errors: dict[str, int] = {}
     while len(rewards) < len(completions):

@@ -1,18 +1,22 @@
 """Coordinator mechanics: the one reader of the supervisor's inbox, and the RL step's building blocks.
 
 A `Coordinator` runs one dispatcher task that takes every message and every death from the supervisor and
-routes them by type: completions and rewards to the step that waits for them, weight acks and learner
-stats to their waiters, Idle/Released/DrafterStats to the lease table, IterationStats to the step's
-metrics. The RL loop (`cli/train.py`) and `bench rollout` are its clients; it imports protocols/ and
-runtime/ only.
+routes them by type: completions and rewards to the step that waits for them, weight acks, learner stats
+and checkpoint answers to their waiters, Idle/Released/DrafterStats to the `LeaseTable` (runtime/leases.py),
+IterationStats to the step's metrics. Its verbs: `rollout` (deal, stream completions), `finish_step`,
+`score`/`reward`, `train`, `push_weights`, `weights_applied`, `save_checkpoint`, `restart_learners`. The RL
+loop (`cli/train.py`) and `bench rollout` are its clients; it imports protocols/ and runtime/ only.
 
 Non-obvious choices:
 - Nothing is lost for lack of room: the supervisor's receive loop blocks on a full inbox (backpressure to
-  the actors' IO threads), and the queues here are bounded by what was dealt.
-- Exactly once: each step's work is dealt through a `Ledger` keyed (group, sample); a result whose key is
-  back already is dropped and counted. With `restart`, a rollout or verifier that dies is restarted by
-  the supervisor (within its budget), a rollout is handed the current weights (`push_weights`), and both
-  are dealt again what they owed; otherwise the wait that sees a death raises `ActorDiedError`.
+  the actors' IO threads, never a drop), and the queues here are bounded by what was dealt.
+- Exactly once: each `rollout()` owns its step's state (`_Rollout`: a `Ledger` keyed (group, sample), the
+  requests, the metrics); a result whose key is back already is dropped and counted. With `restart`, a dead
+  rollout, verifier or drafter is restarted by the supervisor (within its budget), a rollout is handed the
+  current weights first, and each is dealt again what it owed; otherwise a death raises `ActorDiedError`.
+- No fixed deadline on a learner step or a weight sync: a wait ends when its peers answer or die, and a
+  peer that hangs is killed by its hang deadline (the supervisor). Only the end of a step has one: a
+  drafter or rollout that does not settle within `finish_step`'s timeout is killed and restarted.
 - Leases: a rollout that reports Idle while others still decode lends its device to its drafter at once;
   the last completion of the step preempts every lease (bounded latency, measured from `Released`).
 """
@@ -21,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import math
 import time
 from collections import defaultdict
@@ -32,31 +35,17 @@ from typing import Any
 import msgspec
 
 from slipstream.protocols.base import Message
-from slipstream.protocols.control import Idle, Lease, Preempt, Released, SaveCheckpoint, Status
+from slipstream.protocols.control import Idle, Released, SaveCheckpoint, Status
 from slipstream.protocols.drafter import DrafterStats
 from slipstream.protocols.learner import PushWeights, ScoredGroup, StepStats, TrainStep, WeightAck
 from slipstream.protocols.reward import Reward, ScoreRequest
 from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats
+from slipstream.runtime.leases import LeaseTable
 from slipstream.runtime.ledger import Ledger
 
 
 class ActorDiedError(RuntimeError):
     """An actor the coordinator was waiting on died; the message names it and why."""
-
-
-@dataclass
-class LeaseTable:
-    """Which drafter holds which device, and the idle device-seconds it reclaimed."""
-
-    drafter_of: dict[str, str]  # rollout name -> the drafter actor sharing its device
-    active: dict[str, int] = field(default_factory=dict)  # drafter name -> lease id
-    idle_at: dict[str, float] = field(default_factory=dict)  # rollout name -> when it reported Idle
-    trained_at_lease: dict[str, float] = field(default_factory=dict)  # drafter -> its training seconds then
-    trained: dict[str, float] = field(
-        default_factory=dict
-    )  # drafter -> training seconds so far (DrafterStats)
-    awaiting_stats: set[str] = field(default_factory=set)
-    preempt_ms: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -83,7 +72,16 @@ class StepMetrics:
         return 1.0 + self.accepted / self.sequence_iterations if self.sequence_iterations else 0.0
 
 
-_lease_ids = itertools.count(1)
+@dataclass
+class _Rollout:
+    """The state of one step's rollout, replaced by each `rollout()`: what was dealt to whom and what came
+    back (the ledger), the requests to deal again, its metrics, and whether it still decodes."""
+
+    requests: dict[int, GenerateRequest] = field(default_factory=dict)  # group id -> its request
+    ledger: Ledger = field(default_factory=Ledger)
+    metrics: StepMetrics = field(default_factory=StepMetrics)
+    started: float = 0.0
+    decoding: bool = False
 
 
 class Coordinator:
@@ -107,8 +105,7 @@ class Coordinator:
         self.rollouts = list(rollouts)
         self.verifiers = list(verifiers)
         self.learners = list(learners)
-        self.leases = LeaseTable(drafter_of=dict(drafters or {}))
-        self.lease_threads = lease_threads
+        self.leases = LeaseTable(drafter_of=dict(drafters or {}), threads=lease_threads)
         self.on_iteration = on_iteration
         self.log = log
         self.dead: dict[str, str] = {}
@@ -126,10 +123,13 @@ class Coordinator:
         self._stats: dict[int, dict[str, StepStats]] = defaultdict(dict)
         self._saved: set[int] = set()  # steps whose checkpoint the learner reported on disk
         self._changed = asyncio.Event()  # set on every routed message or death: waiters re-check
-        self._metrics = StepMetrics()
-        self._step_started = 0.0
-        self._decoding = False
+        self._step = _Rollout()  # the current (or last) step's rollout
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def metrics(self) -> StepMetrics:
+        """The current (or last) step's metrics so far: `finish_step` completes them."""
+        return self._step.metrics
 
     # -- lifecycle --------------------------------------------------------------------------------------
 
@@ -172,7 +172,7 @@ class Coordinator:
         elif isinstance(msg, StepStats):
             self._stats[msg.step][sender] = msg
         elif isinstance(msg, IterationStats):
-            m = self._metrics
+            m = self._step.metrics
             if msg.batch_size > 0:  # a prefill-only pass says nothing about decoding
                 m.iterations += 1
                 m.accepted += msg.accepted
@@ -185,8 +185,7 @@ class Coordinator:
         elif isinstance(msg, Released):
             self._on_released(sender, msg)
         elif isinstance(msg, DrafterStats):
-            self.leases.trained[sender] = msg.elapsed_s
-            self.leases.awaiting_stats.discard(sender)
+            self.leases.stats(sender, msg.elapsed_s)
         elif isinstance(msg, Status):
             if msg.topic in ("head_synced", "head_refused"):  # a drafter's answer to a head push
                 self._head_acks[int(msg.fields.get("version", -1))][sender] = msg.topic == "head_synced"
@@ -199,28 +198,17 @@ class Coordinator:
     # -- leases ---------------------------------------------------------------------------------------
 
     def _on_idle(self, rollout: str, now: float) -> None:
-        table = self.leases
-        if rollout in table.idle_at:
-            return
-        table.idle_at[rollout] = now
-        drafter = table.drafter_of.get(rollout)
-        if not self._decoding or drafter is None or drafter in self.dead:
-            return
-        # The line where an idle rollout device goes to drafter training.
-        lease = Lease(lease_id=next(_lease_ids), device=rollout, threads=self.lease_threads)
-        table.active[drafter] = lease.lease_id
-        table.trained_at_lease[drafter] = table.trained.get(drafter, 0.0)
-        self._send_soon(drafter, lease)
+        # The line where an idle rollout device goes to drafter training (while others still decode).
+        granted = self.leases.idle(rollout, now, grant=self._step.decoding, dead=self.dead)
+        if granted is not None:
+            self._send_soon(*granted)
 
     def _on_released(self, drafter: str, msg: Released) -> None:
-        table = self.leases
-        table.active.pop(drafter, None)
-        table.awaiting_stats.add(drafter)  # a drafter reports its training seconds right after releasing
-        table.preempt_ms.append(msg.latency_ns / 1e6)
+        self.leases.released(drafter, msg.latency_ns / 1e6)
 
     def _preempt_all(self, reason: str) -> None:
-        for drafter, lease_id in self.leases.active.items():
-            self._send_soon(drafter, Preempt(lease_id=lease_id, reason=reason, sent_ns=time.time_ns()))
+        for drafter, preempt in self.leases.preempts(reason):
+            self._send_soon(drafter, preempt)
 
     def _send_soon(self, name: str, msg: Message) -> None:
         asyncio.get_running_loop().create_task(self.sup.send(name, msg))
@@ -237,15 +225,15 @@ class Coordinator:
         completion as it arrives, once per (group, sample), and preempts all drafter leases when the last
         one is in. A rollout that dies meanwhile is restarted (with `restart`) and handed the current
         weights, then the samples it still owed: same seeds, so the same tokens in reproducible mode."""
-        self._metrics = StepMetrics()
-        self.leases.idle_at.clear()
-        self.leases.preempt_ms = []
-        self._decoding = True
-        started = self._step_started = time.monotonic()
+        step = self._step = _Rollout(
+            requests={request.group_id: request for request in requests},
+            started=time.monotonic(),
+            decoding=True,
+        )
+        self.leases.begin_step()
+        started, ledger = step.started, step.ledger
         cost = expected_tokens or (lambda r: float(r.num_samples * r.sampling.max_tokens))
         load = dict.fromkeys(self.rollouts, 0.0)
-        ledger = Ledger()
-        by_group = {request.group_id: request for request in requests}
         for request in sorted(requests, key=cost, reverse=True):  # longest first: a greedy balance
             target = min(load, key=lambda name: (load[name], name))
             load[target] += cost(request)
@@ -260,7 +248,7 @@ class Coordinator:
             while received < expected:
                 while self._completions.empty():
                     for name in [r for r in self.rollouts if r in self.dead]:
-                        await self._recover_rollout(name, ledger, by_group)
+                        await self._recover_rollout(name, step)
                     if self._completions.empty():
                         self._changed.clear()
                         await self._changed.wait()
@@ -270,7 +258,7 @@ class Coordinator:
                                sample_index=completion.sample_index, what="completion", level="warning")  # fmt: skip
                     continue
                 received += 1
-                m = self._metrics
+                m = step.metrics
                 m.tokens += len(completion.token_ids)
                 m.finish_reasons[completion.finish_reason] = (
                     m.finish_reasons.get(completion.finish_reason, 0) + 1
@@ -278,25 +266,26 @@ class Coordinator:
                 if received == expected:
                     ended = time.monotonic()
                     m.rollout_s = ended - started
-                    self._decoding = False
+                    step.decoding = False
                     self._preempt_all("rollout done")  # every idle device goes back to the rollouts
                 yield completion
         finally:
-            self._decoding = False
-            self._metrics.requeued += ledger.requeued
-            self._metrics.duplicates += ledger.duplicates
+            step.decoding = False
+            step.metrics.requeued += ledger.requeued
+            step.metrics.duplicates += ledger.duplicates
 
-    async def _recover_rollout(self, name: str, ledger: Ledger, requests: dict[int, GenerateRequest]) -> None:
+    async def _recover_rollout(self, name: str, step: _Rollout) -> None:
         """Restarts dead rollout `name`, gives it the current weights, and deals it what it owed."""
         # A fresh process holds the checkpoint's weights (version 0): it gets the current ones first.
         await self._revive_rollout(name, "a completion", self.policy_version)
-        self.leases.idle_at.pop(name, None)
+        self.leases.busy(name)
+        ledger = step.ledger
         owed: dict[int, list[int]] = defaultdict(list)
         for group, sample in ledger.held_by(name):
             owed[group].append(sample)
         for group, samples in sorted(owed.items()):
             ledger.deal(name, [(group, i) for i in samples], requeue=True)
-            request = msgspec.structs.replace(requests[group], sample_indices=samples)
+            request = msgspec.structs.replace(step.requests[group], sample_indices=samples)
             await self.sup.send(name, request)
         self._emit("requeued", actor=name, samples=sum(len(v) for v in owed.values()), groups=len(owed))
         if not owed:  # it had finished its share before it died: idle, and it will not say so itself
@@ -333,12 +322,11 @@ class Coordinator:
         returns the step's metrics (idle device-seconds and the share drafter training reclaimed). A drafter
         or rollout that has not settled `timeout_s` after the last completion is killed and handled as dead
         (restarted; drafters change speed, never samples), not waited on for ever."""
-        table = self.leases
-        ended = self._step_started + self._metrics.rollout_s
+        table, step = self.leases, self._step
+        ended = step.started + step.metrics.rollout_s
 
         def unsettled() -> list[str]:
-            drafters = [*table.active, *table.awaiting_stats]
-            return drafters + [r for r in self.rollouts if r not in self.dead and r not in table.idle_at]
+            return table.unsettled(r for r in self.rollouts if r not in self.dead)
 
         deadline = time.monotonic() + timeout_s
         while unsettled():
@@ -359,26 +347,18 @@ class Coordinator:
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), timeout=1.0)
-        m = self._metrics
-        idle = {r: max(0.0, ended - t) for r, t in table.idle_at.items()}
-        m.idle_device_s = sum(idle.values())
-        # A drafter's training seconds during its lease, capped by its device's idle window: a step it
-        # finishes after the last completion (the preemption latency) reclaims nothing.
-        m.reclaimed_s = sum(
-            min(idle.get(r, 0.0), max(0.0, table.trained.get(d, 0.0) - table.trained_at_lease[d]))
-            for r, d in table.drafter_of.items()
-            if d in table.trained_at_lease
+        account = table.account(ended)
+        m = step.metrics
+        m.idle_device_s, m.reclaimed_s, m.preempt_ms = (
+            account.idle_device_s,
+            account.reclaimed_s,
+            account.preempt_ms,
         )
-        table.trained_at_lease.clear()
-        m.preempt_ms = list(table.preempt_ms)
         return m
 
     async def _recover_drafter(self, drafter: str) -> None:
         await self._restart(drafter, "leases released")
-        table = self.leases
-        table.active.pop(drafter, None)
-        table.awaiting_stats.discard(drafter)
-        table.trained_at_lease.pop(drafter, None)
+        self.leases.void(drafter)
         version = self.policy_version
         if version > 0 and self.learners:  # the restarted process loaded the step-0 head
             await self.sup.send(self.learners[0], PushWeights(version=version, to=[], head_to=[drafter]))
@@ -440,7 +420,7 @@ class Coordinator:
                     self._scores.deal(name, owed, requeue=True)
                     for key in owed:
                         await self.sup.send(name, self._score_requests[key])
-                    self._metrics.requeued += len(owed)
+                    self._step.metrics.requeued += len(owed)
                     self._emit("requeued", actor=name, scores=len(owed))
                 if self._rewards.empty():
                     self._changed.clear()
@@ -450,7 +430,7 @@ class Coordinator:
             if self._scores.take(key):
                 self._score_requests.pop(key, None)
                 return reward
-            self._metrics.duplicates += 1
+            self._step.metrics.duplicates += 1
             self._emit(
                 "duplicate_dropped", group_id=key[0], sample_index=key[1], what="reward", level="warning"
             )
@@ -611,4 +591,4 @@ class Coordinator:
             getattr(self.log, level)(event, **fields)
 
 
-__all__ = ["ActorDiedError", "Coordinator", "LeaseTable", "StepMetrics"]
+__all__ = ["ActorDiedError", "Coordinator", "LeaseTable", "StepMetrics"]  # LeaseTable: runtime/leases.py

@@ -221,7 +221,7 @@ def test_a_duplicate_completion_is_dropped_and_counted() -> None:
             sup.deliver("rollout:0", completion(0, 1))
             got = [(c.group_id, c.sample_index) async for c in stream]
             assert got == [(0, 0), (0, 1)]
-            assert coord._metrics.duplicates == 2
+            assert coord.metrics.duplicates == 2
 
     run(main())
 
@@ -263,7 +263,7 @@ def test_a_dead_rollout_is_restarted_given_the_weights_and_dealt_what_it_owed() 
                 (1, 1),
                 (1, 2),
             ]
-            assert coord.restarted == [victim] and coord._metrics.requeued == 2
+            assert coord.restarted == [victim] and coord.metrics.requeued == 2
 
     run(main())
 
@@ -309,7 +309,7 @@ def test_a_dead_verifier_is_restarted_and_sent_its_requests_again() -> None:
             sup.deliver("verifier:0", reward(0, 2))
             assert (await pending).sample_index == 1
             assert (await coord.reward()).sample_index == 2
-            assert coord._metrics.duplicates == 1
+            assert coord.metrics.duplicates == 1
 
     run(main())
 
