@@ -13,17 +13,52 @@ from typing import Any
 
 import msgspec
 import pytest
+import torch
 import uvloop
 
 from slipstream.cli import train
-from tests.cli.conftest import config
+from slipstream.engine.tokenizer import Tokenizer
+from slipstream.tasks.datasets import chat_prompt_ids
+from tests.cli.conftest import brevity, config
 
 pytestmark = pytest.mark.timeout(600)
 
 
+def own_rewards(cfg: train.TrainConfig, run_dir: Path) -> list[tuple[dict[str, Any], float]]:
+    """Every recorded sample (a samples/step-N.jsonl line, with its step) beside the reward of its own
+    completion: the run's reward, brevity, applied to the sample's tokens decoded as the verifier gets them
+    (special tokens dropped) and to the fields, through JSON as sent, of the row whose prompt it answers."""
+    assert cfg.reward == "tests.cli.conftest:brevity"
+    tokenizer = Tokenizer.from_dir(Path(cfg.model))
+    dealt = train.data_stream(cfg, {}).take(cfg.steps * cfg.prompts_per_step)
+    rows = {tuple(chat_prompt_ids(tokenizer, row.question)): row for row in dealt}
+    out = []
+    for step in range(cfg.steps):
+        for line in (run_dir / "samples" / f"step-{step}.jsonl").read_text().splitlines():
+            sample = json.loads(line)
+            row = rows[tuple(sample["prompt_ids"])]
+            fields = json.loads(
+                json.dumps({"question": row.question, "answer": row.answer, "metadata": row.metadata})
+            )
+            text = tokenizer.decode(sample["token_ids"], skip_special_tokens=True)
+            out.append(({"step": step, **sample}, brevity(row.question, text, **fields)))
+    assert len(out) == cfg.steps * cfg.prompts_per_step * cfg.group_size
+    return out
+
+
+def differing(rewards: list[tuple[dict[str, Any], float]]) -> list[tuple[int, int, int, float | None, float]]:
+    """(step, group, sample, recorded, own) of each sample whose recorded reward is not its own."""
+    return [
+        (s["step"], s["group_id"], s["sample_index"], s["reward"], own)
+        for s, own in rewards
+        if s["reward"] != own
+    ]
+
+
 def test_three_steps_learn_sync_and_train_the_drafter_in_idle_time(tiny_chat: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    summary = uvloop.run(train.train(config(tiny_chat), run_dir))
+    cfg = config(tiny_chat)
+    summary = uvloop.run(train.train(cfg, run_dir))
     steps = summary["steps"]
     # Every rollout acknowledged each version, having re-hashed its weights to the learner's (bitwise).
     assert [s["policy_version"] for s in steps] == [1, 2, 3]
@@ -39,11 +74,38 @@ def test_three_steps_learn_sync_and_train_the_drafter_in_idle_time(tiny_chat: Pa
     # sampled them with, so any cached copy left stale by a weight update (a packed head) shows up here.
     assert [s["mismatch_logp_abs_max"] < 1e-4 for s in steps] == [True] * 3, steps
     assert all(s["invalid"] == 0 for s in steps)
+    # Each sample carries the reward of its own completion: a reward moved to a sibling keeps the step's mean
+    # and its mixed groups, so nothing above would notice it.
+    assert differing(own_rewards(cfg, run_dir)) == []
     assert sum(s["reclaimed_s"] for s in steps) > 0  # the drafter trained in leased idle time
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [0, 1, 2]
     assert json.loads((run_dir / "summary.json").read_text())["last_reward"] == steps[-1]["reward_mean"]
     assert (run_dir / "checkpoints" / "step-2" / "learner.pt").is_file()
+
+
+def test_a_request_the_rollout_cannot_serve_is_recorded_invalid(tiny_chat: Path, tmp_path: Path) -> None:
+    rows = [
+        {"question": r.question, "answer": r.answer, "metadata": r.metadata}
+        for r in train.data_stream(config(tiny_chat), {}).take(3)
+    ]
+    # Padded, the second question's prompt outgrows the rollouts' max_len (1024 + max_tokens): its group comes
+    # back as "error" completions. Their empty text would still score (brevity gives it 0.0): only the finish
+    # reason says that there is no response to learn from.
+    rows[1]["question"] += " 0" * 1100
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = config(tiny_chat, task=str(data), steps=1, drafter={"enabled": False}, rollout={"devices": 1})
+    run_dir = tmp_path / "run"
+    summary = uvloop.run(train.train(cfg, run_dir))
+    log = [json.loads(line) for line in (run_dir / "logs" / "rollout-0.jsonl").read_text().splitlines()]
+    refusals = [r["error"] for r in log if r["event"] == "bad_request"]
+    assert len(refusals) == 4 and all("max_len" in e for e in refusals), refusals
+    rewards = own_rewards(cfg, run_dir)
+    refused = [(s, own) for s, own in rewards if len(s["prompt_ids"]) >= 1024 + cfg.max_tokens]
+    assert [(s["token_ids"], s["reward"]) for s, _ in refused] == [([], None)] * 4
+    assert summary["steps"][0]["invalid"] == 4
+    assert differing([r for r in rewards if r not in refused]) == []
 
 
 def test_greedy_baseline_and_default_rollouts_are_token_identical(tiny_chat: Path, tmp_path: Path) -> None:
@@ -62,20 +124,39 @@ def test_greedy_baseline_and_default_rollouts_are_token_identical(tiny_chat: Pat
     assert set(runs[False]["arms"]) - {"off"}  # the default run tried speculative arms
 
 
-def test_resume_continues_with_the_same_data_and_weights(tiny_chat: Path, tmp_path: Path) -> None:
+def test_resume_continues_with_the_same_data_weights_and_optimizer(tiny_chat: Path, tmp_path: Path) -> None:
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     uvloop.run(train.train(config(tiny_chat, checkpoint_every=1), whole))
-    uvloop.run(train.train(config(tiny_chat, steps=2, checkpoint_every=1), parts))  # "stopped" after step 2
+    uvloop.run(train.train(config(tiny_chat, steps=1, checkpoint_every=1), parts))  # "stopped" after step 1
     uvloop.run(train.train(config(tiny_chat, checkpoint_every=1), parts, resume=True))
-    steps = [json.loads(line)["step"] for line in (parts / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2]
 
-    def responses(run: Path) -> list[tuple[int, int, list[int]]]:
-        lines = (run / "samples" / "step-2.jsonl").read_text().splitlines()
+    def records(run: Path) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    def responses(run: Path, step: int) -> list[tuple[int, int, list[int]]]:
+        lines = (run / "samples" / f"step-{step}.jsonl").read_text().splitlines()
         return [(r["group_id"], r["sample_index"], r["token_ids"]) for r in map(json.loads, lines)]
 
+    assert [r["step"] for r in records(parts)] == [0, 1, 2]
     # The same questions (the data cursor) decoded by the same policy (restored weights and seeds).
-    assert responses(parts) == responses(whole)
+    assert responses(parts, 1) == responses(whole, 1)
+    # Step 1 trains the same samples from the same weights, so its loss and gradient match whatever the
+    # optimizer holds; its update follows Adam's moments, and with it step 2's gradient norm and responses and
+    # the final weights: a resume that restored the weights alone takes a fresh Adam step there. (The loss is
+    # ~0 on-policy, advantages being zero-mean: the grad norm carries the check.) Both learners run the same
+    # fp32 CPU kernels on one thread, so the figures agree to rounding; atol 1e-5 leaves room for
+    # reassociation and is orders of magnitude below what losing the moments changes.
+    for name in ("loss", "grad_norm"):
+        got, want = (
+            torch.tensor([r[name] for r in records(run)], dtype=torch.float64) for run in (parts, whole)
+        )
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=lambda m, n=name: f"per-step {n}: {m}")
+
+    def weights(run: Path) -> dict[str, torch.Tensor]:
+        return torch.load(run / "checkpoints" / "step-3" / "learner.pt", weights_only=True)["model"]
+
+    torch.testing.assert_close(weights(parts), weights(whole), atol=1e-5, rtol=0)
+    assert responses(parts, 2) == responses(whole, 2)
 
 
 def test_bench_e2e_runs_both_modes_and_times_the_learner(tiny_chat: Path, tmp_path: Path) -> None:
