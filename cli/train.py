@@ -322,6 +322,18 @@ async def train(
             log=log,
         ) as coord:
             version = start
+
+            async def recover_learners() -> None:
+                """The learner restarts from its newest checkpoint and replays the steps after it, up to the
+                current one, from their recorded samples; again if it dies meanwhile (within its budget)."""
+                while True:
+                    try:
+                        return await _recover_learner(coord, cfg, run_dir, specs, version)
+                    except ActorDiedError:
+                        if not any(n in coord.dead for n in learners):
+                            raise
+
+            coord.recover_learners = recover_learners
             if start > 0:  # the resumed learner hands its weights to the fresh rollouts first
                 await coord.push_weights(start, to=rollouts, head_to=drafters)
                 coord.policy_version = start
@@ -363,15 +375,7 @@ async def train(
                         except ActorDiedError:
                             if not any(n in coord.dead for n in learners):
                                 raise
-                            # The learner restarts from its newest checkpoint and replays the steps after
-                            # it from their recorded samples; then this step trains again.
-                            while True:  # it may die again while it replays: restart again (within budget)
-                                try:
-                                    await _recover_learner(coord, cfg, run_dir, specs, step)
-                                    break
-                                except ActorDiedError:
-                                    if not any(n in coord.dead for n in learners):
-                                        raise
+                            await recover_learners()  # then this step trains again
                     version += 1
                     sync_s = synced - learned - learn_s
                     checkpoint_s = time.monotonic() - synced

@@ -28,7 +28,7 @@ import contextlib
 import math
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +114,9 @@ class Coordinator:
         self.restart = restart
         self.policy_version = policy_version  # the version every rollout holds (what a restarted one needs)
         self.restarted: list[str] = []  # every restart of the run, in order (a step reports its slice)
+        # Restarts the learner ranks at the current policy version (set by the loop, which knows the
+        # checkpoints and the recorded steps): a rollout revived while the learner is dead needs it.
+        self.recover_learners: Callable[[], Awaitable[None]] | None = None
         self._completions: asyncio.Queue[tuple[str, Completion]] = asyncio.Queue()
         self._rewards: asyncio.Queue[tuple[str, Reward]] = asyncio.Queue()
         self._scores = Ledger()  # score requests: which verifier holds which (group, sample)
@@ -309,12 +312,22 @@ class Coordinator:
         it dies meanwhile (the supervisor's budget bounds the tries)."""
         while True:
             try:
-                await self._restart(name, what)
+                if name in self.dead:
+                    await self._restart(name, what)
                 if version > 0:
                     await self.push_weights(version, to=[name])
                 return
             except ActorDiedError:
-                if not (self.restart and name in self.dead):
+                if not self.restart:
+                    raise
+                if any(n in self.dead for n in self.learners):
+                    # The weights' source died too. The current policy can be rebuilt (the owner's
+                    # `recover_learners`: its checkpoint, then a replay); a version being synced cannot
+                    # (the caller retrains it).
+                    if self.recover_learners is None or version != self.policy_version:
+                        raise
+                    await self.recover_learners()
+                elif name not in self.dead:
                     raise
 
     async def finish_step(self, timeout_s: float = 60.0) -> StepMetrics:

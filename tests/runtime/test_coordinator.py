@@ -411,3 +411,33 @@ def test_a_drafter_that_never_releases_its_lease_is_killed_and_restarted_not_wai
             assert metrics.rollout_s > 0 and not coord.leases.active
 
     run(main())
+
+
+def test_a_rollout_revived_while_the_learner_is_dead_waits_for_the_learners_recovery() -> None:
+    async def main() -> None:
+        sup = RestartingSupervisor()
+        coord = Coordinator(
+            sup, rollouts=["rollout:0"], learners=["learner:0"], restart=True, policy_version=3
+        )
+        recovered: list[int] = []
+
+        async def recover_learners() -> None:  # the loop's: restart from the checkpoint, replay to v3
+            recovered.append(coord.policy_version)
+            del coord.dead["learner:0"]
+
+        coord.recover_learners = recover_learners
+        async with coord:
+            stream = coord.rollout([request(0, 1)]).__aiter__()
+            nxt = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0.01)
+            sup.deaths.put_nowait(Died("learner:0", "killed by SIGKILL"))
+            sup.deaths.put_nowait(Died("rollout:0", "killed by SIGKILL"))
+            # The revived rollout needs v3 from a dead learner: recovered first, then asked to push.
+            await until(lambda: sup.sent_any(PushWeights), seconds=2.0)
+            assert recovered == [3] and sup.restarted == ["rollout:0"]
+            sup.deliver("rollout:0", WeightAck(version=3, role="rollout", rank=0, ok=True, error=None))
+            await until(lambda: any(isinstance(m, GenerateRequest) and m.sample_indices for _, m in sup.sent))
+            sup.deliver("rollout:0", completion(0, 0))
+            assert (await nxt).sample_index == 0
+
+    run(main())
