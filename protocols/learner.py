@@ -40,8 +40,10 @@ class ScoredGroup(Message, frozen=True, kw_only=True):
 
 class TrainStep(Message, frozen=True, kw_only=True):
     """Coordinator → learner: train on step `step`'s `num_groups` groups, producing policy `version`; rank 0
-    then saves policy + optimizer to `checkpoint` when it names a file, pushes the weights to `push_to`,
-    then the drafter's head parts (embedding, final norm, untied LM head) to `push_head_to`.
+    then saves policy + optimizer to `checkpoint` when it names a file (`train` sends `SaveCheckpoint` after
+    the sync instead; this field stays for the learner's own tests and older coordinators), pushes the
+    weights to `push_to`, then the drafter's head parts (embedding, final norm, untied LM head) to
+    `push_head_to`.
 
     New fields go last, with defaults: an older encoding (a shorter array) still decodes."""
 

@@ -42,34 +42,11 @@ from slipstream.protocols.reward import Reward, ScoreRequest
 from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats
 from slipstream.runtime.leases import LeaseTable
 from slipstream.runtime.ledger import Ledger
+from slipstream.runtime.step import StepMetrics
 
 
 class ActorDiedError(RuntimeError):
     """An actor the coordinator was waiting on died; the message names it and why."""
-
-
-@dataclass
-class StepMetrics:
-    """What one RL step's rollout did, reduced from IterationStats, leases and DrafterStats."""
-
-    rollout_s: float = 0.0
-    tokens: int = 0
-    accepted: int = 0  # draft tokens accepted over the step's decode iterations
-    sequence_iterations: int = 0  # sum of batch sizes over decode iterations
-    iterations: int = 0
-    arms: dict[str, int] = field(default_factory=dict)
-    idle_device_s: float = 0.0
-    reclaimed_s: float = 0.0
-    preempt_ms: list[float] = field(default_factory=list)
-    finish_reasons: dict[str, int] = field(default_factory=dict)
-    requeued: int = 0  # samples and score requests dealt again after their actor died
-    duplicates: int = 0  # completions and rewards dropped: their (group, sample) had come back already
-
-    @property
-    def accept_length(self) -> float:
-        """Tokens per decoding sequence per target pass: 1 + accepted draft tokens per sequence-iteration
-        (exactly 1.0 without speculation; counting committed tokens would include first tokens born of prefill)."""
-        return 1.0 + self.accepted / self.sequence_iterations if self.sequence_iterations else 0.0
 
 
 @dataclass
@@ -456,12 +433,12 @@ class Coordinator:
         version: int,
         push_to: Sequence[str] = (),
         push_head_to: Sequence[str] = (),
-        checkpoint: str = "",
     ) -> list[StepStats]:
         """Deals the groups over the learner ranks, asks each for one step, waits for every rank's stats.
 
         Rank 0 then pushes the policy to `push_to` and its embedding, final norm and LM head alone to
-        `push_head_to` (drafters). Outside a step, `push_weights` is the verb."""
+        `push_head_to` (drafters). Outside a step, `push_weights` is the verb; checkpoints are
+        `save_checkpoint`'s, after the sync."""
         if not self.learners:
             raise ValueError("no learner actors to train with")
         shares: dict[str, int] = dict.fromkeys(self.learners, 0)
@@ -476,7 +453,6 @@ class Coordinator:
                 num_groups=shares[rank],
                 version=version,
                 push_to=list(push_to) if lead else [],
-                checkpoint=checkpoint if lead else "",
                 push_head_to=list(push_head_to) if lead else [],
             )
             await self.sup.send(rank, msg)

@@ -1,7 +1,7 @@
 """`slipstream train` survives dead and hung actors: real processes, real SIGKILLs and SIGSTOPs.
 
-A watcher kills rollout:1 while it decodes step 1, and verifier:0 and the drafter owner drafter:0 while
-step 2 decodes; another run stops rollout:0 (SIGSTOP, a hang) mid-step. The run must restart them, hand a
+A watcher kills rollout:1 while it decodes step 1, drafter:1 during its second lease, and verifier:0 and
+the drafter owner drafter:0 while step 2 decodes; another run stops rollout:0 (SIGSTOP, a hang) mid-step. The run must restart them, hand a
 rollout the current weights and the drafter the policy's head and its checkpoint, deal again exactly the
 samples and score requests they owed, and end with the same samples and rewards as a run without faults
 (reproducible mode: a sample's tokens depend on its seed alone), each (group, sample) once. A learner
@@ -59,6 +59,16 @@ async def _kill_while_working(
     return pid
 
 
+async def _kill_when_leased(run_dir: Path, victim: str, nth: int) -> int:
+    """SIGKILLs drafter `victim` the moment its log shows its `nth` lease (it is training on a lent device)."""
+    path = run_dir / "logs" / f"{victim}.jsonl"
+    while sum(e["event"] == "leased" for e in _events(path)) < nth:
+        await asyncio.sleep(0.005)
+    pid = next(e["pid"] for e in reversed(_events(path)) if e["event"] == "ready")
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
 def _samples(run_dir: Path, steps: int = 3) -> dict[tuple[int, int, int], list[int]]:
     out: dict[tuple[int, int, int], list[int]] = {}
     for step in range(steps):
@@ -90,15 +100,18 @@ def test_a_killed_rollout_and_verifier_are_restarted_and_nothing_is_lost(
             asyncio.create_task(_kill_while_working(faulty, "rollout-1", "rollout-1", step=1)),
             asyncio.create_task(_kill_while_working(faulty, "verifier-0", "rollout-0", step=2)),
             asyncio.create_task(_kill_while_working(faulty, "drafter-0", "rollout-0", step=2)),
+            asyncio.create_task(_kill_when_leased(faulty, "drafter-1", nth=2)),
         ]
         summary = await job
-        pids = [k.result() for k in killers]  # both kills happened
+        pids = [k.result() for k in killers]  # every kill happened
         return summary, pids
 
     summary, pids = uvloop.run(run_with_kills())
     steps = summary["steps"]
     assert [s["policy_version"] for s in steps] == [1, 2, 3]
-    assert steps[1]["restarts"] == ["rollout:1"] and steps[1]["requeued"] > 0
+    assert steps[1]["restarts"][0] == "rollout:1" and steps[1]["requeued"] > 0
+    # drafter:1 was SIGKILLed holding a lease: restarted, and the step went on without it.
+    assert any("drafter:1" in s["restarts"] for s in steps)
     assert {"verifier:0", "drafter:0"} <= set(steps[2]["restarts"])
     # The restarted drafter owner was handed the policy's head (v2), and follows it (v3).
     drafter = _events(faulty / "logs" / "drafter-0.jsonl")
