@@ -100,6 +100,9 @@ class Coordinator:
         self._score_requests: dict[tuple[int, int], ScoreRequest] = {}
         self._acks: dict[int, dict[str, WeightAck]] = defaultdict(dict)
         self._head_acks: dict[int, dict[str, bool]] = defaultdict(dict)  # version -> drafter -> applied
+        # The newest version each rollout (weights) or drafter (head) acknowledged: a push of a version it
+        # holds is ignored without an answer (a step retrained after a learner death re-pushes it).
+        self._holds: dict[str, int] = {}
         self._stats: dict[int, dict[str, StepStats]] = defaultdict(dict)
         self._saved: set[int] = set()  # steps whose checkpoint the learner reported on disk
         self._changed = asyncio.Event()  # set on every routed message or death: waiters re-check
@@ -135,6 +138,7 @@ class Coordinator:
                 if fut is death:
                     died = fut.result()
                     self.dead[died.name] = died.reason
+                    self._holds.pop(died.name, None)  # its successor holds what it loads
                     self._emit("actor_died", actor=died.name, reason=died.reason, level="error")
                 else:
                     sender, msg = fut.result()
@@ -149,6 +153,8 @@ class Coordinator:
             self._rewards.put_nowait((sender, msg))
         elif isinstance(msg, WeightAck):
             self._acks[msg.version][sender] = msg
+            if msg.ok:
+                self._holds[sender] = max(self._holds.get(sender, 0), msg.version)
         elif isinstance(msg, StepStats):
             self._stats[msg.step][sender] = msg
         elif isinstance(msg, IterationStats):
@@ -168,7 +174,10 @@ class Coordinator:
             self.leases.stats(sender, msg.elapsed_s)
         elif isinstance(msg, Status):
             if msg.topic in ("head_synced", "head_refused"):  # a drafter's answer to a head push
-                self._head_acks[int(msg.fields.get("version", -1))][sender] = msg.topic == "head_synced"
+                version = int(msg.fields.get("version", -1))
+                self._head_acks[version][sender] = msg.topic == "head_synced"
+                if msg.topic == "head_synced":
+                    self._holds[sender] = max(self._holds.get(sender, 0), version)
             elif msg.topic == "checkpoint_saved":  # the learner's answer to save_checkpoint
                 self._saved.add(int(msg.fields.get("step", -1)))
             self._emit("status", sender=sender, topic=msg.topic, **msg.fields)
@@ -355,7 +364,12 @@ class Coordinator:
             answers = self._head_acks[version]
             # A learner that dies meanwhile is the train loop's to restart; the head then comes with the next push.
             await self._until(
-                lambda: drafter in answers or drafter in self.dead or self.learners[0] in self.dead,
+                lambda: (
+                    drafter in answers
+                    or drafter in self.dead
+                    or self.learners[0] in self.dead
+                    or self._holds.get(drafter, -1) >= version
+                ),
                 [],
                 f"head v{version}",
             )
@@ -516,7 +530,7 @@ class Coordinator:
         self.policy_version = version
         answers = self._head_acks[version]
         await self._until(
-            lambda: all(d in answers or d in self.dead for d in heads),
+            lambda: all(d in answers or d in self.dead or self._holds.get(d, -1) >= version for d in heads),
             self.rollouts,
             f"head v{version}",
             timeout_s,
@@ -534,7 +548,7 @@ class Coordinator:
                 raise RuntimeError(
                     f"{refused[0].role}:{refused[0].rank} refused weights v{version}: {refused[0].error}"
                 )
-            return all(name in acks for name in names)
+            return all(name in acks or self._holds.get(name, -1) >= version for name in names)
 
         await self._until(done, [*names, *self.learners[:1]], f"acks of weights v{version}", timeout_s)
         for name in names:

@@ -21,6 +21,7 @@ import pytest
 import uvloop
 
 from slipstream.cli import train
+from slipstream.protocols.control import SaveCheckpoint
 from slipstream.protocols.learner import TrainStep
 from slipstream.runtime.process import pid_alive
 from slipstream.runtime.supervisor import Supervisor
@@ -183,21 +184,22 @@ def clean_four(tiny_chat: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return clean
 
 
-def _kill_inside_step(step: int, victim: str, pids: list[int]) -> Any:
-    """Supervisor.send that SIGKILLs `victim` right after sending it step `step`'s TrainStep: it dies
-    holding its groups, before it can have trained (the coordinator waits for its stats)."""
+def _kill_after_sending(kind: type, step: int, victim: str, pids: list[int]) -> Any:
+    """Supervisor.send that SIGKILLs `victim` right after sending it the `kind` message of step `step`
+    (a TrainStep: it dies holding its groups, before it can have trained; a SaveCheckpoint: it dies in its
+    checkpoint, after the step's weights were applied everywhere)."""
     send = Supervisor.send
 
     async def send_then_kill(self: Supervisor, name: str, msg: Any) -> None:
         await send(self, name, msg)
-        if name == victim and isinstance(msg, TrainStep) and msg.step == step and not pids:
+        if name == victim and isinstance(msg, kind) and msg.step == step and not pids:
             pids.append(self.pid(name))
             os.kill(pids[0], signal.SIGKILL)
 
     return send_then_kill
 
 
-@pytest.mark.parametrize("when", ["between steps", "inside a step"])
+@pytest.mark.parametrize("when", ["between steps", "inside a step", "in its checkpoint"])
 def test_a_killed_learner_restarts_from_its_checkpoint_and_replays_to_the_same_run(
     tiny_chat: Path, clean_four: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
 ) -> None:
@@ -207,7 +209,9 @@ def test_a_killed_learner_restarts_from_its_checkpoint_and_replays_to_the_same_r
     clean, faulty = clean_four, tmp_path / "faulty"
     pids: list[int] = []
     if when == "inside a step":
-        monkeypatch.setattr(Supervisor, "send", _kill_inside_step(3, "learner:0", pids))
+        monkeypatch.setattr(Supervisor, "send", _kill_after_sending(TrainStep, 3, "learner:0", pids))
+    elif when == "in its checkpoint":  # the step-2 checkpoint: none on disk yet, so from the start
+        monkeypatch.setattr(Supervisor, "send", _kill_after_sending(SaveCheckpoint, 2, "learner:0", pids))
 
     async def run_with_kill() -> dict[str, Any]:
         job = asyncio.create_task(train.train(cfg, faulty))
@@ -222,12 +226,18 @@ def test_a_killed_learner_restarts_from_its_checkpoint_and_replays_to_the_same_r
     steps = uvloop.run(run_with_kill())["steps"]
     assert len(pids) == 1
     assert [s["policy_version"] for s in steps] == [1, 2, 3, 4]
-    assert "learner:0" in steps[3]["restarts"]
     events = _events(faulty / "logs" / "learner-0.jsonl")
-    loaded = [e for e in events if e["event"] == "checkpoint_loaded"]
-    assert [e["version"] for e in loaded] == [2]  # the step-2 checkpoint, then step 2 replayed, then step 3
+    loaded = [e["version"] for e in events if e["event"] == "checkpoint_loaded"]
     trained = [e["step"] for e in events if e["event"] == "trained"]
-    assert trained == [0, 1, 2, 2, 3]
+    if when == "in its checkpoint":
+        # Step 1 was trained and synced, then its checkpoint died with the learner: it restarts from the
+        # initial policy, replays step 0, trains step 1 again (the rollouts hold v2 already and ignore the
+        # re-push: not waited on), and checkpoints it.
+        assert "learner:0" in steps[1]["restarts"]
+        assert loaded == [] and trained == [0, 1, 0, 1, 2, 3]
+    else:
+        assert "learner:0" in steps[3]["restarts"]
+        assert loaded == [2] and trained == [0, 1, 2, 2, 3]  # step-2 checkpoint, step 2 replayed, step 3
     # The replay reproduced the lost step: the same losses, gradient norms and final weights as without
     # faults. Weights within fp32 tolerance, not bitwise: once in ~10 runs (under load) the replayed step's
     # gradients differed in the last bits, and AdamW's m / sqrt(v) turns a last-bit difference of a tiny

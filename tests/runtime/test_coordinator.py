@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from slipstream.protocols.control import Idle, Lease, Preempt, Released
+from slipstream.protocols.control import Idle, Lease, Preempt, Released, Status
 from slipstream.protocols.drafter import DrafterStats
 from slipstream.protocols.learner import PushWeights, ScoredGroup, StepStats, TrainStep, WeightAck
 from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats, SamplingSpec
@@ -439,5 +439,34 @@ def test_a_rollout_revived_while_the_learner_is_dead_waits_for_the_learners_reco
             await until(lambda: any(isinstance(m, GenerateRequest) and m.sample_indices for _, m in sup.sent))
             sup.deliver("rollout:0", completion(0, 0))
             assert (await nxt).sample_index == 0
+
+    run(main())
+
+
+def test_a_version_synced_again_after_a_learner_death_is_not_waited_on() -> None:
+    """A step retrained after the learner died in its sync re-pushes a version the rollouts and drafters
+    already hold; they ignore it without an answer, so the wait must count what they acknowledged before."""
+
+    async def main() -> None:
+        sup = RestartingSupervisor()
+        coord = Coordinator(sup, rollouts=["rollout:0", "rollout:1"], learners=["learner:0"], restart=True)
+        async with coord:
+            first = asyncio.ensure_future(coord.weights_applied(5, heads=["drafter:0"]))
+            for rank in (0, 1):
+                sup.deliver(
+                    f"rollout:{rank}", WeightAck(version=5, role="rollout", rank=rank, ok=True, error=None)
+                )
+            sup.deliver("drafter:0", Status(topic="head_synced", fields={"version": 5}))
+            await first
+            await asyncio.wait_for(coord.weights_applied(5, heads=["drafter:0"]), timeout=1.0)  # no answers
+            # A restarted rollout holds only what it loaded: it is waited on again.
+            sup.deaths.put_nowait(Died("rollout:1", "killed by SIGKILL"))
+            await until(lambda: "rollout:1" in coord.dead)
+            again = asyncio.ensure_future(coord.weights_applied(5))
+            await until(lambda: sup.restarted == ["rollout:1"])
+            await asyncio.sleep(0.05)
+            assert not again.done()
+            sup.deliver("rollout:1", WeightAck(version=5, role="rollout", rank=1, ok=True, error=None))
+            await asyncio.wait_for(again, timeout=1.0)
 
     run(main())
