@@ -1,6 +1,6 @@
 """`slipstream train` survives dead and hung actors: real processes, real SIGKILLs and SIGSTOPs.
 
-A watcher kills rollout:1 while it decodes step 1, drafter:1 during its second lease, and verifier:0 and
+A watcher kills rollout:1 while it decodes step 1, drafter:1 during its first lease, and verifier:0 and
 the drafter owner drafter:0 while step 2 decodes; another run stops rollout:0 (SIGSTOP, a hang) mid-step. The run must restart them, hand a
 rollout the current weights and the drafter the policy's head and its checkpoint, deal again exactly the
 samples and score requests they owed, and end with the same samples and rewards as a run without faults
@@ -97,20 +97,26 @@ def test_a_killed_rollout_and_verifier_are_restarted_and_nothing_is_lost(
 
     async def run_with_kills() -> tuple[dict[str, Any], list[int]]:
         job = asyncio.create_task(train.train(cfg, faulty))
-        killers = [
-            asyncio.create_task(_kill_while_working(faulty, "rollout-1", "rollout-1", step=1)),
-            asyncio.create_task(_kill_while_working(faulty, "verifier-0", "rollout-0", step=2)),
-            asyncio.create_task(_kill_while_working(faulty, "drafter-0", "rollout-0", step=2)),
-            asyncio.create_task(_kill_when_leased(faulty, "drafter-1", nth=2)),
-        ]
+        killers = {
+            "rollout-1 in step 1": _kill_while_working(faulty, "rollout-1", "rollout-1", step=1),
+            "verifier-0 in step 2": _kill_while_working(faulty, "verifier-0", "rollout-0", step=2),
+            "drafter-0 in step 2": _kill_while_working(faulty, "drafter-0", "rollout-0", step=2),
+            # Its first lease: step 0's idle window (rollout:1 decodes 1 group, rollout:0 2). Later windows
+            # last ~0.01-0.3 s and which rollout opens one varies with the host's timing.
+            "drafter-1 leased": _kill_when_leased(faulty, "drafter-1", nth=1),
+        }
+        tasks = {name: asyncio.create_task(c) for name, c in killers.items()}
         summary = await job
-        pids = [k.result() for k in killers]  # every kill happened
-        return summary, pids
+        missed = [name for name, k in tasks.items() if not k.done()]
+        for k in tasks.values():
+            k.cancel()
+        assert not missed, f"kills that never happened (the run ended first): {missed}"
+        return summary, [k.result() for k in tasks.values()]
 
     summary, pids = uvloop.run(run_with_kills())
     steps = summary["steps"]
     assert [s["policy_version"] for s in steps] == [1, 2, 3]
-    assert steps[1]["restarts"][0] == "rollout:1" and steps[1]["requeued"] > 0
+    assert "rollout:1" in steps[1]["restarts"] and steps[1]["requeued"] > 0
     # drafter:1 was SIGKILLed holding a lease: restarted, and the step went on without it.
     assert any("drafter:1" in s["restarts"] for s in steps)
     assert {"verifier:0", "drafter:0"} <= set(steps[2]["restarts"])
