@@ -337,6 +337,7 @@ async def train(
             if start > 0:  # the resumed learner hands its weights to the fresh rollouts first
                 await coord.push_weights(start, to=rollouts, head_to=drafters)
                 coord.policy_version = start
+            heads_due = start  # the head version the drafters were last pushed (0: they loaded it)
             for step in range(start, cfg.steps):
                 chunk = range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step)
                 restarts_before = len(coord.restarted)
@@ -350,6 +351,8 @@ async def train(
                     record, groups_out = await _step(
                         coord, cfg, step, version, chunk, rows, prompts, tokenizer, sampling, bar.advance
                     )
+                    if heads_due:  # the drafters' answers to the last head push, a rollout after it
+                        await coord.heads_applied(heads_due, drafters)
                     learned = time.monotonic()
                     checkpoint = ""
                     if _checkpoint_due(cfg, step, time.monotonic() - last_checkpoint):
@@ -365,7 +368,9 @@ async def train(
                                 push_head_to=drafters,
                             )
                             learn_s = time.monotonic() - learned
-                            await coord.weights_applied(version + 1, heads=drafters)
+                            # The rollouts alone: the drafters' head copies are not waited on here (they
+                            # only train in idle time), so the next step starts while they apply it.
+                            await coord.weights_applied(version + 1)
                             synced = time.monotonic()
                             if checkpoint:  # the policy, its optimizer and the drafter, after the sync
                                 await coord.save_checkpoint(
@@ -377,6 +382,7 @@ async def train(
                                 raise
                             await recover_learners()  # then this step trains again
                     version += 1
+                    heads_due = version if drafters else 0
                     sync_s = synced - learned - learn_s
                     checkpoint_s = time.monotonic() - synced
                     lead = stats[0]
@@ -417,6 +423,8 @@ async def train(
                         f"{invalid_steps} steps in a row where every reward failed (faults.max_invalid_steps): "
                         f"{_explain(record.reward_errors)}"
                     )
+            if heads_due:
+                await coord.heads_applied(heads_due, drafters)  # a refused head is logged before the end
     finally:
         metrics_file.close()
         await sup.shutdown(reason="training finished")

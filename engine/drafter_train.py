@@ -12,7 +12,8 @@ Non-obvious choices (measurements and the unroll's derivation: docs/engine.md, "
 - Sequences are packed without padding (`EagleHead.forward`).
 - The unroll (`unrolled_forward`) trains step k on its own step k - 1 predictions, attending as it does
   when drafting; step losses are weighted by decay^k.
-- `DrafterTrainer.step` is one short optimizer step, so a drafter actor can honour a preemption between two.
+- `DrafterTrainer.step` is one short optimizer step, abandoned between its phases when `stop` says so: a
+  drafter actor honours a preemption within one phase.
 - Everything runs on the target's device; a batch may arrive on the host (`make_pairs` moves it).
 """
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -329,11 +330,16 @@ class DrafterTrainer:
         self.ce_topk = ce_topk
         self.grad_clip = grad_clip
         self.steps = 0
+        self.abandoned = 0  # steps `stop` cut short (a preempted drafter)
         self.optimizer = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
 
-    def step(self, batch: PackedBatch) -> dict[str, float]:
+    def step(self, batch: PackedBatch, stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
         """One optimizer step on `batch`; returns loss, smooth_l1, ce, accuracy (step 0), tokens, grad_norm,
-        step_s, and with ce_vocab="topk" ce_vocab_size (ce and accuracy are then over the candidates)."""
+        step_s, and with ce_vocab="topk" ce_vocab_size (ce and accuracy are then over the candidates).
+
+        `stop` is polled between the step's phases (candidates, forward, backward): once it says True the
+        step is abandoned before the optimizer changes anything, and None is returned. A drafter actor
+        passes `control_pending`, so a preemption waits for one phase, not a whole step."""
         start = time.perf_counter()
         self.head.train()
         dtype = self.head.fc.weight.dtype
@@ -349,6 +355,8 @@ class DrafterTrainer:
             vocab_size = candidates.numel()
             if vocab_size == lm_head.shape[0]:
                 candidates = None  # small vocabularies: the full loss, without a gathered copy of the head
+        if stop is not None and stop():
+            return self._abandon()
         with torch.no_grad():
             embeds = self.target.embed_tokens(pairs.tokens).to(dtype)
         outputs = unrolled_forward(
@@ -378,8 +386,12 @@ class DrafterTrainer:
         if self.ce_vocab == "topk":
             metrics["ce_vocab_size"] = vocab_size
         loss = total / weight_sum
+        if stop is not None and stop():
+            return self._abandon()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if stop is not None and stop():
+            return self._abandon()
         params = [p for p in self.head.parameters() if p.grad is not None]
         if self.grad_clip is not None:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip))
@@ -394,6 +406,11 @@ class DrafterTrainer:
             "grad_norm": grad_norm,
             "step_s": time.perf_counter() - start,
         }
+
+    def _abandon(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.head.eval()
+        self.abandoned += 1
 
     def weights(self) -> dict[str, Tensor]:
         """A detached copy of the head's trainable weights (what `EagleDrafter.load_state` takes)."""

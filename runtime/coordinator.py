@@ -512,9 +512,8 @@ class Coordinator:
     async def weights_applied(
         self, version: int, *, heads: Sequence[str] = (), timeout_s: float | None = None
     ) -> None:
-        """Waits until every rollout acknowledged `version` (raises if one refused it) and every live drafter
-        in `heads` answered its head push (a refused head is logged: drafters change speed, not samples).
-        A rollout that dies meanwhile is restarted (with `restart`) and sent `version` alone."""
+        """Waits until every rollout acknowledged `version` (raises if one refused it), then `heads_applied`
+        for `heads`. A rollout that dies meanwhile is restarted (with `restart`) and sent `version` alone."""
         pending = list(self.rollouts)
         while True:
             try:
@@ -528,10 +527,23 @@ class Coordinator:
                     await self._revive_rollout(name, f"acks of weights v{version}", version)  # acked
                     pending.remove(name)
         self.policy_version = version
+        if heads:
+            await self.heads_applied(version, heads, timeout_s=timeout_s)
+
+    async def heads_applied(
+        self, version: int, heads: Sequence[str], *, timeout_s: float | None = None
+    ) -> None:
+        """Waits until every live drafter in `heads` answered the head push of `version` (a refused head is
+        logged: drafters change speed, not samples), or the learner that pushes it died (its recovery pushes
+        again). Nothing decodes with a head: `train` awaits this a rollout later, off the step's sync."""
         answers = self._head_acks[version]
+        learner = self.learners[0] if self.learners else None
         await self._until(
-            lambda: all(d in answers or d in self.dead or self._holds.get(d, -1) >= version for d in heads),
-            self.rollouts,
+            lambda: (
+                learner in self.dead
+                or all(d in answers or d in self.dead or self._holds.get(d, -1) >= version for d in heads)
+            ),
+            [],
             f"head v{version}",
             timeout_s,
         )

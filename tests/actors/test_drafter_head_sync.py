@@ -134,7 +134,7 @@ def test_the_step_after_a_head_update_trains_against_the_new_head(
     refs = [DrafterTrainer(copy.deepcopy(actor.head), t, lr=actor.config.lr) for t in (new, old)]
     batches = []
     step = actor.trainer.step
-    actor.trainer.step = lambda batch: (batches.append(batch), step(batch))[1]
+    actor.trainer.step = lambda batch, stop=None: (batches.append(batch), step(batch, stop))[1]
     assert actor.step()
     losses = [ref.step(batches[0])["loss"] for ref in refs]
     assert actor._last_loss == pytest.approx(losses[0], rel=1e-5)

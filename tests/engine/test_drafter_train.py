@@ -436,3 +436,34 @@ def test_online_training_raises_accept_length(make_checkpoint: Callable[..., Pat
     print(f"T=0.8 accept length: keyed (reproducible) {accept['reproducible']:.2f}, argmax (rejection) "
           f"{accept['rejection']:.2f}")  # fmt: skip
     assert accept["reproducible"] > accept["rejection"] + 0.1  # measured 1.24 vs 1.01
+
+
+@pytest.mark.parametrize("polls_before_stop", [0, 1, 2])
+def test_a_stopped_step_changes_nothing_and_the_next_one_is_exact(
+    target: Transformer, polls_before_stop: int
+) -> None:
+    """A preempted drafter abandons its step between phases (after the candidates, the forward, the
+    backward pass): the head, the optimizer and the step count are as before, and a later full step equals
+    the same step on a trainer that was never stopped."""
+    torch.manual_seed(0)
+    head = EagleHead.for_target(target.config).to(torch.float64)
+    twin_head = EagleHead.for_target(target.config).to(torch.float64)
+    twin_head.load_state_dict(head.state_dict())
+    trainer, twin = DrafterTrainer(head, target, lr=1e-3), DrafterTrainer(twin_head, target, lr=1e-3)
+    batch = random_batch(target, [9, 12, 5], [3, 1, 0], seed=2)
+    start = {k: v.clone() for k, v in head.state_dict().items()}
+    polls = []
+
+    def stop() -> bool:
+        polls.append(1)
+        return len(polls) > polls_before_stop
+
+    assert trainer.step(batch, stop=stop) is None
+    assert len(polls) == polls_before_stop + 1
+    assert trainer.steps == 0 and trainer.abandoned == 1 and not trainer.optimizer.state
+    assert all(p.grad is None for p in head.parameters()) and not head.training
+    assert all(torch.equal(v, start[k]) for k, v in head.state_dict().items())
+    a = trainer.step(batch, stop=lambda: False)
+    b = twin.step(batch)
+    assert a is not None and b is not None and a["loss"] == b["loss"] and trainer.steps == 1
+    assert all(torch.equal(v, twin_head.state_dict()[k]) for k, v in head.state_dict().items())

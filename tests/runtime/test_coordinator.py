@@ -470,3 +470,29 @@ def test_a_version_synced_again_after_a_learner_death_is_not_waited_on() -> None
             await asyncio.wait_for(again, timeout=1.0)
 
     run(main())
+
+
+def test_rollouts_alone_end_the_sync_and_heads_are_awaited_later() -> None:
+    """`weights_applied` without heads returns on the rollouts' acks while a drafter's head answer is still
+    out; `heads_applied` waits for it, or for the learner's death (its recovery pushes the head again)."""
+
+    async def main() -> None:
+        sup = RestartingSupervisor()
+        coord = Coordinator(sup, rollouts=["rollout:0"], learners=["learner:0"], restart=True)
+        async with coord:
+            sup.deliver("rollout:0", WeightAck(version=3, role="rollout", rank=0, ok=True, error=None))
+            await asyncio.wait_for(coord.weights_applied(3), timeout=1.0)
+            heads = asyncio.ensure_future(coord.heads_applied(3, ["drafter:0", "drafter:1"]))
+            sup.deliver("drafter:0", Status(topic="head_synced", fields={"version": 3}))
+            await asyncio.sleep(0.05)
+            assert not heads.done()  # drafter:1 has not answered
+            sup.deliver("drafter:1", Status(topic="head_refused", fields={"version": 3}))
+            await asyncio.wait_for(heads, timeout=1.0)
+            # A learner that dies before pushing the head ends the wait: nobody would answer.
+            orphan = asyncio.ensure_future(coord.heads_applied(4, ["drafter:0"]))
+            await asyncio.sleep(0.05)
+            assert not orphan.done()
+            sup.deaths.put_nowait(Died("learner:0", "killed by SIGKILL"))
+            await asyncio.wait_for(orphan, timeout=1.0)
+
+    run(main())
