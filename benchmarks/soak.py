@@ -53,6 +53,7 @@ OVERRIDES = (
     "max_tokens=48",
     "checkpoint_every=0",
     "drafter.batch_tokens=64",
+    "drafter.init_from=",  # the demo's shipped head fits SmolLM2, not the tiny model
     "learner.threads=1",
     "faults.max_restarts=8",
     "faults.restart_backoff_s=0.1",

@@ -318,9 +318,21 @@ def _cmd_drafter(args: argparse.Namespace) -> int:
             model=args.model, task=args.task, steps=args.steps, out=args.out, samples=args.samples,
             eval_samples=args.eval_samples, max_tokens=args.max_tokens, temperature=args.temperature,
             seed=args.seed, lr=args.lr, server=args.server, init_from=args.init_from, unroll=args.unroll,
+            task_options=args.task_options, system_prompt=args.system_prompt, dtype=args.dtype,
         )  # fmt: skip
     print(json.dumps(result))
     return 0
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """argparse type of `--task-options`: a JSON object, refused with the reason otherwise."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at column {e.colno}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}: {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -456,16 +468,37 @@ def build_parser() -> argparse.ArgumentParser:
     dsub = s.add_subparsers(dest="action", required=True)
     w = dsub.add_parser("warmup", help="train an EAGLE head on the model's own sampled outputs, export it")
     w.add_argument("--model", required=True, help="model directory or registry name")
-    w.add_argument("--task", required=True, help="reasoning-gym task, e.g. basic_arithmetic")
+    w.add_argument(
+        "--task",
+        required=True,
+        help="reasoning-gym task (e.g. chain_sum) or a JSONL/Parquet file, as train's",
+    )
+    w.add_argument(
+        "--task-options",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="the reasoning-gym task's options as a JSON object, as train's task_options "
+        '(e.g. \'{"min_terms": 2, "max_terms": 2}\')',
+    )
+    w.add_argument(
+        "--system-prompt", default="", help="a system turn before every question, as train's (default none)"
+    )
     w.add_argument("--steps", type=int, required=True, help="optimizer steps")
-    w.add_argument("--out", type=Path, required=True)
+    w.add_argument("--out", type=Path, required=True, help="directory the exported head is written to")
     w.add_argument("--samples", type=int, default=64, help="prompts sampled for training")
     w.add_argument("--eval-samples", type=int, default=16, help="held-out prompts for accept length")
-    w.add_argument("--max-tokens", type=int, default=128)
-    w.add_argument("--temperature", type=float, default=1.0)
-    w.add_argument("--lr", type=float, default=1e-3)
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--max-tokens", type=int, default=128, help="tokens per sampled response at most")
+    w.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (and the evals')")
+    w.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    w.add_argument("--seed", type=int, default=0, help="dataset, sampling and initialisation seed")
     w.add_argument("--server", choices=["vllm", "sglang"], default="vllm", help="export layout flavour")
+    w.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="exported tensors' dtype (bfloat16: half the file; the evals measure the export)",
+    )
     w.add_argument(
         "--init-from",
         type=Path,

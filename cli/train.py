@@ -76,6 +76,13 @@ class DrafterSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
     lr: float = 1e-3
     publish_every_steps: Positive = 10
 
+    def __post_init__(self) -> None:
+        if self.init_from:  # a misspelt name fails here, at start, not in every actor's on_start
+            try:
+                hub.drafter_dir(self.init_from)
+            except ValueError as e:
+                raise ValueError(f"init_from: {e}") from None
+
 
 class VerifierSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     actors: Positive = 1

@@ -4,7 +4,8 @@
 (yuhuili/EAGLE-LLaMA3-Instruct-8B and siblings): a one-layer Llama config and the head's tensors under
 their Llama names, fused q/k/v and gate/up split apart (the table: docs/engine.md, "EAGLE export layout").
 The embedding, final norm and LM head are the target's and are not written; nor is layer 0's input norm
-(EAGLE-1 has none). `load` / `load_head` read either variant back, strictly.
+(EAGLE-1 has none). `load` / `load_head` read either variant back, strictly, in the target's dtype (a
+bf16 export loads into an fp32 target), from a directory or a shipped drafter's name (`hub.drafter_dir`).
 
 The servers differ in two details, so `server` picks the variant (tensors otherwise equal): "vllm" (the
 default) writes `architectures: ["LlamaForCausalLM"]` and no `fc.bias`; "sglang" writes
@@ -24,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from slipstream.engine import hub
 from slipstream.engine.config import ModelConfig, dtype_name
 from slipstream.engine.drafters.eagle import EagleDrafter
 from slipstream.engine.eagle import EagleHead
@@ -156,8 +158,9 @@ def export(
 
 
 def load_token_counts(path: str | Path) -> dict[int, int]:
-    """The token counts exported with a head ({} when it has none); a malformed file raises, naming it."""
-    file = Path(path) / COUNTS_FILE
+    """The token counts exported with a head (a directory or a shipped drafter's name; {} when it has
+    none); a malformed file raises, naming it."""
+    file = hub.drafter_dir(path) / COUNTS_FILE
     if not file.is_file():
         return {}
     try:
@@ -171,9 +174,9 @@ def load_token_counts(path: str | Path) -> dict[int, int]:
 
 
 def load(path: str | Path, target: Transformer, **drafter_kwargs: Any) -> EagleDrafter:
-    """An `EagleDrafter` for `target` from an exported directory (either server variant), in the target's
-    dtype and on its device; drafter_kwargs go to `EagleDrafter` (num_slots, max_len). Strict: every
-    tensor must be known."""
+    """An `EagleDrafter` for `target` from an exported directory (either server variant) or a shipped
+    drafter's name, in the target's dtype and on its device; drafter_kwargs go to `EagleDrafter`
+    (num_slots, max_len). Strict: every tensor must be known."""
     head, version = load_head(path, target)
     drafter = EagleDrafter(head, target, version=version, **drafter_kwargs)
     drafter.prime_counts(load_token_counts(path))
@@ -183,7 +186,7 @@ def load(path: str | Path, target: Transformer, **drafter_kwargs: Any) -> EagleD
 def load_head(path: str | Path, target: Transformer) -> tuple[EagleHead, int]:
     """(the exported head in the target's dtype, on its device; its drafter version): `load` without a
     drafter's cache."""
-    path = Path(path)
+    path = hub.drafter_dir(path)
     raw = json.loads((path / "config.json").read_text())
     config = ModelConfig.from_dict(raw)
     if config.num_hidden_layers != 1:

