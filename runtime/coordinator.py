@@ -361,19 +361,8 @@ class Coordinator:
         version = self.policy_version
         if version > 0 and self.learners:  # the restarted process loaded the step-0 head
             await self.sup.send(self.learners[0], PushWeights(version=version, to=[], head_to=[drafter]))
-            answers = self._head_acks[version]
             # A learner that dies meanwhile is the train loop's to restart; the head then comes with the next push.
-            await self._until(
-                lambda: (
-                    drafter in answers
-                    or drafter in self.dead
-                    or self.learners[0] in self.dead
-                    or self._holds.get(drafter, -1) >= version
-                ),
-                [],
-                f"head v{version}",
-            )
-            answers.pop(drafter, None)
+            await self.heads_applied(version, [drafter])
 
     async def restart_learners(self, configs: dict[str, msgspec.Struct]) -> None:
         """Restarts every learner rank with `configs` (e.g. the newest checkpoint to resume from). Ranks still
@@ -547,9 +536,11 @@ class Coordinator:
             f"head v{version}",
             timeout_s,
         )
-        for drafter in [d for d, ok in answers.items() if not ok]:
-            self._emit("head_refused", actor=drafter, version=version, level="warning")
-        del self._head_acks[version]
+        for drafter in heads:  # another waiter's answers stay
+            if answers.pop(drafter, None) is False:
+                self._emit("head_refused", actor=drafter, version=version, level="warning")
+        if not answers:
+            self._head_acks.pop(version, None)
 
     async def _wait_acks(self, version: int, names: list[str], timeout_s: float | None) -> None:
         acks = self._acks[version]
