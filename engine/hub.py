@@ -122,11 +122,10 @@ DRAFTERS: dict[str, DrafterSpec] = {
 
 
 def drafter_dir(name_or_dir: str | os.PathLike[str]) -> Path:
-    """An exported drafter's directory from a path (used as is when it holds config.json) or the name of a
-    shipped drafter. ValueError names the known drafters otherwise."""
-    path = Path(name_or_dir).expanduser()
-    if (path / "config.json").is_file():
-        return path
+    """An exported drafter's directory from the name of a shipped drafter or a path holding config.json.
+    A shipped name wins over a same-named directory in the working directory (a config names the shipped
+    head wherever it is run from; write `./name` for the directory). ValueError names the known drafters
+    otherwise."""
     name = str(name_or_dir)
     known = ", ".join(sorted(DRAFTERS))
     if name in DRAFTERS:
@@ -134,6 +133,9 @@ def drafter_dir(name_or_dir: str | os.PathLike[str]) -> Path:
         if not (shipped / "config.json").is_file():  # a package built without its data files
             raise ValueError(f"shipped drafter {name!r} is missing from this installation ({shipped})")
         return shipped
+    path = Path(name_or_dir).expanduser()
+    if (path / "config.json").is_file():
+        return path
     raise ValueError(
         f"unknown drafter {name!r}: not a directory with config.json nor a shipped drafter ({known})"
     )

@@ -51,6 +51,17 @@ def test_package_data_carries_the_assets() -> None:
         assert any(fnmatch(relative, pattern) for pattern in patterns), relative
 
 
+def test_a_shipped_name_wins_over_a_same_named_directory_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The demo's config names the shipped head wherever it runs, even beside a warmup's `--out NAME`."""
+    (tmp_path / NAME).mkdir()
+    (tmp_path / NAME / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    assert hub.drafter_dir(NAME) == hub.DRAFTER_ASSETS / NAME
+    assert hub.drafter_dir(f"./{NAME}") == Path(NAME)
+
+
 def test_a_directory_is_used_as_is_and_an_unknown_name_lists_the_known(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     assert hub.drafter_dir(tmp_path) == tmp_path
