@@ -336,7 +336,8 @@ class DrafterActor(Actor):
         batch = batch.to(self.device)  # the buffer stays in host memory; one batch at a time moves
         started = time.perf_counter()
         # A control message (a preemption) abandons the step between its phases: the device goes back
-        # within one phase (~0.1 s) instead of a whole step (0.1-0.6 s measured at 512 tokens on a core).
+        # within one phase instead of a whole step (releases came 80-640 ms late at 512 tokens on a core;
+        # the latency after this change is not measured yet).
         metrics = self.trainer.step(batch, stop=self.control_pending)
         elapsed = time.perf_counter() - started
         self._trained_s += elapsed
