@@ -14,6 +14,8 @@ Non-obvious choices (the reasons: docs/engine.md, "Batch layout"):
   ancestor-or-self mask (`tree.tree_attention_mask`), RoPE position start + depth.
 - The plan is made on the cache's device from host ints (one small copy per index tensor); no
   tensor is built on the CPU and moved, and nothing is read back.
+- Planning a pass reserves its positions in the cache (`KVCache.reserve`): a grown cache gets its room
+  before the model writes, and every write path goes through a plan.
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ class BatchLayout:
         tree_masks: Sequence[Tensor | None] | None = None,
         logit_rows: Sequence[int] | None = None,
     ) -> BatchLayout:
-        """Plan a pass appending `num_new[i]` tokens to `slots[i]` (at its current cache length).
+        """Plan a pass appending `num_new[i]` tokens to `slots[i]` (at its current cache length), reserving
+        their positions in `cache`.
 
         `logit_rows` are flat token indices needing logits (default: the last token of each sequence).
         """
@@ -127,6 +130,8 @@ class BatchLayout:
                 )
             offsets.append(offsets[-1] + n)
         num_tokens = offsets[-1]
+        # The pass writes every new token's K/V: a grown cache makes room first (static: a no-op).
+        cache.reserve(max(slots) + 1, max(start + n for start, n in zip(starts, num_new, strict=True)))
 
         device = cache.device
         # output_size: the repeat's length is known on the host, so the device is never asked for it.

@@ -12,7 +12,8 @@ same pass as the prefill chunks, verified losslessly; only the accepted path sta
 built by the caller and held per method (`drafters=`, `hold`); `set_spec` switches between them.
 
 One code path for every device: cache, batch plan, sampling and verification run where the model is; the
-host reads the sampled tokens and log-probs, and a completion's hidden states once, when it finishes.
+host reads the sampled tokens and log-probs, and a completion's hidden states once, when it finishes. The
+KV cache grows with the live batch and is released when idle, except on CUDA (`grow_cache`).
 Finish reasons: "stop" (a stop or EOS id, kept in token_ids: the policy must learn to emit it), "length"
 (max_tokens, or prompt + response filled the slot's max_len).
 """
@@ -121,6 +122,7 @@ class Generator:
         return_hidden: bool = False,
         spec: SpecConfig | None = None,
         drafters: Mapping[str, Drafter] | None = None,
+        grow_cache: bool | None = None,
     ) -> None:
         """num_slots: concurrent sequences; max_len: prompt + response tokens per sequence;
         token_budget: tokens per forward pass (decodes and their drafts first, prefill chunks fill the
@@ -129,7 +131,9 @@ class Generator:
         (None: the spec's verify budget, 0 without one; pass the deepest spec `set_spec` will choose);
         eos_token_ids: stop ids for every request (default: the model config's); return_hidden: keep
         per-token hidden states in completions; spec: speculative decoding (None: plain decoding);
-        drafters: method → drafter to hold (see `hold`)."""
+        drafters: method → drafter to hold (see `hold`); grow_cache: KV storage grown to the live batch
+        (`KVCache`, grow=True) or num_slots × max_len up front (False); None: up front on CUDA only, whose
+        caching allocator and CUDA graphs want a fixed footprint."""
         if max_draft is None:
             max_draft = spec.verify_budget if spec is not None and spec.enabled else 0
         if token_budget is None:
@@ -139,7 +143,12 @@ class Generator:
         self.model = model
         weight = model.embed_tokens.weight
         self.cache = KVCache.for_model(
-            model.config, num_slots=num_slots, max_len=max_len, dtype=weight.dtype, device=weight.device
+            model.config,
+            num_slots=num_slots,
+            max_len=max_len,
+            dtype=weight.dtype,
+            device=weight.device,
+            grow=weight.device.type != "cuda" if grow_cache is None else grow_cache,
         )
         self.token_budget = token_budget
         self.eos_token_ids = frozenset(model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
@@ -358,7 +367,8 @@ class Generator:
         eos_token_ids: Sequence[int] | None = None,
         return_hidden: bool = False,
     ) -> Generator:
-        """A generator sized for `requests`: the KV cache is paid up front, so slots and length fit the job.
+        """A generator sized for `requests`: slots and length fit the job (a static cache's bytes, a grown
+        one's limits).
 
         eos_token_ids: stop ids for every request (None: the model config's; () decodes to max_tokens).
         """

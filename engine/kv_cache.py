@@ -1,16 +1,22 @@
-"""Slot-based KV cache: fixed, preallocated K/V per layer, one slot per live sequence.
+"""Slot-based KV cache: per-layer K/V, one slot per live sequence, fixed or grown to the live batch.
 
-Per layer K and V are `[num_slots, num_kv_heads, max_len, head_dim]` in the model's dtype, allocated once
-and zero-filled (padded attention rows over unused slots never see NaN garbage). A slot's visible content
-is positions `[0, length)`; everything past is masked out by the attention plan, so `rollback` only moves
-the length back. The head-major layout lets a decode step over contiguous slots read
-`cache[lo:hi, :, :max_live_len]` as a strided view (the allocator hands out the lowest free slot).
+Per layer K and V are `[slots, num_kv_heads, length, head_dim]` in the model's dtype, zero-filled (padded
+attention rows over unused slots never see NaN garbage). A slot's visible content is positions
+`[0, length)`; everything past is masked out by the attention plan, so `rollback` only moves the length
+back. The head-major layout lets a decode step over contiguous slots read `cache[lo:hi, :, :max_live_len]`
+as a strided view (the allocator hands out the lowest free slot).
 
 Tree verification writes a pass's draft nodes at positions base..base+n-1; `commit_path` moves the
 accepted nodes' K/V to base..base+a-1, so the cache equals one that only ever saw the accepted tokens.
 
-Memory is paid up front: 2 × layers × kv_heads × head_dim × dtype bytes per token, times num_slots ×
-max_len tokens (a worked example: docs/engine.md, "KV cache").
+Two sizings (2 × layers × kv_heads × head_dim × dtype bytes per token; a worked example: docs/engine.md):
+- static (`grow=False`): num_slots × max_len tokens allocated once. What CUDA wants: a fixed footprint
+  that the caching allocator never fragments, stable addresses for CUDA graphs.
+- grown (`grow=True`): storage covers the lowest slots in use and the longest length any pass has
+  reserved (`reserve`, which `BatchLayout.build` calls before a pass writes), grown by half again in
+  chunks, and released when the last slot frees. RL responses are mostly far shorter than max_len, so
+  this holds a fraction of the static bytes; growing copies the cache a handful of times per batch.
+  One length for all slots keeps the strided-view reads: a single long sequence sizes every slot.
 """
 
 from __future__ import annotations
@@ -24,9 +30,14 @@ from torch import Tensor
 
 from slipstream.engine.config import ModelConfig
 
+GROW_LENGTH_CHUNK = 64
+"""A grown cache's length is a multiple of this many positions (or max_len)."""
+GROW_SLOT_CHUNK = 4
+"""A grown cache's slot count is a multiple of this (or num_slots)."""
+
 
 class KVCache:
-    """Preallocated per-layer K/V with per-slot lengths, allocation, rollback and tree commit."""
+    """Per-layer K/V with per-slot lengths, allocation, rollback and tree commit; static or grown."""
 
     def __init__(
         self,
@@ -38,7 +49,9 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        grow: bool = False,
     ) -> None:
+        """grow: allocate as passes reserve room (see the module docstring); False: everything up front."""
         for name, value in (
             ("num_layers", num_layers),
             ("num_slots", num_slots),
@@ -54,11 +67,11 @@ class KVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_slots, num_kv_heads, max_len, head_dim)
-        self.keys: list[Tensor] = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values: list[Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
-        ]
+        self.grow = grow
+        self._num_layers = num_layers
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+        self._allocate(*((0, 0) if grow else (num_slots, max_len)))
         # Python ints: the scheduler reads lengths every step, and a tensor here would cost a device sync.
         self.lengths: list[int] = [0] * num_slots
         self._free: list[int] = list(range(num_slots))  # a heap: allocate() takes the lowest
@@ -73,6 +86,7 @@ class KVCache:
         max_len: int,
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
+        grow: bool = False,
     ) -> KVCache:
         """A cache shaped for `config` (dtype defaults to the config's)."""
         return cls(
@@ -83,11 +97,22 @@ class KVCache:
             head_dim=config.head_dim,
             dtype=dtype or config.dtype,
             device=device,
+            grow=grow,
         )
 
     @property
     def num_layers(self) -> int:
-        return len(self.keys)
+        return self._num_layers
+
+    @property
+    def slot_capacity(self) -> int:
+        """Slots [0, slot_capacity) have storage now (num_slots for a static cache)."""
+        return self.keys[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        """Positions per slot with storage now (max_len for a static cache)."""
+        return self.keys[0].shape[2]
 
     @property
     def num_free_slots(self) -> int:
@@ -100,8 +125,32 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Total preallocated bytes."""
+        """Bytes of K/V storage held now."""
+        return self.bytes_per_token * self.slot_capacity * self.capacity
+
+    @property
+    def max_nbytes(self) -> int:
+        """Bytes at full size (num_slots × max_len): what a static cache holds from the start."""
         return self.bytes_per_token * self.num_slots * self.max_len
+
+    def reserve(self, slots: int, length: int) -> None:
+        """Make room for slots [0, slots) to hold positions [0, length) before a pass writes there.
+
+        A no-op when they fit (always, for a static cache); a grown cache grows to at least half again its
+        size, in chunks, so a sequence growing token by token copies the cache a logarithmic number of
+        times. ValueError past num_slots or max_len."""
+        if not (0 <= slots <= self.num_slots and 0 <= length <= self.max_len):
+            raise ValueError(
+                f"cannot reserve {slots} slots x {length} positions in a cache of {self.num_slots} x "
+                f"{self.max_len}"
+            )
+        have_slots, have_length = self.slot_capacity, self.capacity
+        if slots <= have_slots and length <= have_length:
+            return
+        self._allocate(
+            _grown(have_slots, slots, self.num_slots, GROW_SLOT_CHUNK),
+            _grown(have_length, length, self.max_len, GROW_LENGTH_CHUNK),
+        )
 
     def allocate(self) -> int:
         """Claim the lowest free slot (empty). Lowest-first keeps live slots contiguous for view reads."""
@@ -118,6 +167,8 @@ class KVCache:
         self._in_use[slot] = False
         self.lengths[slot] = 0
         heapq.heappush(self._free, slot)
+        if self.grow and len(self._free) == self.num_slots:
+            self._allocate(0, 0)  # idle: the next batch grows to what it needs, not to this one's size
 
     def length(self, slot: int) -> int:
         """Tokens whose K/V the slot holds."""
@@ -129,6 +180,8 @@ class KVCache:
         self._check(slot)
         if not 0 <= length <= self.max_len:
             raise ValueError(f"slot {slot}: length {length} outside [0, {self.max_len}]")
+        if length > self.lengths[slot]:
+            self.reserve(slot + 1, length)  # positions a slot claims always have storage
         self.lengths[slot] = length
 
     def rollback(self, slot: int, new_length: int) -> None:
@@ -167,8 +220,29 @@ class KVCache:
                     cache[slot, :, base_length : base_length + count] = cache[slot].index_select(1, source)
         self.lengths[slot] = base_length + count
 
+    def _allocate(self, slots: int, length: int) -> None:
+        """Storage of `slots` x `length` per layer, keeping what fits of the current content."""
+        shape = (slots, self.num_kv_heads, length, self.head_dim)
+        for caches in (self.keys, self.values):
+            for layer in range(self._num_layers):
+                new = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if layer == len(caches):
+                    caches.append(new)
+                    continue
+                old = caches[layer]
+                keep_slots, keep_length = min(slots, old.shape[0]), min(length, old.shape[2])
+                new[:keep_slots, :, :keep_length] = old[:keep_slots, :, :keep_length]
+                caches[layer] = new  # one layer at a time: growing never holds two whole caches
+
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"slot {slot} outside [0, {self.num_slots})")
         if not self._in_use[slot]:
             raise ValueError(f"slot {slot} is not allocated")
+
+
+def _grown(have: int, need: int, limit: int, chunk: int) -> int:
+    """New size for a dimension holding `have` that must hold `need`: at least half again, in chunks."""
+    if need <= have:
+        return have
+    return min(limit, -(-max(need, have + have // 2) // chunk) * chunk)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from slipstream.engine.batch import BatchLayout
-from slipstream.engine.generator import Completion, Generator, Request
+from slipstream.engine.drafters import NGramDrafter
+from slipstream.engine.generator import Completion, Generator, Request, SpecConfig, run_requests
 from slipstream.engine.kv_cache import KVCache
 from slipstream.engine.model import Transformer
 from slipstream.engine.sampling import SamplingParams
@@ -97,6 +98,43 @@ def test_sampling_is_independent_of_batch_composition(model: Transformer) -> Non
     ]
     other = Generator(model, num_slots=5, token_budget=16, eos_token_ids=()).generate(reseeded)
     assert any(a.token_ids != b.token_ids for a, b in zip(batched, other, strict=True))
+
+
+def test_grown_cache_is_invisible_in_the_output_and_sized_by_the_batch(model: Transformer) -> None:
+    """Same completions (tokens and log-probs, bitwise) from a cache grown to the live batch as from one
+    paid up front, plain and speculative (tree, reproducible); the grown one holds a fraction of the
+    bytes at its peak and none once idle."""
+
+    def params(rng: random.Random, i: int) -> SamplingParams:
+        return SamplingParams(temperature=rng.choice([0.0, 0.8]), seed=i, max_tokens=rng.randint(1, 40))
+
+    requests = random_requests(24, 3, params)  # prompts <= 40 tokens: a sequence needs <= 80 positions
+    tree = SpecConfig(method="ngram", depth=3, topk=2, verify=6, mode="reproducible")
+    for spec in (None, tree):
+        outputs, peaks = [], []
+        for grow in (False, True):
+            drafters = None if spec is None else {"ngram": NGramDrafter()}
+            gen = Generator(
+                model,
+                num_slots=8,
+                max_len=512,
+                token_budget=32,
+                eos_token_ids=(),
+                spec=spec,
+                drafters=drafters,
+                grow_cache=grow,
+            )
+            held = [gen.cache.nbytes]
+            track = lambda _, held=held, cache=gen.cache: held.append(cache.nbytes)  # noqa: E731
+            outputs.append(run_requests(gen, requests, on_tokens=track))
+            peaks.append(max(held))
+            assert gen.cache.nbytes == (gen.cache.max_nbytes if not grow else 0)  # grown: released when idle
+            assert spec is None or gen.stats["drafted"] > gen.stats["accepted"] > 0  # commits and rollbacks
+        for static, grown in zip(*outputs, strict=True):
+            assert grown.token_ids == static.token_ids and grown.logprobs == static.logprobs
+        bytes_per_token = KVCache.for_model(model.config, num_slots=1, max_len=1).bytes_per_token
+        assert peaks[0] == bytes_per_token * 8 * 512 * 2  # float64: twice the float32 figure
+        assert peaks[1] <= peaks[0] // 4  # 8 slots x 128 positions at most, of 512
 
 
 def test_chunked_prefill_interleaves_with_decode(model: Transformer) -> None:

@@ -143,3 +143,71 @@ def test_commit_path_chain_prefix_and_validation(model: Transformer) -> None:
         cache.commit_path(slot, 3, [0, 1, 2])
     with pytest.raises(ValueError, match="must increase"):
         cache.commit_path(slot, 3, [1, 0])
+
+
+# ---- a grown cache -------------------------------------------------------------------------------------
+
+
+def test_grown_cache_reserves_in_chunks_keeps_content_and_releases_when_idle() -> None:
+    cache = KVCache(num_layers=2, num_slots=16, max_len=1000, num_kv_heads=2, head_dim=4, grow=True)
+    assert cache.nbytes == 0 and cache.max_nbytes == cache.bytes_per_token * 16 * 1000
+    slots = [cache.allocate() for _ in range(5)]
+    cache.reserve(5, 10)
+    assert (cache.slot_capacity, cache.capacity) == (8, 64)  # rounded up to the chunks
+    content = [torch.randn(5, 2, 10, 4) for _ in range(4)]
+    for layer, data in zip((*cache.keys, *cache.values), content, strict=True):
+        layer[:5, :, :10] = data
+    cache.reserve(5, 65)  # past the length: half again (96), rounded up to the chunk
+    assert (cache.slot_capacity, cache.capacity) == (8, 128)
+    cache.set_length(slots[4], 130)  # a length claimed is a length stored
+    assert cache.capacity == 192
+    for layer, data in zip((*cache.keys, *cache.values), content, strict=True):
+        assert torch.equal(layer[:5, :, :10], data)
+        assert layer[:5, :, 10:].eq(0).all() and layer[5:].eq(0).all()  # new room is zeros, never garbage
+    cache.reserve(9, 990)  # slots: half again (12); length: capped at max_len
+    assert (cache.slot_capacity, cache.capacity) == (12, 1000)
+    cache.reserve(15, 1)
+    assert cache.slot_capacity == 16  # capped at num_slots
+    with pytest.raises(ValueError, match="cannot reserve"):
+        cache.reserve(17, 1)
+    with pytest.raises(ValueError, match="cannot reserve"):
+        cache.reserve(1, 1001)
+    for slot in slots[:-1]:
+        cache.free(slot)
+    assert cache.capacity == 1000  # a slot still lives
+    cache.free(slots[-1])
+    assert cache.nbytes == 0 and cache.allocate() == 0
+
+    static = KVCache(num_layers=2, num_slots=16, max_len=1000, num_kv_heads=2, head_dim=4)
+    static.reserve(16, 1000)  # always fits
+    static.free(static.allocate())
+    assert static.nbytes == static.max_nbytes  # paid up front, kept
+
+
+def test_grown_cache_computes_exactly_what_a_static_one_does(model: Transformer) -> None:
+    """Prefill past a chunk, a tree pass and its commit, two-slot decodes across growth: bitwise equal
+    logits and state (only the storage's size differs)."""
+    device = model.embed_tokens.weight.device
+    caches = [
+        new_cache(model, num_slots=8, max_len=400),
+        KVCache.for_model(
+            model.config, num_slots=8, max_len=400, dtype=torch.float64, device=device, grow=True
+        ),
+    ]
+    logits: list[list[torch.Tensor]] = [[], []]
+    for cache, out in zip(caches, logits, strict=True):
+        a, b = cache.allocate(), cache.allocate()
+        out.append(feed(model, cache, a, [(7 * i) % 150 for i in range(70)]))
+        out.append(feed(model, cache, b, [3, 1, 4, 1, 5]))
+        out.append(feed(model, cache, b, [11, 60, 12, 61, 13], [-1, 0, 0, 2, 2]))
+        cache.commit_path(b, 5, [0, 2, 4])
+        for step in range(60):  # a and b decode together: one padded call reading both slots
+            layout = BatchLayout.build(cache, [a, b], [1, 1], logit_rows=[0, 1])
+            ids = torch.tensor([step % 150, (step * 3) % 150], device=device)
+            out.append(model(ids, layout.positions, layout, cache)[0])
+    static, grown = caches
+    assert grown.capacity < static.capacity and grown.slot_capacity < static.slot_capacity
+    for x, y in zip(*logits, strict=True):
+        assert torch.equal(x, y)
+    for slot in (0, 1):
+        assert_same_state(static, slot, grown, slot, exact=True)
