@@ -180,6 +180,9 @@ class LearnerActor(Actor):
             stats = {"loss": 0.0, "grad_norm": 0.0, "tokens": 0}
         else:
             stats = self.trainer.step(samples, on_progress=self.tick)
+            # The checkpoint and the push below do not need the step's gradients (a model's worth): freed,
+            # their memory serves the push's cast copies.
+            self.trainer.free_gradients()
         self.version = msg.version
         elapsed = time.perf_counter() - started
         metrics = {k: float(v) for k, v in stats.items() if k not in ("step", "loss", "grad_norm", "tokens")}

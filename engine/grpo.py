@@ -184,9 +184,10 @@ class _ProcessedLogprobs(torch.autograd.Function):
     """Chunked log-probs whose backward recomputes the chunk's distribution instead of saving it."""
 
     @staticmethod
-    def forward(ctx, logits, tokens, temperature, top_p, top_k, chunk_rows):  # type: ignore[override]
+    def forward(ctx, logits, tokens, temperature, top_p, top_k, chunk_rows, overwrite):  # type: ignore[override]
         ctx.save_for_backward(logits, tokens, temperature, top_p, top_k)
         ctx.chunk_rows = chunk_rows
+        ctx.overwrite = overwrite
         out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         for s in range(0, logits.shape[0], chunk_rows):
             c = slice(s, s + chunk_rows)
@@ -196,7 +197,9 @@ class _ProcessedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         logits, tokens, temperature, top_p, top_k = ctx.saved_tensors
-        grad = torch.empty_like(logits)
+        # Overwrite: each chunk's logits are read before its gradient lands on them, and nothing reads them
+        # after, so the [N, V] gradient needs no second [N, V] buffer (a retained graph then fails loudly).
+        grad = logits if ctx.overwrite else torch.empty_like(logits)
         for s in range(0, logits.shape[0], ctx.chunk_rows):
             c = slice(s, s + ctx.chunk_rows)
             scaled, keep, inv_t = _scaled_support(logits[c], tokens[c], temperature[c], top_p[c], top_k[c])
@@ -207,7 +210,7 @@ class _ProcessedLogprobs(torch.autograd.Function):
             chunk = torch.softmax(scaled, dim=-1).mul_(-g)  # [R, V]
             chunk.scatter_add_(1, tokens[c][:, None], g)
             grad[c] = chunk
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def processed_logprobs(
@@ -218,12 +221,15 @@ def processed_logprobs(
     top_p: Tensor | float = 1.0,
     top_k: Tensor | int = 0,
     chunk_rows: int = 256,
+    overwrite_logits: bool = False,
 ) -> Tensor:
     """Log-probs float32 [N] of `tokens` [N] under the rollout's processed sampling distribution.
 
     logits [N, V] in any float dtype (computed in float32); temperature / top_p / top_k are per-row [N] or
     scalars. Greedy rows (temperature 0) get 0, as the sampler reports. Differentiable w.r.t. logits; at
     most `chunk_rows` rows of float32 [rows, V] temporaries exist at once (256 x 150k vocab ~ 150 MB each).
+    overwrite_logits: the backward writes the logits' gradient into `logits` itself (saving an [N, V]
+    buffer at the learner's peak); for a caller that never reads `logits` after backward.
     """
     if logits.dim() != 2 or tokens.shape != logits.shape[:1]:
         raise ValueError(f"logits {tuple(logits.shape)} must be [N, V] and tokens {tuple(tokens.shape)} [N]")
@@ -233,7 +239,9 @@ def processed_logprobs(
     t = _per_row(temperature, rows, torch.float32, device)
     p = _per_row(top_p, rows, torch.float32, device)
     k = _per_row(top_k, rows, torch.int64, device)
-    return _ProcessedLogprobs.apply(logits, tokens.to(device, torch.int64), t, p, k, chunk_rows)
+    return _ProcessedLogprobs.apply(
+        logits, tokens.to(device, torch.int64), t, p, k, chunk_rows, overwrite_logits
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ Non-obvious choices:
   and reduces the same sorted stats vector (the keys `grpo_loss` reports for this config, zeros or -inf
   where a rank has none), so collectives always match. No token on any rank: no optimizer step.
 - Micro-batches pack length-sorted sequences up to `micro_batch_tokens` padded tokens (the LM head runs on
-  response positions only).
+  response positions only, and the logits' gradient overwrites them: one [tokens, vocab] buffer, not two).
+  The activations scale with that budget: it is the learner's memory knob.
 """
 
 from __future__ import annotations
@@ -226,6 +227,12 @@ class PolicyTrainer:
         self.steps += 1
         return self._summary(totals, losses, grad_norm, num_tokens, num_seqs, world, device)
 
+    def free_gradients(self) -> None:
+        """Drop the last step's gradients (a model's worth of memory). `step` keeps them for inspection;
+        the next step starts from zero either way, so a caller that pushes or checkpoints in between
+        frees them first."""
+        self.optimizer.zero_grad(set_to_none=True)
+
     @torch.inference_mode()
     def logprobs(self, samples: Sequence[PolicySample]) -> list[Tensor]:
         """Each sample's response log-probs under the current weights and its processed distribution.
@@ -287,7 +294,8 @@ class PolicyTrainer:
     ) -> tuple[Tensor, dict[str, float], int]:
         ids, rows, tokens, sampling, per_token = self._inputs(batch, device)
         logits = self.model.forward_train(ids, rows=rows)  # [tokens, V]: response rows only
-        logp = processed_logprobs(logits, tokens, **sampling)
+        # Nothing reads the logits after backward: their gradient may take their place.
+        logp = processed_logprobs(logits, tokens, **sampling, overwrite_logits=True)
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():

@@ -93,6 +93,8 @@ def test_step_zero_matches_the_rollout_and_the_push_is_bitwise_exact(tiny: Path,
         assert torch.equal(param, learned[name]), name  # bitwise
         changed += not torch.equal(param, before[name])
     assert changed > 0  # the policy moved
+    # The push ran without the step's gradients: freed once the optimizer stepped (a model's worth).
+    assert all(p.grad is None for p in learner.model.parameters())
 
 
 def test_a_corrupted_bucket_is_refused_and_the_old_weights_stay(tiny: Path, tmp_path: Path) -> None:

@@ -243,6 +243,27 @@ def test_logprobs_gradient_matches_autograd_and_chunking():
     assert torch.equal(grad[t == 0], torch.zeros_like(grad[t == 0]))  # greedy rows do not
 
 
+def test_overwriting_the_logits_gives_the_same_gradient_in_their_place():
+    """The learner's memory saving: the [N, V] gradient lands in the logits' own storage, bitwise equal
+    to a separate buffer's, and a second backward through the overwritten logits fails instead of lying."""
+    base = random_logits(30, 500, seed=6)
+    t, p, k = mixed_params(30, seed=7)
+    tokens, _ = sampled(base, t, p, k)
+    grads = []
+    for overwrite in (False, True):
+        leaf = base.clone().requires_grad_()
+        logits = leaf * 1.0  # a non-leaf, as the model's head output is; its gradient reaches `leaf` as is
+        logp = processed_logprobs(logits, tokens, temperature=t, top_p=p, top_k=k, chunk_rows=7,
+                                  overwrite_logits=overwrite)  # fmt: skip
+        logp.sum().backward(retain_graph=True)
+        grads.append(leaf.grad)
+        assert torch.equal(logits.detach(), leaf.grad if overwrite else base)  # the gradient took their place
+        if overwrite:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                logp.sum().backward()
+    assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0
+
+
 def test_logprobs_bf16_input():
     logits = random_logits(8, 300, seed=9).bfloat16().requires_grad_()
     t = torch.full((8,), 0.7)
