@@ -5,12 +5,14 @@
 
 The same config, seeds, prompts and reward run twice: with speculation and drafter training in idle device
 time, then as the baseline (plain decoding, no drafter). Reported per run: seconds per step and its split
-(rollout / reward / learn / sync), rollout tokens/s, accept length, idle and reclaimed device-seconds;
-across runs: speedups, and how many steps' samples were token-identical (all of them in reproducible mode:
-speculation changes speed, never tokens). Then the learner's cost per token: on each of the first steps'
-real samples, the forward pass that computes their log-probs (`PolicyTrainer.logprobs`) and a full
-training step (forward, backward, AdamW) over the same micro-batches, interleaved; the cost is their
-ratio. Runs the loop through a callable the CLI passes in (benchmarks do not import cli/). Fields:
+(rollout / reward / learn / sync), rollout tokens/s, accept length, idle and reclaimed device-seconds, each
+actor's peak resident memory (its log's `stopped` event) and their sum — an upper bound of the run's
+simultaneous peak: processes peak at different moments, and a shared-memory page counts in every process
+that maps it; across runs: speedups, and how many steps' samples were token-identical (all of them in
+reproducible mode: speculation changes speed, never tokens). Then the learner's cost per token: on each of
+the first steps' real samples, the forward pass that computes their log-probs (`PolicyTrainer.logprobs`)
+and a full training step (forward, backward, AdamW) over the same micro-batches, interleaved; the cost is
+their ratio. Runs the loop through a callable the CLI passes in (benchmarks do not import cli/). Fields:
 docs/benchmarks.md.
 """
 
@@ -34,7 +36,16 @@ from slipstream.engine.policy_train import OptimConfig, PolicySample, PolicyTrai
 from slipstream.engine.weights import load_model
 from slipstream.protocols.learner import ScoredGroup
 
-__all__ = ["E2EResult", "LearnerCost", "RunFigures", "learner_cost", "render", "run", "run_figures"]
+__all__ = [
+    "E2EResult",
+    "LearnerCost",
+    "RunFigures",
+    "learner_cost",
+    "peak_rss",
+    "render",
+    "run",
+    "run_figures",
+]
 
 TrainFn = Callable[[Path, bool], dict[str, Any]]  # (run directory, baseline) -> the run's summary
 
@@ -58,6 +69,8 @@ class RunFigures(msgspec.Struct, frozen=True, kw_only=True):
     first_reward: float | None
     last_reward: float | None
     invalid: int
+    peak_rss_mb: dict[str, float] = {}  # actor ("role:rank") -> peak resident MiB (VmHWM), from its log
+    peak_rss_mb_total: float = 0.0  # their sum: an upper bound of the simultaneous peak
 
 
 class LearnerCost(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,7 +101,7 @@ def run(train: TrainFn, root: Path, *, cost_steps: int = 3, threads: int = 2) ->
     for name, baseline in (("slipstream", False), ("baseline", True)):
         started = time.monotonic()
         summaries[name] = train(root / name, baseline)
-        figures[name] = run_figures(summaries[name], time.monotonic() - started)
+        figures[name] = run_figures(summaries[name], time.monotonic() - started, run_dir=root / name)
     steps = len(summaries["slipstream"]["steps"])
     identical = sum(_samples(root / "slipstream", s) == _samples(root / "baseline", s) for s in range(steps))
     slip, base = figures["slipstream"], figures["baseline"]
@@ -104,7 +117,8 @@ def run(train: TrainFn, root: Path, *, cost_steps: int = 3, threads: int = 2) ->
     )
 
 
-def run_figures(summary: dict[str, Any], wall_s: float) -> RunFigures:
+def run_figures(summary: dict[str, Any], wall_s: float, *, run_dir: Path | None = None) -> RunFigures:
+    """The run's figures from its summary; with `run_dir`, also its actors' peak memory (`peak_rss`)."""
     steps = summary["steps"]
     if not steps:
         raise ValueError(f"{summary.get('run_dir')}: the run recorded no steps")
@@ -113,6 +127,7 @@ def run_figures(summary: dict[str, Any], wall_s: float) -> RunFigures:
     rollout_s = sum(s["rollout_s"] for s in steps)
     idle = sum(s["idle_device_s"] for s in steps)
     reclaimed = sum(s["reclaimed_s"] for s in steps)
+    peaks = peak_rss(run_dir) if run_dir is not None else {}
     return RunFigures(
         wall_s=round(wall_s, 1),
         step_s=mean("step_s"),
@@ -130,7 +145,24 @@ def run_figures(summary: dict[str, Any], wall_s: float) -> RunFigures:
         first_reward=summary.get("first_reward"),
         last_reward=summary.get("last_reward"),
         invalid=int(summary.get("invalid", 0)),
+        peak_rss_mb=peaks,
+        peak_rss_mb_total=round(sum(peaks.values()), 1),
     )
+
+
+def peak_rss(run_dir: Path) -> dict[str, float]:
+    """Peak resident MiB per actor ("role:rank"), read from the `stopped` events in RUN/logs/*.jsonl; an
+    actor restarted after a crash logs one per clean stop, and the highest counts. A killed one logs none."""
+    peaks: dict[str, float] = {}
+    for path in sorted((run_dir / "logs").glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            if '"stopped"' not in line:  # cheap filter before parsing: logs run to many lines
+                continue
+            event = json.loads(line)
+            if event.get("event") == "stopped" and "peak_rss_mb" in event:
+                name = f"{event.get('role')}:{event.get('rank')}"
+                peaks[name] = max(peaks.get(name, 0.0), float(event["peak_rss_mb"]))
+    return peaks
 
 
 def learner_cost(run_dir: Path, *, steps: int, threads: int) -> LearnerCost:
@@ -221,6 +253,14 @@ def render(result: E2EResult) -> str:
             f"{f.sync_s:>5.2f} {f.tokens_per_s:>6.1f} {f.accept_length:>6.2f} {f.idle_device_s:>6.1f} "
             f"{f.reclaimed_s:>7.1f} {f.first_reward!s:>8} → {f.last_reward!s:<8}"
         )
+    for name in ("slipstream", "baseline"):
+        f = getattr(result, name)
+        if f.peak_rss_mb:
+            each = ", ".join(f"{actor} {mb:.0f}" for actor, mb in sorted(f.peak_rss_mb.items()))
+            lines.append(
+                f"{name} peak RSS MiB: {each}; sum {f.peak_rss_mb_total:.0f} (of per-process peaks: an "
+                "upper bound of the simultaneous peak)"
+            )
     cost = result.learner
     lines.append(
         f"speedup: step {result.speedup_step}x, rollout {result.speedup_rollout}x; identical samples in "

@@ -19,7 +19,6 @@ import argparse
 import ctypes
 import importlib
 import os
-import resource
 import signal
 import socket
 import sys
@@ -38,6 +37,7 @@ from slipstream.runtime.codec import Codec, ProtocolError
 from slipstream.runtime.config import ConfigError, convert
 from slipstream.runtime.inbox import Inbox
 from slipstream.runtime.io_thread import ActorIO
+from slipstream.runtime.process import peak_rss_mb
 from slipstream.runtime.shm import ShmArena
 from slipstream.runtime.transport import (
     CurveKeys,
@@ -204,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception:
                 log.exception("on_stop_failed")
         # Peak resident memory: what a co-located actor really costs its host (the drafter's budget).
-        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        log.info("stopped", handled=actor.handled, dropped=io.dropped, peak_rss_mb=round(peak_mb, 1))
+        log.info("stopped", handled=actor.handled, dropped=io.dropped, peak_rss_mb=round(peak_rss_mb(), 1))
         return exit_code
     except Exception as e:  # anything before serving: the coordinator must hear why
         log.exception("start_failed")

@@ -1,14 +1,21 @@
-"""Process liveness: the one check of whether a pid still names a running process.
+"""What /proc says about a process: whether a pid still runs, and this process's peak resident memory.
 
-Used wherever a pid outlives its process's usefulness: shared-memory slots claimed by a receiver that
-died (runtime/shm.py). The non-obvious choice: a zombie (exited, not yet reaped by its parent) still
-answers `kill(pid, 0)` but will never run again, so where /proc exists its state letter decides; where
-it does not, `kill(pid, 0)` alone does. Pids are only meaningful within one pid namespace (one host).
+`pid_alive` is the one check of whether a pid still names a running process, used wherever a pid outlives
+its process's usefulness: shared-memory slots claimed by a receiver that died (runtime/shm.py). The
+non-obvious choice: a zombie (exited, not yet reaped by its parent) still answers `kill(pid, 0)` but will
+never run again, so where /proc exists its state letter decides; where it does not, `kill(pid, 0)` alone
+does. Pids are only meaningful within one pid namespace (one host).
+
+`peak_rss_mb` reads VmHWM, the high-water mark of this process's own address space. Not `ru_maxrss`
+first: Linux carries that across exec from the pre-exec image, so a child forked from a large parent
+(the coordinator) would report the parent's size until it outgrew it.
 """
 
 from __future__ import annotations
 
 import os
+import resource
+import sys
 from pathlib import Path
 
 _PROC = Path("/proc")
@@ -36,3 +43,15 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by someone else
         return True
     return True
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size in MiB: VmHWM from /proc/self/status, else `ru_maxrss`."""
+    try:
+        for line in (_PROC / "self" / "status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # "VmHWM:   123456 kB"
+    except (OSError, ValueError, IndexError):
+        pass
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss / (1 << 20) if sys.platform == "darwin" else maxrss / 1024  # bytes on macOS, KiB elsewhere

@@ -50,3 +50,27 @@ def test_without_proc_kill_zero_decides(monkeypatch: pytest.MonkeyPatch, tmp_pat
 def test_pids_that_name_no_single_process_are_not_alive() -> None:
     assert not pid_alive(0)  # kill(0, 0) would address this process's own group
     assert not pid_alive(-1)
+
+
+@pytest.mark.timeout(60)
+def test_peak_rss_is_the_child_s_own_not_its_parent_s() -> None:
+    """VmHWM of a fresh interpreter is small though its parent (this test, torch loaded) is large, grows
+    with what the process touches, and the getrusage fallback reads the same unit."""
+    code = (
+        "import sys; from slipstream.runtime.process import peak_rss_mb; before = peak_rss_mb(); "
+        "block = bytearray(256 << 20); print(before, peak_rss_mb())"
+    )
+    ballast = bytearray(512 << 20)  # touched (zero-filled): this parent's RSS is now >= 512 MiB
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    del ballast
+    before, after = (float(x) for x in out.split())
+    assert 0 < before < 256 and after - before > 200
+
+
+def test_peak_rss_falls_back_to_getrusage_without_proc(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from_proc = process.peak_rss_mb()
+    monkeypatch.setattr(process, "_PROC", tmp_path)  # no /proc/self/status there
+    fallback = process.peak_rss_mb()
+    assert from_proc > 0 and fallback >= from_proc * 0.9  # ru_maxrss: at least this process's own peak

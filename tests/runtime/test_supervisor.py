@@ -64,9 +64,11 @@ def test_three_actors_exchange_then_sigkill_is_reported_and_rest_shut_down(tmp_p
             await sup.shutdown(reason="test over", grace_s=5.0)
         for pid in pids:
             assert gone(pid), f"process {pid} left behind"
-        # The survivors stopped cleanly (they logged it), they were not killed.
+        # The survivors stopped cleanly (they logged it, with their peak resident memory), not killed.
         for name in ("source-0", "sink-0"):
-            assert '"event":"stopped"' in (tmp_path / "logs" / f"{name}.jsonl").read_text()
+            lines = (tmp_path / "logs" / f"{name}.jsonl").read_text().splitlines()
+            (stopped,) = [e for e in map(json.loads, lines) if e["event"] == "stopped"]
+            assert 20 < stopped["peak_rss_mb"] < 4096  # an interpreter with torch, not the parent's size
 
     uvloop.run(main())
 

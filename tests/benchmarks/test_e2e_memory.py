@@ -1,0 +1,51 @@
+"""`bench e2e`'s memory figures: each actor's peak resident memory read back from its log's `stopped`
+event, the sum, and their line in the rendered table (the whole bench runs in tests/cli/test_train.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from slipstream.benchmarks import e2e
+
+STEP = {
+    "step_s": 2.0, "rollout_s": 1.0, "reward_s": 0.1, "learn_s": 0.8, "sync_s": 0.1, "tokens": 100,
+    "accept_length": 1.5, "idle_device_s": 0.4, "reclaimed_s": 0.2,
+}  # fmt: skip
+
+
+def write_log(run_dir: Path, name: str, events: list[dict]) -> None:
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs" / f"{name}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+
+def test_peaks_come_from_stopped_events_and_sum(tmp_path: Path) -> None:
+    write_log(tmp_path, "learner-0", [
+        {"role": "learner", "rank": 0, "event": "trained", "step": 0},
+        {"role": "learner", "rank": 0, "event": "stopped", "handled": 3, "peak_rss_mb": 3000.5},
+    ])  # fmt: skip
+    # Restarted once after a clean stop: the higher peak counts. A line naming "stopped" elsewhere is no event.
+    write_log(tmp_path, "rollout-1", [
+        {"role": "rollout", "rank": 1, "event": "stopped", "peak_rss_mb": 900.0},
+        {"role": "rollout", "rank": 1, "event": "bad_request", "error": "stopped"},
+        {"role": "rollout", "rank": 1, "event": "stopped", "peak_rss_mb": 1200.0},
+    ])  # fmt: skip
+    write_log(tmp_path, "drafter-0", [{"role": "drafter", "rank": 0, "event": "started"}])  # killed: no stop
+    assert e2e.peak_rss(tmp_path) == {"learner:0": 3000.5, "rollout:1": 1200.0}
+
+    figures = e2e.run_figures({"steps": [STEP, STEP]}, 5.0, run_dir=tmp_path)
+    assert figures.peak_rss_mb == {"learner:0": 3000.5, "rollout:1": 1200.0}
+    assert figures.peak_rss_mb_total == 4200.5
+    assert e2e.run_figures({"steps": [STEP]}, 5.0).peak_rss_mb_total == 0.0  # no run directory: no figures
+
+    cost = e2e.LearnerCost(
+        threads=1, steps=1, response_tokens=1, sequence_tokens=2, forward_s=[1.0], train_s=[3.0],
+        cost_x_each=[3.0], cost_x=3.0,
+    )  # fmt: skip
+    result = e2e.E2EResult(
+        run_dir=str(tmp_path), steps=2, slipstream=figures, baseline=figures, speedup_step=1.0,
+        speedup_rollout=1.0, identical_sample_steps=2, learner=cost,
+    )  # fmt: skip
+    text = e2e.render(result)
+    assert "slipstream peak RSS MiB: learner:0 3000, rollout:1 1200; sum 4200" in text
+    assert "upper bound" in text
