@@ -46,6 +46,7 @@ from slipstream.protocols.learner import (
 )
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
+from slipstream.runtime.process import keep_freed_memory
 
 STOP_BARRIER_S = 60.0  # how long a stopping rank waits for its peers before tearing down anyway
 
@@ -67,6 +68,7 @@ class LearnerActor(Actor):
         seed: int = 0
         device: str = "cpu"  # "cpu", "cuda" or "cuda:N": where the fp32 masters and optimizer state live
         push_dtype: Literal["", "float32", "bfloat16", "float16"] = ""  # pushed weights; "": the checkpoint's
+        warm_up: bool = True  # one forward and backward of a full micro-batch before Ready (PolicyTrainer)
 
         def __post_init__(self) -> None:
             parse_device(self.device)
@@ -75,6 +77,7 @@ class LearnerActor(Actor):
         cfg = self.config
         if self.rank >= cfg.world_size:
             raise ValueError(f"world_size: {cfg.world_size} ranks, but this is rank {self.rank}")
+        keep_freed_memory()  # before the model: a step reuses the last step's pages (runtime/process.py)
         torch.manual_seed(cfg.seed)
         device = require_device(cfg.device)
         if device.type == "cuda" and device.index is not None:
@@ -100,6 +103,8 @@ class LearnerActor(Actor):
         self.version = 0
         if cfg.resume_from:
             self._load(cfg.resume_from)
+        if cfg.warm_up:
+            self.trainer.warm_up()  # step 0 then costs what every step does, and an OOM shows at start
         self._groups: dict[int, list[ScoredGroup]] = {}  # step -> groups received
         self._pending: TrainStep | None = None
 

@@ -227,6 +227,28 @@ class PolicyTrainer:
         self.steps += 1
         return self._summary(totals, losses, grad_norm, num_tokens, num_seqs, world, device)
 
+    def warm_up(self) -> None:
+        """One forward and backward over a synthetic micro-batch of the full token budget, gradients then
+        dropped: the step's largest buffers are allocated (and fail here, at start, if they do not fit)
+        before the first real step. Nothing changes: no optimizer step, no schedule advance, no weights."""
+        device = self.model.embed_tokens.weight.device
+        length = min(self.optim.micro_batch_tokens, self.model.config.max_position_embeddings)
+        if length < 2:
+            return
+        # Every position but the first is a response token: the most logit rows a micro-batch can have.
+        sample = PolicySample(
+            prompt_ids=[0],
+            response_ids=[0] * (length - 1),
+            behaviour_logprobs=[0.0] * (length - 1),
+            advantage=1.0,
+        )
+        was_training = self.model.training
+        self.model.train()
+        loss, _, _ = self._micro_step([sample], length - 1, 1, device)
+        loss.backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.train(was_training)
+
     def free_gradients(self) -> None:
         """Drop the last step's gradients (a model's worth of memory). `step` keeps them for inspection;
         the next step starts from zero either way, so a caller that pushes or checkpoints in between

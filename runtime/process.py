@@ -9,16 +9,24 @@ does. Pids are only meaningful within one pid namespace (one host).
 `peak_rss_mb` reads VmHWM, the high-water mark of this process's own address space. Not `ru_maxrss`
 first: Linux carries that across exec from the pre-exec image, so a child forked from a large parent
 (the coordinator) would report the parent's size until it outgrew it.
+
+`keep_freed_memory` tells glibc's malloc to keep what a process frees for reuse instead of handing it
+back to the kernel: a learner step allocates and frees gigabytes of activations, and with glibc's
+defaults each buffer over its (dynamic, at most 32 MiB) threshold is a fresh mmap whose pages fault in,
+zeroed by the kernel, on every step (docs/training.md, "The learner's kernel time").
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import resource
 import sys
 from pathlib import Path
 
 _PROC = Path("/proc")
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # mallopt parameters (glibc malloc.h)
 
 
 def pid_alive(pid: int) -> bool:
@@ -55,3 +63,19 @@ def peak_rss_mb() -> float:
         pass
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return maxrss / (1 << 20) if sys.platform == "darwin" else maxrss / 1024  # bytes on macOS, KiB elsewhere
+
+
+def keep_freed_memory() -> bool:
+    """Keep freed heap memory for reuse (glibc: no mmap-backed chunks, trim only past 2 GiB free at the
+    top), so a step's buffers reuse the last step's pages instead of faulting fresh ones in. The resident
+    size stays near its high-water mark, which the peak (`peak_rss_mb`) counts anyway. False where the C
+    library is not glibc (musl, macOS): nothing is changed there."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # 1 on success; a C library that refuses a value keeps its default, and we say so.
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))

@@ -324,3 +324,25 @@ def test_step_zero_agreement_holds_with_speculation_on(make_checkpoint, mode: st
     stats = PolicyTrainer(load_model(model_dir)).step(samples)
     assert stats["mismatch_logp_abs_max"] < 1e-4
     assert abs(stats["ratio_max"] - 1) < 1e-4 and abs(stats["ratio_min"] - 1) < 1e-4
+
+
+def test_warm_up_changes_nothing_and_the_next_step_is_the_same(make_checkpoint) -> None:
+    """warm_up runs a full-budget forward and backward and leaves no trace: weights, optimizer state, the
+    step count and gradients as before, and the first real step equal to a cold trainer's."""
+    model_dir = make_checkpoint()
+    samples = rollout(model_dir)
+    results = []
+    for warm in (False, True):
+        model = load_model(model_dir)
+        trainer = PolicyTrainer(model, optim=OptimConfig(lr=1e-3, micro_batch_tokens=64))
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if warm:
+            trainer.warm_up()
+            assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+            assert all(p.grad is None for p in model.parameters())
+            assert trainer.steps == 0 and not trainer.optimizer.state
+        stats = trainer.step(samples)
+        results.append((stats, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    (cold, w_cold), (warm_stats, w_warm) = results
+    assert warm_stats["loss"] == cold["loss"] and warm_stats["grad_norm"] == cold["grad_norm"]
+    assert all(torch.equal(w_cold[n], w_warm[n]) for n in w_cold)

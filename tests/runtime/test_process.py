@@ -1,6 +1,7 @@
 """Process liveness (`runtime.process.pid_alive`) against real processes, a zombie included."""
 
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -74,3 +75,29 @@ def test_peak_rss_falls_back_to_getrusage_without_proc(
     monkeypatch.setattr(process, "_PROC", tmp_path)  # no /proc/self/status there
     fallback = process.peak_rss_mb()
     assert from_proc > 0 and fallback >= from_proc * 0.9  # ru_maxrss: at least this process's own peak
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+def test_kept_freed_memory_is_reused_instead_of_faulted_in_again() -> None:
+    """Steps shaped like a learner's (buffers of 24-40 MiB allocated and freed in turn): with glibc's
+    defaults most of each step's pages fault in again; after keep_freed_memory most are reused."""
+    code = (
+        "import resource, sys, torch; from slipstream.runtime.process import keep_freed_memory\n"
+        "kept = keep_freed_memory() if sys.argv[1] == 'keep' else None\n"
+        "faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+        "def step():\n"
+        "    a = [torch.ones(n << 18) for n in (40, 24, 40, 24)]; del a\n"
+        "step(); step(); before = faults()\n"
+        "for _ in range(4): step()\n"
+        "print(kept, faults() - before)\n"
+    )
+    pages = 4 * (128 << 20) // resource.getpagesize()  # what four steps touch
+    results = {}
+    for mode in ("keep", "default"):
+        out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, check=True)
+        kept, faults = out.stdout.split()
+        results[mode] = (kept, int(faults))
+    assert results["keep"][0] == "True"
+    assert results["default"][1] > pages * 0.5  # the control: the defaults fault most pages in again
+    assert results["keep"][1] < results["default"][1] * 0.5
