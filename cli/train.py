@@ -69,9 +69,9 @@ class RolloutSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
 
 class DrafterSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     enabled: bool = True  # train an EAGLE drafter in leased idle device time
-    init_from: str = (
-        ""  # an exported head to start from ("" = untrained; the tuner keeps it off until it pays)
-    )
+    # The head to start from: a shipped name (engine/hub.py DRAFTERS, e.g. smollm2-135m-chain-sum) or an
+    # exported head's directory; "" = untrained (the tuner keeps it off until it pays).
+    init_from: str = ""
     batch_tokens: Positive = 512  # tokens per drafter step: bounds the preemption latency
     lr: float = 1e-3
     publish_every_steps: Positive = 10
