@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import torch
@@ -146,8 +146,14 @@ class LearnerActor(Actor):
         then says so; the coordinator records the run's state only after that."""
         if self.rank != 0:
             return
-        self._save(msg.path)
-        fields = {"step": msg.step, "path": msg.path, "version": self.version}
+        fields: dict[str, Any] = {"step": msg.step, "path": msg.path, "version": self.version}
+        try:
+            self._save(msg.path)
+        except (OSError, RuntimeError) as exc:  # a full disk reaches torch.save as a RuntimeError
+            # Said, not only logged: the coordinator waits for this answer and ends the run with it.
+            self.log.error("checkpoint_failed", step=msg.step, path=msg.path, error=str(exc))
+            self.send(COORDINATOR, Status(topic="checkpoint_failed", fields={**fields, "error": str(exc)}))
+            return
         self.send(COORDINATOR, Status(topic="checkpoint_saved", fields=fields))
 
     @handler
@@ -261,7 +267,11 @@ class LearnerActor(Actor):
             "trainer": self.trainer.state_dict(),
             "version": self.version,
         }
-        torch.save(state, tmp)
+        try:
+            torch.save(state, tmp)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a half-written file on a full disk would hold what space is left
+            raise
         os.replace(tmp, target)  # atomic: a reader sees the old checkpoint or the new one, never half
         self.log.info("checkpoint_saved", path=str(target), version=self.version)
 

@@ -14,9 +14,9 @@ Non-obvious choices:
   requests, the metrics); a result whose key is back already is dropped and counted. With `restart`, a dead
   rollout, verifier or drafter is restarted by the supervisor (within its budget), a rollout is handed the
   current weights first, and each is dealt again what it owed; otherwise a death raises `ActorDiedError`.
-- No fixed deadline on a learner step or a weight sync: a wait ends when its peers answer or die, and a
-  peer that hangs is killed by its hang deadline (the supervisor). Only the end of a step has one: a
-  drafter or rollout that does not settle within `finish_step`'s timeout is killed and restarted.
+- No fixed deadline on a learner step, a weight sync or a checkpoint: a wait ends when its peers answer
+  (a failure too) or die; a hung peer is killed by its hang deadline (the supervisor). A step's end has
+  one: a drafter or rollout that does not settle within `finish_step`'s timeout is killed and restarted.
 - Leases: a rollout that reports Idle while others still decode lends its device to its drafter at once;
   the last completion of the step preempts every lease (bounded latency, measured from `Released`).
 """
@@ -91,20 +91,17 @@ class Coordinator:
         self.restart = restart
         self.policy_version = policy_version  # the version every rollout holds (what a restarted one needs)
         self.restarted: list[str] = []  # every restart of the run, in order (a step reports its slice)
-        # Restarts the learner ranks at the current policy version (set by the loop, which knows the
-        # checkpoints and the recorded steps): a rollout revived while the learner is dead needs it.
-        self.recover_learners: Callable[[], Awaitable[None]] | None = None
+        self.recover_learners: Callable[[], Awaitable[None]] | None = None  # the loop: checkpoint, replay
         self._completions: asyncio.Queue[tuple[str, Completion]] = asyncio.Queue()
         self._rewards: asyncio.Queue[tuple[str, Reward]] = asyncio.Queue()
         self._scores = Ledger()  # score requests: which verifier holds which (group, sample)
         self._score_requests: dict[tuple[int, int], ScoreRequest] = {}
         self._acks: dict[int, dict[str, WeightAck]] = defaultdict(dict)
         self._head_acks: dict[int, dict[str, bool]] = defaultdict(dict)  # version -> drafter -> applied
-        # The newest version each rollout (weights) or drafter (head) acknowledged: a push of a version it
-        # holds is ignored without an answer (a step retrained after a learner death re-pushes it).
+        # Newest version each rollout (weights) or drafter (head) acked: a re-push of it gets no answer.
         self._holds: dict[str, int] = {}
         self._stats: dict[int, dict[str, StepStats]] = defaultdict(dict)
-        self._saved: set[int] = set()  # steps whose checkpoint the learner reported on disk
+        self._saved: dict[int, str] = {}  # step -> "" once the learner's checkpoint is on disk, else why not
         self._changed = asyncio.Event()  # set on every routed message or death: waiters re-check
         self._step = _Rollout()  # the current (or last) step's rollout
         self._task: asyncio.Task[None] | None = None
@@ -178,8 +175,8 @@ class Coordinator:
                 self._head_acks[version][sender] = msg.topic == "head_synced"
                 if msg.topic == "head_synced":
                     self._holds[sender] = max(self._holds.get(sender, 0), version)
-            elif msg.topic == "checkpoint_saved":  # the learner's answer to save_checkpoint
-                self._saved.add(int(msg.fields.get("step", -1)))
+            elif msg.topic in ("checkpoint_saved", "checkpoint_failed"):  # the answers to save_checkpoint
+                self._saved[int(msg.fields.get("step", -1))] = str(msg.fields.get("error", ""))
             self._emit("status", sender=sender, topic=msg.topic, **msg.fields)
         else:
             self._emit("unrouted", sender=sender, kind=msg.kind, level="warning")
@@ -470,16 +467,18 @@ class Coordinator:
     async def save_checkpoint(self, step: int, path: str, *, drafters: Sequence[str] = ()) -> None:
         """The learner's rank 0 saves the policy and optimizer after step `step` to `path`, and each drafter in
         `drafters` (the owner) its own; returns once the learner's file is on disk (drafters are not waited
-        on: they change speed, never samples). Raises ActorDiedError if the learner dies meanwhile."""
+        on: they change speed, never samples). Raises ActorDiedError if the learner dies, RuntimeError if it
+        could not save (its error: a full disk)."""
         if not self.learners:
             raise ValueError("no learner actors to checkpoint")
-        self._saved.discard(step)
+        self._saved.pop(step, None)
         await self.sup.send(self.learners[0], SaveCheckpoint(step=step, path=path))
         for drafter in drafters:
             if drafter not in self.dead:
                 await self.sup.send(drafter, SaveCheckpoint(step=step))
         await self._until(lambda: step in self._saved, self.learners[:1], f"checkpoint of step {step}")
-        self._saved.discard(step)
+        if error := self._saved.pop(step):
+            raise RuntimeError(f"{self.learners[0]} could not save checkpoint {step} to {path}: {error}")
 
     async def push_weights(
         self,

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from slipstream.actors.learner import LearnerActor, policy_samples
+from slipstream.protocols.control import SaveCheckpoint, Status
 from slipstream.protocols.learner import ScoredGroup, StepStats, TrainStep, WeightAck, WeightUpdate
 from slipstream.protocols.rollout import Completion
 from slipstream.runtime.inbox import Inbox
@@ -179,3 +180,18 @@ def test_applied_weights_are_rehashed_against_the_learners_checksums(tiny: Path,
     rollout2.on_weights(last, "learner:0")
     (ack,) = out2.of(WeightAck)
     assert not ack.ok and f"buckets [{first[0].bucket}]" in (ack.error or "")
+
+
+def test_a_checkpoint_that_cannot_be_written_is_answered_as_failed(tiny: Path, tmp_path: Path) -> None:
+    """The coordinator waits for the answer: a failed save says so (and leaves no partial file)."""
+    learner, out = make_learner(tiny, tmp_path)
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    learner.on_checkpoint(SaveCheckpoint(step=3, path=str(blocker / "step-3" / "learner.pt")), "coordinator")
+    (answer,) = out.of(Status)
+    assert answer.topic == "checkpoint_failed" and answer.fields["step"] == 3
+    assert "not-a-directory" in answer.fields["error"]
+    good = tmp_path / "ckpt" / "learner.pt"
+    learner.on_checkpoint(SaveCheckpoint(step=4, path=str(good)), "coordinator")
+    assert [s.topic for s in out.of(Status)] == ["checkpoint_failed", "checkpoint_saved"]
+    assert good.is_file() and not good.with_suffix(".pt.tmp").exists()

@@ -496,3 +496,25 @@ def test_rollouts_alone_end_the_sync_and_heads_are_awaited_later() -> None:
             await asyncio.wait_for(orphan, timeout=1.0)
 
     run(main())
+
+
+def test_a_checkpoint_the_learner_could_not_save_ends_the_wait_naming_its_error() -> None:
+    """A full disk once hung the run: the learner's handler failed and nothing answered save_checkpoint."""
+
+    async def main() -> None:
+        sup = FakeSupervisor()
+        async with Coordinator(sup, rollouts=["rollout:0"], learners=["learner:0"]) as coord:
+            saved = asyncio.ensure_future(coord.save_checkpoint(1, "ckpt/step-1"))
+            await asyncio.sleep(0.05)
+            sup.deliver(
+                "learner:0", Status(topic="checkpoint_saved", fields={"step": 1, "path": "ckpt/step-1"})
+            )
+            await saved
+            failed = asyncio.ensure_future(coord.save_checkpoint(2, "ckpt/step-2"))
+            await asyncio.sleep(0.05)
+            fields = {"step": 2, "path": "ckpt/step-2", "error": "No space left on device"}
+            sup.deliver("learner:0", Status(topic="checkpoint_failed", fields=fields))
+            with pytest.raises(RuntimeError, match=r"learner:0 could not save checkpoint 2 .*No space left"):
+                await failed
+
+    run(main())
