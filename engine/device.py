@@ -10,8 +10,9 @@ What differs by device kind sits here, behind `Capabilities` (probed once per de
 - CPU: inference projections through oneDNN with prepacked weights, probed per dtype — a CPU without
   AVX-512 refuses the bf16 reorder ("bf16 path needs the cpu support avx_ne_convert or avx512bw…"), so
   bf16 takes F.linear there; torch threads are pinned per actor by the runtime, not here.
-- CUDA: NCCL for the learner's process group; no oneDNN. CUDA graphs for small-batch decode are not
-  built yet (no GPU was lent to the sessions that built this: docs/gpu.md lists what waits for one).
+- CUDA: NCCL for the learner's process group; no oneDNN; attention (`sdpa`) without cuDNN's fused
+  kernel, which builds a graph per new shape (2.2 ms of host time per call on an H100, and decode's
+  shapes change every step: docs/gpu.md). CUDA graphs for small-batch decode are not built yet.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = [
     "Capabilities",
@@ -26,6 +30,7 @@ __all__ = [
     "onednn_linear_ok",
     "parse_device",
     "require_device",
+    "sdpa",
     "set_onednn_linear",
 ]
 
@@ -34,6 +39,8 @@ DEVICE_KINDS = ("cpu", "cuda")
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)  # dtypes the packed path is tried for
 _onednn_enabled = True
 _onednn_works: dict[torch.dtype, bool] = {}  # probe result per dtype, made on first use
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""What `sdpa` lets torch choose from on CUDA: every fused backend but cuDNN's (see the module docstring)."""
 
 
 def parse_device(name: str | torch.device, *, field: str = "device") -> torch.device:
@@ -77,6 +84,18 @@ class Capabilities:
 def capabilities(device: str | torch.device) -> Capabilities:
     kind = parse_device(device).type
     return Capabilities(kind=kind, dist_backend="nccl" if kind == "cuda" else "gloo", cuda_graphs=False)
+
+
+def sdpa(
+    q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None = None, is_causal: bool = False
+) -> Tensor:
+    """`F.scaled_dot_product_attention`, kept off cuDNN's backend on CUDA. The first decode steps of a
+    SmolLM2 rollout on an H100 took 78 ms with it and 25 ms without (the same once every shape was cached),
+    and a rollout's shapes (batch × context length) rarely repeat. Scoped per call, not process-wide."""
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+    with sdpa_kernel(CUDA_SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
 
 
 def set_onednn_linear(enabled: bool) -> None:

@@ -24,10 +24,10 @@ import itertools
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from slipstream.engine.config import ModelConfig
+from slipstream.engine.device import sdpa
 from slipstream.engine.model import DecoderLayer, Linear, Rotary, Transformer
 
 __all__ = ["EagleHead", "attend", "head_config", "target_features", "varlen_attention"]
@@ -59,7 +59,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     folded = (
         q.reshape(*lead, n, kv_heads, groups, hd).movedim(-4, -2).reshape(*lead, kv_heads, groups * n, hd)
     )
-    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask.repeat(groups, 1))  # [.., kvh, g*n, hd]
+    out = sdpa(folded, k, v, attn_mask=mask.repeat(groups, 1))  # [.., kvh, g*n, hd]
     return out.reshape(*lead, kv_heads, groups, n, hd).movedim(-2, -4).reshape(*lead, n, heads * hd)
 
 

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from slipstream.engine.batch import AttentionGroup, BatchLayout
 from slipstream.engine.config import ModelConfig
-from slipstream.engine.device import onednn_linear_ok
+from slipstream.engine.device import onednn_linear_ok, sdpa
 from slipstream.engine.kv_cache import KVCache
 
 
@@ -206,7 +206,7 @@ class Attention(nn.Module):
             scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(hd**-0.5).add_(mask)  # [rows, kvh, g, kv]
             o = torch.matmul(scores.softmax(-1), values)  # [rows, kvh, g, hd]
             return o.reshape(rows, kvh * g * hd)
-        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)  # [rows, kvh, g*q_len, hd]
+        o = sdpa(qg, keys, values, attn_mask=mask)  # [rows, kvh, g*q_len, hd]
         if q_len == 1:
             return o.reshape(rows, kvh * g * hd)
         return o.view(rows, kvh, g, q_len, hd).permute(0, 3, 1, 2, 4).reshape(rows * q_len, kvh * g * hd)
@@ -218,7 +218,7 @@ class Attention(nn.Module):
         q = q.transpose(1, 2)
         k = k.transpose(1, 2).repeat_interleave(self.groups, dim=1)
         v = v.transpose(1, 2).repeat_interleave(self.groups, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, heads, T, hd]
+        o = sdpa(q, k, v, is_causal=True)  # [B, heads, T, hd]
         return self.o_proj(o.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
 
 
