@@ -326,8 +326,10 @@ def run(
             raise ValueError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     if drafter is not None:
-        if not (Path(drafter) / "config.json").is_file():
-            raise ValueError(f"--drafter {drafter}: not an exported EAGLE drafter (no config.json)")
+        try:  # a shipped drafter's name or a directory
+            drafter = hub.drafter_dir(drafter)
+        except ValueError as exc:
+            raise ValueError(f"--drafter {drafter}: not an exported EAGLE drafter: {exc}") from None
         arms = [*arms, *EAGLE_ARMS]
     started = time.perf_counter()
     name = model or DEFAULT_MODEL
@@ -424,7 +426,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--drafter", type=Path, default=None, help="an exported EAGLE head: adds eagle rows")
+    p.add_argument(
+        "--drafter",
+        type=Path,
+        default=None,
+        help="an exported EAGLE head (a directory or a shipped name): adds eagle rows",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object (DecodeResult) on stdout")
     args = p.parse_args(argv)
     result = run(

@@ -155,8 +155,10 @@ def _check_options(args: argparse.Namespace) -> None:
     if args.spec == "eagle":
         if args.drafter is None:
             raise ValueError("--spec eagle needs --drafter DIR (a trained EAGLE head)")
-        if not (args.drafter / "config.json").is_file():
-            raise ValueError(f"--drafter {args.drafter}: not an exported EAGLE drafter (no config.json)")
+        try:  # a shipped drafter's name or a directory
+            args.drafter = hub.drafter_dir(args.drafter)
+        except ValueError as exc:
+            raise ValueError(f"--drafter {args.drafter}: not an exported EAGLE drafter: {exc}") from None
     elif args.drafter is not None:
         raise ValueError(f"--drafter is for --spec eagle only (got --spec {args.spec})")
     if args.threads is not None and args.threads < 1:

@@ -282,7 +282,12 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
         "EAGLE head: needs --drafter), auto (drafts with ngram; the tuner that picks arms per batch size "
         "runs in the rollout actor, not here)",
     )
-    p.add_argument("--drafter", type=Path, default=None, help="trained EAGLE head directory (--spec eagle)")
+    p.add_argument(
+        "--drafter",
+        type=Path,
+        default=None,
+        help="trained EAGLE head: a directory or a shipped name (--spec eagle)",
+    )
     p.add_argument(
         "--depth", type=int, default=None, help="draft tokens per pass (chain) or tree depth (default 4)"
     )

@@ -7,6 +7,7 @@ outputs come from driving `Generator` directly with the seeds the command docume
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -289,3 +290,15 @@ def test_bench_decode_schema(capsys: pytest.CaptureFixture[str], model_dir: Path
 def test_bench_decode_rejects_bad_batches(capsys: pytest.CaptureFixture[str], model_dir: Path) -> None:
     assert main(["bench", "decode", "--model", str(model_dir), "--batches", "1,x"]) == 1
     assert "--batches must be comma-separated integers" in capsys.readouterr().err
+
+
+def test_drafter_takes_a_shipped_name() -> None:
+    # The README names the shipped head; `--drafter NAME` resolves it as train's drafter.init_from does.
+    from slipstream.cli.generate import _check_options
+    from slipstream.engine import hub
+
+    args = argparse.Namespace(
+        spec="eagle", drafter=Path("smollm2-135m-chain-sum"), threads=None, max_batch=8, seed=0
+    )
+    _check_options(args)
+    assert args.drafter == hub.DRAFTER_ASSETS / "smollm2-135m-chain-sum"
