@@ -17,5 +17,5 @@ for d in runtime actors protocols engine deploy benchmarks cli tasks; do
 done
 export PYTHONPATH="/tmp/site:/tmp/pkg${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia-smi.csv"
-python3 -m slipstream.cli.main bench gpu --json "$@" >"$OUT/gpu.json" 2> >(tee "$OUT/gpu.log" >&2)
+python3 -m slipstream.cli.main bench gpu --json --tests-log "$OUT/tests.log" "$@" >"$OUT/gpu.json" 2> >(tee "$OUT/gpu.log" >&2)
 cat "$OUT/gpu.json"
