@@ -85,6 +85,10 @@ class DrafterActor(Actor):
         sync_every_steps: Annotated[int, msgspec.Meta(ge=1)] = 10  # local steps between deltas/updates
         init_from: str = ""  # owner: an exported EAGLE head to start from when no checkpoint exists
         device: str = "cpu"  # where the target's head parts, the drafter, its optimizer and batches live
+        # Re-hash the applied head parts into head_synced's `checksum` (proves the sync exact, as the
+        # rollout's verify_applied_weights). Off by default: a sha256 of the embedding on the core the
+        # rollout applies its weights on, at the same moment (the buckets are checked on arrival anyway).
+        verify_applied_head: bool = False
 
         def __post_init__(self) -> None:
             parse_device(self.device)
@@ -279,10 +283,13 @@ class DrafterActor(Actor):
             self._head_refused(msg.version, f"bucket {msg.bucket}: {why}")
             return
         buckets = self._head_staged.setdefault(msg.version, {})
-        # clone: the received tensors alias a zmq frame or a shared-memory slot of the sender
-        buckets[msg.bucket] = {n: t.clone() for n, t in zip(msg.names, msg.tensors, strict=True)}
-        if len(buckets) < msg.num_buckets:
+        this = dict(zip(msg.names, msg.tensors, strict=True))
+        if len(buckets) + (msg.bucket not in buckets) < msg.num_buckets:
+            # clone: the received tensors alias a zmq frame or a shared-memory slot of the sender, and this
+            # bucket waits for the others. The completing bucket is copied once, into the parameters.
+            buckets[msg.bucket] = {n: t.clone() for n, t in this.items()}
             return
+        buckets[msg.bucket] = this
         for version in [v for v in self._head_staged if v <= msg.version]:
             del self._head_staged[version]  # this one, and older ones that can no longer complete
         received = {n: t for bucket in buckets.values() for n, t in bucket.items()}
@@ -295,9 +302,10 @@ class DrafterActor(Actor):
                 # In place: the packed LM-head copies the trainer keeps follow the tensor's version counter.
                 param.copy_(received[name])
         self.head_version = msg.version
-        digest = checksum(sorted(received), [self._head_params[n] for n in sorted(received)])
+        fields: dict[str, Any] = {"rank": self.rank, "version": msg.version}
+        if self.config.verify_applied_head:
+            fields["checksum"] = checksum(sorted(received), [self._head_params[n] for n in sorted(received)])
         self.log.info("head_synced", version=msg.version, buckets=msg.num_buckets)
-        fields = {"rank": self.rank, "version": msg.version, "checksum": digest}
         self.send(COORDINATOR, Status(topic="head_synced", fields=fields))
 
     def _check_head_bucket(self, msg: WeightUpdate) -> str | None:

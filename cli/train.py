@@ -61,7 +61,7 @@ class RolloutSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
         "reproducible"  # reproducible: tokens independent of speculation
     )
     tuner: TunerConfig = TunerConfig()  # buckets and speculation arms ("off" alone = plain decoding)
-    verify_weights: bool = False  # re-hash the applied weights against the learner's: proves sync exact
+    verify_weights: bool = False  # re-hash the applied weights (and drafters' heads): proves sync exact
     # The rollouts' policy dtype: "" = bfloat16 on cuda, the checkpoint's own on cpu. The learner keeps fp32
     # masters and pushes in this dtype.
     dtype: Literal["", "float32", "bfloat16", "float16"] = ""
@@ -239,6 +239,7 @@ def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from:
                     world_size=devices,
                     init_from=cfg.drafter.init_from,
                     seed=cfg.seed,
+                    verify_applied_head=cfg.rollout.verify_weights,
                 ),
                 threads=slot.threads,
                 hang_s=cfg.faults.hang_s,

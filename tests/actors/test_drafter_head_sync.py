@@ -87,7 +87,13 @@ def test_a_drafter_process_applies_a_head_update_and_refuses_a_bad_one(tmp_path:
     async def main() -> tuple[Status, Status, DrafterUpdate, DrafterUpdate]:
         sup = Supervisor(tmp_path / "run", heartbeat_s=HEARTBEAT_S)
         try:
-            await sup.start([drafter_spec(model, checkpoint_every_steps=0, publish_every_steps=1)])
+            await sup.start(
+                [
+                    drafter_spec(
+                        model, checkpoint_every_steps=0, publish_every_steps=1, verify_applied_head=True
+                    )
+                ]
+            )
             endpoint = sup.endpoints()["drafter:0"]
             feed(endpoint, 20, 64, 160)
             await sup.send("drafter:0", Lease(lease_id=1, device="cpu:0", threads=1))
@@ -117,7 +123,7 @@ def test_the_step_after_a_head_update_trains_against_the_new_head(
     tmp_path: Path, device: torch.device
 ) -> None:
     model = build_checkpoint(tmp_path / "model")
-    actor, out = in_process(model, tmp_path, device=str(device))
+    actor, out = in_process(model, tmp_path, device=str(device), verify_applied_head=True)
     assert actor.step()  # packs the head as loaded
     parts = new_head_parts(model, seed=2)
     for update in head_update(parts, version=3):
@@ -178,6 +184,10 @@ def test_bad_head_updates_are_refused_and_change_nothing(tmp_path: Path) -> None
     for update in good:
         actor.on_weights(update, "learner:0")
     assert actor.head_version == 2
+    # Unverified by default (the buckets were checked on arrival): no re-hash of what was applied.
+    assert statuses(out, "head_synced") == [{"rank": 0, "version": 2}]
+    for name, p in actor.target.named_parameters():
+        assert torch.equal(p, parts[name]), name
     actor.on_weights(head_update(parts, version=1)[0], "learner:0")  # stale: an older version
     assert "not newer" in str(statuses(out, "head_refused")[-1]["why"]) and actor.head_version == 2
     actor.on_stop()
