@@ -73,6 +73,7 @@ def _bench_e2e(args: argparse.Namespace) -> int:
         lambda run_dir, baseline: _run_training(cfg, run_dir, baseline=baseline),
         root,
         threads=args.threads or cfg.learner.threads,
+        rounds=args.rounds,
     )
     print(msgspec.json.encode(result).decode() if args.json else e2e.render(result))
     return 0
@@ -457,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--kill-every", type=float, default=3.0, help="soak: mean seconds between kills")
     s.add_argument("--kills", type=int, default=0, help="soak: the most kills (0 = no cap)")
+    s.add_argument(
+        "--rounds", type=int, default=1, help="e2e: 2 runs Slipstream, baseline, baseline, Slipstream"
+    )
 
     s = sub.add_parser("logs", help="print a run's logs, merged by time; --follow streams live events")
     s.add_argument("run", help="run directory")

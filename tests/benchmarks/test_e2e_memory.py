@@ -49,3 +49,21 @@ def test_peaks_come_from_stopped_events_and_sum(tmp_path: Path) -> None:
     text = e2e.render(result)
     assert "slipstream peak RSS MiB: learner:0 3000, rollout:1 1200; sum 4200" in text
     assert "upper bound" in text
+
+
+def test_two_rounds_run_a_b_b_a_and_pool_the_speedups(tmp_path: Path, monkeypatch) -> None:
+    # The order is the point: whichever mode runs first in an invocation pays the host's first touches.
+    # Training and the learner's cost are stubbed here; tests/cli/test_train.py runs the real bench.
+    calls: list[tuple[str, bool]] = []
+    step_s = iter([2.0, 1.0, 3.0, 4.0])  # S, B, then B, S
+
+    def train(run_dir: Path, baseline: bool) -> dict:
+        calls.append((run_dir.name, baseline))
+        return {"steps": [{**STEP, "step_s": next(step_s)}]}
+
+    monkeypatch.setattr(e2e, "_samples", lambda run_dir, step: [])
+    monkeypatch.setattr(e2e, "learner_cost", lambda run_dir, steps, threads: None)
+    result = e2e.run(train, tmp_path, rounds=2)
+    assert calls == [("slipstream", False), ("baseline", True), ("baseline-2", True), ("slipstream-2", False)]
+    assert result.speedup_step_each == [0.5, 0.75]
+    assert result.speedup_step == round((1.0 + 3.0) / (2.0 + 4.0), 3) and result.rounds == 2
