@@ -40,7 +40,6 @@ from slipstream.protocols.drafter import DrafterDelta, DrafterStats, DrafterUpda
 from slipstream.protocols.learner import WeightUpdate
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
-from slipstream.runtime.process import keep_freed_memory
 from slipstream.runtime.transport import actor_name
 
 ROLE = "drafter"
@@ -104,7 +103,6 @@ class DrafterActor(Actor):
         if missing:
             raise ValueError(f"world_size: {cfg.world_size} ranks, but {missing} are not in this run")
         self.device = require_device(cfg.device)
-        keep_freed_memory()  # training steps and head pushes reuse freed pages (runtime/process.py)
         torch.manual_seed(cfg.seed + self.rank)
         # Only the embedding, final norm and LM head: the drafter never runs the target's layers.
         self.target = load_head_parts(hub.resolve(cfg.model), device=self.device)

@@ -46,7 +46,6 @@ from slipstream.protocols.learner import (
 )
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
-from slipstream.runtime.process import keep_freed_memory
 
 STOP_BARRIER_S = 60.0  # how long a stopping rank waits for its peers before tearing down anyway
 
@@ -77,7 +76,6 @@ class LearnerActor(Actor):
         cfg = self.config
         if self.rank >= cfg.world_size:
             raise ValueError(f"world_size: {cfg.world_size} ranks, but this is rank {self.rank}")
-        keep_freed_memory()  # before the model: a step reuses the last step's pages (runtime/process.py)
         torch.manual_seed(cfg.seed)
         device = require_device(cfg.device)
         if device.type == "cuda" and device.index is not None:

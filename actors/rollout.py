@@ -45,7 +45,6 @@ from slipstream.protocols.rollout import Completion as CompletionMsg
 from slipstream.protocols.rollout import GenerateRequest, IterationStats
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
-from slipstream.runtime.process import keep_freed_memory
 
 
 class RolloutActor(Actor):
@@ -87,9 +86,6 @@ class RolloutActor(Actor):
 
     def on_start(self) -> None:
         cfg = self.config
-        # Before the model: each weight push's received and staged buckets (a model's worth) reuse the
-        # last push's pages instead of faulting fresh ones in (runtime/process.py).
-        keep_freed_memory()
         self.model = load_model(
             hub.resolve(cfg.model),
             dtype=dtype_from_name(cfg.dtype) if cfg.dtype else None,

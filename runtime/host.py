@@ -10,7 +10,8 @@ actor and run `on_start`; send Ready. Any failure on the way is sent as `Dead` w
 config names its field) and the process exits non-zero.
 
 The thread budget is applied before torch does any work — oversubscribing cores on a small host is
-catastrophic (DESIGN §2) — and the process dies with its parent (PR_SET_PDEATHSIG on Linux).
+catastrophic (DESIGN §2) — and the process dies with its parent (PR_SET_PDEATHSIG on Linux). Freed
+heap memory is kept for reuse (`keep_freed_memory`) before anything allocates: docs/training.md.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from slipstream.runtime.codec import Codec, ProtocolError
 from slipstream.runtime.config import ConfigError, convert
 from slipstream.runtime.inbox import Inbox
 from slipstream.runtime.io_thread import ActorIO
-from slipstream.runtime.process import peak_rss_mb
+from slipstream.runtime.process import keep_freed_memory, peak_rss_mb
 from slipstream.runtime.shm import ShmArena
 from slipstream.runtime.transport import (
     CurveKeys,
@@ -110,6 +111,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     _die_with_parent(args.parent_pid)
+    # Every role allocates and frees large buffers per step (activations, weight pushes): reuse the pages.
+    keep_freed_memory()
     cls = import_actor(args.actor)
     name = actor_name(cls.role, args.rank)
     log = logs.configure(
