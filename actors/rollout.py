@@ -8,7 +8,8 @@ speculation arm for the live batch size and is rewarded with that iteration's co
 second; arms change speed, never output (tested). Its state persists across steps and restarts.
 
 Between iterations it swaps in the newest `DrafterUpdate` (mid-generation: drafts change, outputs do not)
-and applies a complete `WeightUpdate` once no request is in flight, so no response mixes two policies.
+and applies a complete `WeightUpdate` once no request is in flight, so no response mixes two policies (one
+that starts while idle is written in place as its buckets arrive, with no staged copy; decoding waits).
 Non-obvious: sample i of a group samples with `sample_seed(request.seed, i)` (engine/sampling.py, as
 `generate` seeds request i), so in the default reproducible mode its tokens depend on its seed alone;
 tuner rewards skip iterations with prefill in them. An EAGLE head whose acceptance collapses (say, after a
@@ -74,6 +75,9 @@ class RolloutActor(Actor):
         # After applying an update, hash the live parameters bucket by bucket and compare with the learner's
         # checksums: proves the model now holds exactly the learner's weights (one hash pass per update).
         verify_applied_weights: bool = False
+        # Before `ready`: decode one synthetic full batch with every arm, so the first real step does not pay
+        # first touches (KV and scratch pages, packed weights, each arm's code paths) while the learner starts.
+        warm_up: bool = True
 
         def __post_init__(self) -> None:
             parse_device(self.device)
@@ -128,7 +132,43 @@ class RolloutActor(Actor):
         self._idle_sent = True  # nothing to report until work arrives
         self._staged: dict[int, dict[int, WeightUpdate]] = {}  # version -> bucket -> update (cloned)
         self._ready_version: int | None = None  # a complete, verified version waiting for a drained queue
+        self._in_place_version: int | None = None  # a version being written into the parameters: no decoding
         self._hidden_dtype = dtype_from_name(cfg.hidden_dtype)
+        if cfg.warm_up:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Decodes max_batch synthetic requests for two iterations with each arm (the rollout's other actors
+        are still starting: the learner takes seconds longer). Nothing of it is kept: no completion or hidden
+        state leaves, the tuner and the draft vocabulary's counts see none of it, every slot is freed."""
+        started = time.perf_counter()
+        vocab = self.model.config.vocab_size
+        length = max(1, min(64, self.config.max_len // 4))
+        prompt = [(7919 * i + 13) % vocab for i in range(length)]  # any ids: only the shapes matter
+        arms = [arm for arm in self.tuner.arms if arm.method in self.methods]
+        params = SamplingParams(temperature=1.0, max_tokens=self.config.max_len - length, seed=0)
+        ids = [f"warm-up:{i}" for i in range(self.config.max_batch)]
+        for request_id in ids:
+            self.generator.add(Request(request_id=request_id, prompt_ids=prompt, params=params))
+        if self.eagle is not None:
+            self.eagle.vocab.frozen = True
+        try:
+            self.generator.set_spec(None)
+            while self.generator.num_prefilling:
+                self.generator.step()
+            for arm in arms:
+                self.generator.set_spec(None if arm.method == "off" else arm.spec(self.config.spec_mode))
+                for _ in range(2):
+                    self.generator.step()
+        finally:
+            for request_id in ids:
+                self.generator.abort(request_id)
+            self.generator.set_spec(None)
+            if self.eagle is not None:
+                self.eagle.vocab.frozen = False
+        self.log.info(
+            "warmed_up", arms=[a.name for a in arms], seconds=round(time.perf_counter() - started, 3)
+        )
 
     def _make_eagle(self) -> EagleDrafter:
         cfg = self.config
@@ -259,21 +299,37 @@ class RolloutActor(Actor):
                 WeightAck(version=msg.version, role=self.role, rank=self.rank, ok=False, error=error),
             )
             return
+        if self._in_place_version is not None and msg.version < self._in_place_version:
+            # A newer version is already being written over it (a re-push after a learner restart).
+            self.log.warning("weights_superseded", version=msg.version, by=self._in_place_version)
+            return
         buckets = self._staged.setdefault(msg.version, {})
-        # Clone: received tensors alias a frame or shared-memory slot that is recycled after this handler.
+        if self._in_place_version is not None or (len(buckets) == 0 and not self.generator.has_unfinished()):
+            # Idle (the synchronous loop's case), or already writing one: each bucket goes straight into
+            # the parameters, with no staged copy (a model's worth of memory); `step` decodes nothing until
+            # the version's last bucket is in, so no token comes from a mix of two versions.
+            self._in_place_version = msg.version
+            params = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for name, tensor in zip(msg.names, msg.tensors, strict=True):
+                    params[name].copy_(tensor)  # bumps the tensor version: prepacked weights repack
+            kept: list[torch.Tensor] = []  # applied: only the names and checksum stay, to verify
+        else:
+            # Clone: received tensors alias a frame or shared-memory slot that is recycled after this handler.
+            kept = [t.clone() for t in msg.tensors]
         buckets[msg.bucket] = WeightUpdate(
             version=msg.version,
             bucket=msg.bucket,
             num_buckets=msg.num_buckets,
             names=list(msg.names),
-            tensors=[t.clone() for t in msg.tensors],
+            tensors=kept,
             checksum=msg.checksum,
         )
         if len(buckets) == msg.num_buckets:
             for old in [v for v in self._staged if v < msg.version]:
                 del self._staged[old]
             self._ready_version = msg.version
-            if not self.generator.has_unfinished():
+            if self._in_place_version == msg.version or not self.generator.has_unfinished():
                 self._apply_weights()
 
     def _check_weights(self, msg: WeightUpdate) -> str | None:
@@ -300,11 +356,12 @@ class RolloutActor(Actor):
         params = dict(self.model.named_parameters())
         updates = self._staged.pop(version)
         with torch.no_grad():
-            for update in updates.values():
-                for name, tensor in zip(update.names, update.tensors, strict=True):
+            for update in updates.values():  # buckets written in place hold no tensors
+                for name, tensor in zip(update.names, update.tensors, strict=False):
                     params[name].copy_(tensor)  # bumps the tensor version: prepacked weights repack
         self.policy_version = version
         self._ready_version = None
+        self._in_place_version = None
         error = None
         if self.config.verify_applied_weights:
             differing = [
@@ -324,6 +381,8 @@ class RolloutActor(Actor):
     # -- decoding -------------------------------------------------------------------------------------
 
     def step(self) -> bool:
+        if self._in_place_version is not None:
+            return False  # the parameters hold part of a version: wait for its other buckets
         if self._pending_drafter is not None:
             self._swap_drafter()
         generator = self.generator

@@ -44,6 +44,8 @@ class DraftVocabulary:
         self.size = size
         self.counts = [0] * target.config.vocab_size
         """Per token id: how often it was counted."""
+        self.frozen = False
+        """While True, `count` ignores what it is given (a warm-up's synthetic tokens are not the task's)."""
         self._distinct = 0
         self._counted_since = 0  # tokens counted since the vocabulary was last chosen
         self._held: tuple[Tensor, Tensor, _PackedWeight] | None = None  # (ids [U], head rows [U, d], pack)
@@ -59,7 +61,9 @@ class DraftVocabulary:
         return None if self._held is None else self._held[0]
 
     def count(self, tokens: Iterable[int]) -> None:
-        """Count observed tokens (ids known to be in range)."""
+        """Count observed tokens (ids known to be in range), unless `frozen`."""
+        if self.frozen:
+            return
         for token in tokens:
             self._add(token, 1)
 

@@ -13,8 +13,8 @@ Names are canonical (``ngram`` → ``ngram:d4``). Examples: ``ngram:d3``, ``eagl
 Non-obvious choices (why, with the measurements: docs/engine.md, "Tuner"):
 - The reward is the iteration's speedup over plain decoding at the same batch size, from a cost model of
   recent "off" iterations: raw tokens/s would favour arms measured at larger batches.
-- Per bucket: `hold` iterations pool into one sample, the estimate is a sliding-window median, untried arms
-  go first, then ε-greedy explores the least-measured arm (less often the costlier it is); `forget(method)`
+- Per bucket: `hold` iterations pool into one sample; an arm's first look there only spans `hold` sequence-passes
+  (one iteration at batch >= hold: a cold start tries every arm everywhere), the estimate is a sliding-window median, untried arms go first, then ε-greedy explores the least-measured arm (less often the costlier it is); `forget(method)`
   restarts a method's arms when its drafter changes. All draws come from one seeded `random.Random`.
 - A stale drafter (eagle, hybrid: a trained head, e.g. one lagging a policy update) is benched: when the
   caller's `record_acceptance` shows under `stale_accept` accepted draft tokens per sequence per pass over
@@ -39,15 +39,16 @@ from slipstream.engine.speculator import SpecConfig, SpecMode
 
 __all__ = ["STALE_METHODS", "Arm", "Decision", "StaleDrafter", "Tuner", "TunerConfig", "parse_arm"]
 
-Sample = tuple[float, float, float]
-"""One reward sample: committed tokens per sequence, seconds, mean batch size (pooled over `hold` iterations)."""
+Sample = tuple[float, float, float, int]
+"""One reward sample, pooled over `hold` iterations (fewer for an arm's first look): committed tokens per sequence,
+seconds, mean batch size, iterations."""
 Why = Literal["untried", "exploit", "explore", "forced", "hold"]
 Available = Callable[[str], bool] | Collection[str] | None
 
 _ARM = re.compile(
     r"(?P<method>ngram|eagle|hybrid|self)(?::(?:d(?P<d>\d+))?(?:k(?P<k>\d+))?(?:v(?P<v>\d+))?)?"
 )
-_STATE_VERSION = 2
+_STATE_VERSION = 3
 PLAIN_WINDOW = 8
 """Recent "off" iteration times kept per batch size for the plain cost model."""
 STALE_METHODS = ("eagle", "hybrid")
@@ -128,7 +129,12 @@ class TunerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     is stale: never chosen until its drafter changes (0 = never stale)."""
 
     def __post_init__(self) -> None:
-        for field, least in (("window", 1), ("min_trials", 1), ("hold", 1), ("stale_window", 1)):
+        for field, least in (
+            ("window", 1),
+            ("min_trials", 1),
+            ("hold", 1),
+            ("stale_window", 1),
+        ):
             value = getattr(self, field)
             if not _is_int(value) or value < least:
                 raise ValueError(f"TunerConfig.{field}: must be an integer >= {least}, got {value!r}")
@@ -227,7 +233,8 @@ class Tuner:
         ]
         self._trials = [[0] * na for _ in range(nb)]  # lifetime samples, for the summary
         self._attempt = [[-1] * na for _ in range(nb)]  # decision count of the latest exploration attempt
-        self._hold: list[tuple[int, int] | None] = [None] * nb  # (arm, decisions still held)
+        # (arm, decisions still held, first look: the hold ends early once the arm's first sample closed)
+        self._hold: list[tuple[int, int, bool] | None] = [None] * nb
         # [bucket][arm] → [committed per sequence, seconds, iterations, batch sizes summed] pooled so far
         # towards the next reward sample
         self._pending = [[_no_pending() for _ in range(na)] for _ in range(nb)]
@@ -289,8 +296,8 @@ class Tuner:
         windows = self._windows[b]
         self.decisions += 1
         held = self._hold[b]
-        if held is not None and held[1] > 0 and held[0] in candidates:
-            self._hold[b] = (held[0], held[1] - 1)
+        if held is not None and held[1] > 0 and held[0] in candidates and not (held[2] and windows[held[0]]):
+            self._hold[b] = (held[0], held[1] - 1, held[2])
             return self._decision(batch_size, b, held[0], "hold")
         why: Why
         if len(candidates) == 1:
@@ -311,7 +318,8 @@ class Tuner:
                 slower = _median_seconds(windows[turn]) / max(_median_seconds(windows[best]), 1e-12)
                 if self._rng.random() * slower < 1:  # probability min(1, 1 / slower)
                     i, why = turn, "explore"
-        self._hold[b] = (i, self.config.hold - 1) if self.config.hold > 1 and why != "forced" else None
+        first = not windows[i]  # a first look: held until its sample closes (module docstring)
+        self._hold[b] = (i, self.config.hold - 1, first) if self.config.hold > 1 and why != "forced" else None
         return self._decision(batch_size, b, i, why)
 
     def _candidates(self, available: Available) -> list[int]:
@@ -357,8 +365,10 @@ class Tuner:
         pending[1] += seconds
         pending[2] += 1
         pending[3] += batch_size
-        if pending[2] >= self.config.hold:
-            self._windows[b][i].append((float(pending[0]), float(pending[1]), pending[3] / pending[2]))
+        # An arm's first look in a bucket ends once it spans `hold` sequence-passes (module docstring).
+        if pending[2] >= self.config.hold or (not self._windows[b][i] and pending[3] >= self.config.hold):
+            sample = (float(pending[0]), float(pending[1]), pending[3] / pending[2], int(pending[2]))
+            self._windows[b][i].append(sample)
             self._trials[b][i] += 1
             self._pending[b][i] = _no_pending()
 
@@ -414,8 +424,8 @@ class Tuner:
         """Median reward of a window's samples under the current plain cost model (module docstring)."""
         plain = self._plain_cost()
         if plain is None:
-            return statistics.median(c / s for c, s, _ in window)
-        return statistics.median(c * plain(batch) / s for c, s, batch in window)
+            return statistics.median(c / s for c, s, _, _ in window)
+        return statistics.median(c * plain(batch) / s for c, s, batch, _ in window)
 
     def forget(self, method: str) -> int:
         """Empty the windows of `method`'s arms in every bucket (a new drafter version made their rewards
@@ -450,7 +460,7 @@ class Tuner:
 
     def summary(self) -> list[dict[str, Any]]:
         """Per bucket: the best arm and its median reward, and per arm its median reward (as `estimate`), the
-        median seconds of one sample (`hold` iterations) and its lifetime number of samples (for logs and
+        median seconds of one iteration and its lifetime number of samples (for logs and
         bench JSON)."""
         out = []
         for b, windows in enumerate(self._windows):
@@ -494,8 +504,8 @@ class Tuner:
         tuner's; epsilon, min_trials, hold and the stale knobs may differ (the new values apply from now on),
         and a shorter window keeps the newest iterations. State saved before stale tracking loads as none."""
         version = state.get("version")
-        if version not in (1, _STATE_VERSION):
-            raise ValueError(f"tuner state version {version!r}, expected {_STATE_VERSION} (or 1)")
+        if version not in (1, 2, _STATE_VERSION):
+            raise ValueError(f"tuner state version {version!r}, expected {_STATE_VERSION} (or 1, 2)")
         if list(state["buckets"]) != list(self.edges):
             raise ValueError(
                 f"tuner state buckets {state['buckets']} differ from TunerConfig.buckets {list(self.edges)}"
@@ -504,17 +514,28 @@ class Tuner:
         if list(state["arms"]) != names:
             raise ValueError(f"tuner state arms {state['arms']} differ from this tuner's arms {names}")
         window = self.config.window
-        # Version 1 kept no batch sizes: its samples count as taken at their bucket's lower edge.
+        # Version 1 kept no batch sizes: its samples count as taken at their bucket's lower edge. Versions 1
+        # and 2 kept no iteration counts: every sample pooled the saving config's `hold`.
+        held = int(state.get("config", {}).get("hold", self.config.hold))
         self._windows = [
             [
-                deque(((float(c), float(s), float(x[0] if x else edge)) for c, s, *x in w), maxlen=window)
+                deque(
+                    (
+                        (float(c), float(s), float(x[0] if x else edge), int(x[1] if len(x) > 1 else held))
+                        for c, s, *x in w
+                    ),
+                    maxlen=window,
+                )
                 for w in windows
             ]
             for edge, windows in zip(self.edges, state["windows"], strict=True)
         ]
         self._trials = [[int(n) for n in t] for t in state["trials"]]
         self._attempt = [[int(n) for n in t] for t in state["attempt"]]
-        self._hold = [(int(h[0]), int(h[1])) if h is not None else None for h in state["hold"]]
+        self._hold = [
+            (int(h[0]), int(h[1]), bool(h[2]) if len(h) > 2 else False) if h is not None else None
+            for h in state["hold"]
+        ]
         self._pending = [
             [[float(c), float(s), int(n), int(x[0] if x else n * edge)] for c, s, n, *x in pending]
             for edge, pending in zip(self.edges, state["pending"], strict=True)
@@ -547,7 +568,8 @@ def _no_pending() -> list[float]:
 
 
 def _median_seconds(window: Iterable[Sample]) -> float:
-    return statistics.median(s for _, s, _ in window)
+    """Median seconds of one iteration (a first look pools fewer than `hold`)."""
+    return statistics.median(s / n for _, s, _, n in window)
 
 
 class _PlainCost:

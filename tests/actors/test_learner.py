@@ -98,7 +98,9 @@ def test_step_zero_matches_the_rollout_and_the_push_is_bitwise_exact(tiny: Path,
     assert all(p.grad is None for p in learner.model.parameters())
 
 
-def test_a_corrupted_bucket_is_refused_and_the_old_weights_stay(tiny: Path, tmp_path: Path) -> None:
+def test_a_corrupted_bucket_is_refused_and_nothing_decodes_until_the_version_is_whole(
+    tiny: Path, tmp_path: Path
+) -> None:
     groups = scored_groups(tiny, tmp_path, [[1.0, 0.0], [0.0, 1.0]])
     learner, sent = make_learner(tiny, tmp_path, optim={"lr": 1e-3}, bucket_bytes=4096)
     train(learner, groups, version=1, push_to=["rollout:0"])
@@ -114,12 +116,22 @@ def test_a_corrupted_bucket_is_refused_and_the_old_weights_stay(tiny: Path, tmp_
     rollout.on_weights(tampered, "learner:0")
     (ack,) = out.of(WeightAck)
     assert not ack.ok and "checksum" in (ack.error or "")
+    # The refused bucket wrote nothing; the valid ones that follow go straight into the idle rollout's
+    # parameters, and with one bucket missing the version is not whole: nothing decodes meanwhile.
     for update in updates[1:]:
         rollout.on_weights(update, "learner:0")
+    rollout.on_generate(request(0, [1, 2, 3], 2, 1.0), "coordinator")
     drain(rollout)
-    assert rollout.policy_version == 0
-    for name, param in rollout.model.named_parameters():
-        assert torch.equal(param, before[name])
+    assert rollout.policy_version == 0 and not out.of(Completion) and len(out.of(WeightAck)) == 1
+    params = dict(rollout.model.named_parameters())
+    assert all(torch.equal(params[n], before[n]) for n in bad.names)
+    assert all(
+        torch.equal(params[n], t) for u in updates[1:] for n, t in zip(u.names, u.tensors, strict=True)
+    )
+    rollout.on_weights(bad, "learner:0")  # the bucket again, intact (the learner's re-push)
+    assert [(a.version, a.ok) for a in out.of(WeightAck)] == [(1, False), (1, True)]
+    drain(rollout)
+    assert rollout.policy_version == 1 and {c.policy_version for c in out.of(Completion)} == {1}
 
 
 def test_invalid_samples_leave_the_loss(tiny: Path, tmp_path: Path) -> None:
@@ -169,14 +181,15 @@ def test_applied_weights_are_rehashed_against_the_learners_checksums(tiny: Path,
         rollout.on_weights(update, "learner:0")
     assert [a.ok for a in out.of(WeightAck)] == [True] and rollout.policy_version == 1
 
-    # A planted apply bug: a staged tensor changes after its bucket passed the receipt check.
+    # A planted apply bug: a written parameter changes after its bucket passed the receipt check.
     learner2, sent2 = make_learner(tiny, tmp_path / "l2", optim={"lr": 1e-3}, bucket_bytes=4096)
     train(learner2, groups, version=1, push_to=["rollout:0"])
     rollout2, out2 = make_actor(tiny, tmp_path / "rollout3", verify_applied_weights=True)
     *first, last = sent2.of(WeightUpdate)
     for update in first:
         rollout2.on_weights(update, "learner:0")
-    rollout2._staged[1][first[0].bucket].tensors[0].add_(1.0)
+    with torch.no_grad():
+        dict(rollout2.model.named_parameters())[first[0].names[0]].add_(1.0)
     rollout2.on_weights(last, "learner:0")
     (ack,) = out2.of(WeightAck)
     assert not ack.ok and f"buckets [{first[0].bucket}]" in (ack.error or "")

@@ -140,6 +140,32 @@ def test_output_is_token_identical_with_and_without_the_tuner(
     assert {s.arm for s in stats["plain"]} == {"off"}
 
 
+def test_the_start_up_warm_up_runs_every_arm_and_leaves_no_trace(tiny: Path, tmp_path: Path) -> None:
+    runs, vocab = {}, {}
+    tuner = {"buckets": [1, 2, 5], "arms": SPEC_ARMS, "epsilon": 0.5, "hold": 1, "seed": 1}
+    for warm in (False, True):
+        log = Events()
+        actor, out = make_actor(
+            tiny, tmp_path / str(warm), log, max_batch=4, tuner=tuner, hidden_to=["drafter:0"], warm_up=warm
+        )
+        assert not actor.generator.has_unfinished() and actor.generator.cache.num_free_slots == 4
+        assert actor.tuner.decisions == 0 and actor.generator.spec.method == "off"
+        vocab[warm] = list(actor.eagle.vocab.counts)
+        if warm:
+            (event,) = log.of("warmed_up")
+            assert event["arms"] == SPEC_ARMS
+            assert actor.generator.stats["drafted"] > 0  # the speculative arms really ran
+        else:
+            assert not log.of("warmed_up")
+        for group, prompt in enumerate(PROMPTS):
+            actor.on_generate(request(group, prompt, 3, 0.2, max_tokens=24), "coordinator")
+        drain(actor)
+        hidden = sorted((h.group_id, h.sample_index, h.hidden.shape[0]) for h in out.of(HiddenStates))
+        runs[warm] = (responses(out), hidden)
+    assert vocab[True] == vocab[False]  # no synthetic token was counted
+    assert runs[True] == runs[False]  # same tokens, and nothing of the warm-up left as hidden states
+
+
 def test_rejection_mode_with_the_tuner_has_the_law_of_plain_sampling(tmp_path: Path) -> None:
     model_dir = build_checkpoint(tmp_path / "small", seed=2, **SMALL)
     params = SETTINGS["top-k"]
@@ -260,8 +286,9 @@ def test_a_drafter_whose_drafts_are_never_accepted_is_benched_until_a_new_head_a
     tiny: Path, tmp_path: Path
 ) -> None:
     log = Events()
-    # Decisions held for a whole window: eagle, untried after "off", runs a window whatever the clock says.
-    tuner = {"buckets": [1], "arms": ["off", "eagle:d3"], "epsilon": 0.0, "hold": 8, "stale_window": 8}
+    # Decisions held for a whole window: eagle, untried after "off", runs a window whatever the clock says
+    # (a first look spans `hold` sequence-passes: 32 is >= 8 iterations at batch <= 4).
+    tuner = {"buckets": [1], "arms": ["off", "eagle:d3"], "epsilon": 0.0, "hold": 32, "stale_window": 8}
     actor, out = make_actor(tiny, tmp_path, log, max_batch=4, tuner=tuner, hidden_to=["drafter:0"])
     actor.generator.hold("eagle", WrongDrafter(1))
     for group, prompt in enumerate(PROMPTS):

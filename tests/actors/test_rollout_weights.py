@@ -57,3 +57,58 @@ def test_a_weight_update_not_newer_than_the_held_version_changes_nothing(tiny: P
     actor.on_weights(shifted(params, 4, 0.5), "learner:0")
     assert [(a.version, a.ok) for a in out.of(WeightAck)] == [(2, False), (4, True)]
     assert actor.policy_version == 4 and len(unchanged()) == len(params)
+
+
+def halves(params: dict[str, torch.nn.Parameter], version: int, delta: float) -> list[WeightUpdate]:
+    """Every parameter plus `delta`, as two well-formed buckets of `version`."""
+    names = list(params)
+    parts = [names[: len(names) // 2], names[len(names) // 2 :]]
+    updates = []
+    for bucket, part in enumerate(parts):
+        tensors = [params[n].detach() + delta for n in part]
+        updates.append(
+            WeightUpdate(
+                version=version,
+                bucket=bucket,
+                num_buckets=2,
+                names=part,
+                tensors=tensors,
+                checksum=checksum(part, tensors),
+            )
+        )
+    return updates
+
+
+def test_an_idle_rollout_writes_buckets_in_place_and_a_busy_one_stages_them(
+    tiny: Path, tmp_path: Path
+) -> None:
+    actor, out = make_actor(tiny, tmp_path, max_batch=4)
+    params = dict(actor.model.named_parameters())
+    held = {n: p.detach().clone() for n, p in params.items()}
+    first, second = halves(params, 1, 0.5)
+    actor.on_weights(first, "learner:0")  # idle: written at once, and decoding waits for the rest
+    assert all(torch.equal(params[n], t) for n, t in zip(first.names, first.tensors, strict=True))
+    assert actor._staged[1][0].tensors == []  # no staged copy
+    actor.on_generate(request(0, [1, 2, 3], 2, 1.0), "coordinator")
+    assert actor.step() is False and not out.of(Completion) and actor.policy_version == 0
+    # A newer version supersedes the half-written one: its late bucket is refused as not newer.
+    newer = halves({n: held[n] for n in params}, 2, 0.25)
+    for update in newer:
+        actor.on_weights(update, "learner:0")
+    actor.on_weights(second, "learner:0")
+    assert [(a.version, a.ok) for a in out.of(WeightAck)] == [(2, True), (1, False)]
+    assert actor.policy_version == 2
+    assert all(torch.equal(params[n], held[n] + 0.25) for n in params)
+    drain(actor)
+    assert {c.policy_version for c in out.of(Completion)} == {2}
+
+    # Busy: the buckets are cloned and staged, and applied once the queue drains.
+    actor.on_generate(request(1, [1, 2, 3], 2, 1.0), "coordinator")
+    actor.step()
+    for update in halves(params, 3, 0.5):
+        actor.on_weights(update, "learner:0")
+    assert actor.policy_version == 2 and all(len(u.tensors) > 0 for u in actor._staged[3].values())
+    assert all(torch.equal(params[n], held[n] + 0.25) for n in params)  # untouched while decoding
+    drain(actor)
+    assert actor.policy_version == 3 and [a.version for a in out.of(WeightAck)] == [2, 1, 3]
+    assert {c.policy_version for c in out.of(Completion)} == {2}

@@ -494,7 +494,8 @@ def test_load_refuses_state_of_other_buckets_or_arms():
 
 def test_version_1_state_loads_with_samples_at_their_bucket_edge():
     tuner = Tuner(TunerConfig(arms=["ngram:d3"], hold=2))
-    tuner.record(5, "ngram:d3", 10, 0.5)
+    tuner.record(5, "ngram:d3", 10, 0.5)  # the arm's first look (one iteration at batch >= hold)
+    tuner.record(5, "ngram:d3", 10, 0.5)  # pending: half of a sample
     state = json.loads(json.dumps(tuner.state_dict()))
     state["version"] = 1
     del state["plain"]
@@ -505,9 +506,10 @@ def test_version_1_state_loads_with_samples_at_their_bucket_edge():
     assert restored.estimate(5, "ngram:d3") == 3.0
     restored.record(5, "off", 5, 0.25)
     restored.record(5, "off", 5, 0.25)
-    assert restored.state_dict()["windows"][3][1] == [[3.0, 1.0, 5.0]]
+    # Version 1 (and 2) kept no iteration counts: a sample pooled the saving config's hold.
+    assert restored.state_dict()["windows"][3][1] == [[3.0, 1.0, 5.0, 2]]
     restored.record(5, "ngram:d3", 10, 0.5)  # completes the restored pending sample: 2 iterations at 5
-    assert restored.state_dict()["windows"][3][1][-1] == [4.0, 1.0, 5.0]
+    assert restored.state_dict()["windows"][3][1][-1] == [4.0, 1.0, 5.0, 2]
 
 
 def test_state_loads_into_a_shorter_window_keeping_the_newest_samples():
@@ -622,17 +624,52 @@ def test_hold_keeps_an_arm_for_that_many_iterations_and_pools_them_into_one_samp
     tuner = Tuner(TunerConfig(arms=["ngram:d3", "eagle:d3"], hold=3, seed=0))
     decisions = []
     for _ in range(30):
-        d = tuner.choose(2)
-        tuner.record(2, d.arm, 6, 2.0)
+        d = tuner.choose(1)  # at batch 1 a first look spans hold iterations too
+        tuner.record(1, d.arm, 3, 2.0)
         decisions.append(d)
     for start in range(0, 30, 3):
         run = decisions[start : start + 3]
         assert len({d.arm for d in run}) == 1
         assert [d.why for d in run][1:] == ["hold", "hold"] and run[0].why != "hold"
     assert [d.why for d in decisions[:9:3]] == ["untried"] * 3
-    arms = tuner.summary()[1]["arms"]
+    arms = tuner.summary()[0]["arms"]
     assert sum(a["trials"] for a in arms.values()) == 10  # 30 iterations, 3 per sample
-    assert all(a["seconds"] == 6.0 for a in arms.values() if a["trials"])  # pooled: 3 x 2.0 s
+    assert all(a["seconds"] == 2.0 for a in arms.values() if a["trials"])  # per iteration
+    assert all(sample[1:] == [6.0, 1.0, 3] for w in tuner.state_dict()["windows"][0] for sample in w)
+
+
+def test_an_arms_first_look_in_a_bucket_spans_hold_sequence_passes_then_hold_iterations():
+    tuner = Tuner(TunerConfig(arms=["ngram:d3", "eagle:d3"], hold=4, epsilon=0.0))
+    slow = {"off": 1.0, "ngram:d3": 3.0, "eagle:d3": 3.0}  # seconds a pass; each commits one token a row
+    decisions = []
+    for _ in range(7):
+        d = tuner.choose(8)
+        tuner.record(8, d.arm, 8, slow[d.arm])
+        decisions.append((d.arm, d.why))
+    # At batch 8 one iteration spans 4 sequence-passes: one each for the cold start (not 4 of each loser),
+    # then the winner, held 4 iterations.
+    assert decisions == [
+        ("off", "untried"),
+        ("ngram:d3", "untried"),
+        ("eagle:d3", "untried"),
+        ("off", "exploit"),
+        ("off", "hold"),
+        ("off", "hold"),
+        ("off", "hold"),
+    ]
+    assert [a["trials"] for a in tuner.summary()[3]["arms"].values()] == [2, 1, 1]
+    tuner.forget("eagle")  # a re-try after forget is a first look again
+    d = tuner.choose(8)
+    assert (d.arm, d.why) == ("eagle:d3", "untried")
+    tuner.record(8, d.arm, 8, 3.0)
+    assert tuner.choose(8).why == "exploit"
+    # At batch 2 a first look takes two iterations, pooled into one sample.
+    runs = [tuner.choose(2) for _ in range(2)]
+    assert [(d.arm, d.why) for d in runs] == [("off", "untried"), ("off", "hold")]
+    tuner.record(2, "off", 2, 1.0)
+    assert tuner.estimate(2, "off") is None
+    tuner.record(2, "off", 2, 1.0)
+    assert tuner.estimate(2, "off") == 1.0 and tuner.state_dict()["windows"][1][0] == [[2.0, 2.0, 2.0, 2]]
 
 
 def test_record_ignores_a_clock_that_did_not_move_and_checks_its_arguments():
