@@ -49,12 +49,11 @@ from slipstream.runtime.transport import (
     start_authenticator,
 )
 
-# The shared-memory lane for same-host bulk tensors grows on demand up to this much per actor. Its pages are
-# resident in the sender and in every receiver that read them, so the lane stays small: a weight push blocks
-# on a full lane until the rollouts free slots (they apply a bucket on receipt), rather than hold a model's
-# worth per destination. A tensor above the slot size travels as a ZeroMQ frame.
-SHM_SLOT_MAX = 128 << 20
-SHM_CAPACITY = 256 << 20
+# The shared-memory lane for same-host bulk tensors grows on demand up to this much per actor. Not smaller:
+# a receiver may hold a slot for a while (a drafter keeps its head bucket until it applies it), and a lane
+# capped at 256 MiB filled with two such slots and failed a push (2026-11-25).
+SHM_SLOT_MAX = 1 << 30
+SHM_CAPACITY = 2 << 30
 
 
 def actor_path(cls: type[Actor]) -> str:
