@@ -512,6 +512,7 @@ class DrafterActor(Actor):
             for old in sorted(self.ckpt_dir.glob("ckpt-*.pt"))[:-2]:
                 old.unlink(missing_ok=True)
             self._ckpt_done.put((version, str(path)))
+            self.inbox.wake()  # `step` reports it now, not at the next idle wakeup
 
     def _report_checkpoints(self) -> None:
         while not self._ckpt_done.empty():

@@ -170,8 +170,14 @@ class Actor:
         finally:
             self.handled += 1
 
-    def serve(self, *, idle_wait_s: float = 0.05) -> None:
-        """Runs until shutdown: drain control, then data, then `step()`; block only when idle."""
+    def serve(self, *, idle_wait_s: float = 1.0) -> None:
+        """Runs until shutdown: drain control, then data, then `step()`; block only when idle.
+
+        Idle, it sleeps until a message arrives, `inbox.wake()` (another thread of the actor has work for
+        `step`), or `idle_wait_s`. Not a short poll: on a host where the learner's threads hold every core,
+        each wakeup of an idle actor preempts one of them and stalls the other at its next barrier. With 20
+        wakeups a second per idle actor, the demo's first learner step took 0.9 s longer with the two
+        drafters alive than without (docs/training.md, "Idle actors")."""
         busy = False
         while not self._stopping:
             self.ticks += 1
@@ -179,6 +185,7 @@ class Actor:
             if got is not None:
                 _, (sender, msg) = got
                 self.dispatch(msg, sender)
+                busy = True  # the message may have made work for `step`: run it before sleeping again
                 continue
             started = time.perf_counter()
             busy = self.step()

@@ -39,6 +39,11 @@ class Inbox:
             self._cond.notify()
             return True
 
+    def wake(self) -> None:
+        """Ends a `get` that is waiting, with nothing: another thread of the actor has work for `step`."""
+        with self._cond:
+            self._cond.notify_all()
+
     def has_room(self) -> bool:
         return len(self._data) < self.capacity
 

@@ -120,7 +120,8 @@ class ActorIO(threading.Thread):
                 wait_ms = max(0.0, (next_beat - time.monotonic()) * 1000)
                 if not room:
                     wait_ms = min(wait_ms, 5.0)  # re-check for inbox room soon
-                events = dict(poller.poll(min(wait_ms, 100.0)))
+                # Not shorter: every wakeup of an idle actor costs the learner's threads (runtime/actor.py).
+                events = dict(poller.poll(min(wait_ms, 250.0)))
 
                 if self.control in events:
                     last_heard = time.monotonic()

@@ -2,6 +2,7 @@
 
 import re
 import threading
+import time
 from pathlib import Path
 
 import msgspec
@@ -181,6 +182,33 @@ def test_failing_handler_is_logged_and_serving_continues() -> None:
     echo.serve(idle_wait_s=0.01)
     assert [dest for dest, _ in out.sent] == ["peer:0", "peer:0"]  # 1 and 2 answered; 13 raised
     assert echo.handled == 3
+
+
+def test_step_runs_right_after_a_message_and_a_wake_ends_an_idle_wait() -> None:
+    echo, _ = make_echo()
+    calls: list[float] = []
+
+    def step() -> bool:
+        calls.append(time.monotonic())
+        if len(calls) == 2:
+            echo.stop()
+        return False
+
+    echo.step = step  # type: ignore[method-assign]
+
+    def feed() -> None:
+        time.sleep(0.2)
+        echo.inbox.put_data(("peer:0", Ping(seq=1, sent_ns=0)))  # a message: step runs after it at once
+        time.sleep(0.2)
+        echo.inbox.wake()  # no message: step runs at once too
+
+    thread = threading.Thread(target=feed)
+    started = time.monotonic()
+    thread.start()
+    echo.serve(idle_wait_s=30.0)  # idle waits far longer than the test: only the two events end them
+    thread.join()
+    assert len(calls) == 2 and 0.15 < calls[0] - started < 1.0 and 0.35 < calls[1] - started < 1.5
+    assert echo.handled == 1
 
 
 def test_fatal_ends_the_actor() -> None:
