@@ -185,6 +185,9 @@ class Actor:
             if got is not None:
                 _, (sender, msg) = got
                 self.dispatch(msg, sender)
+                # Drop the references before sleeping: a message's tensors may alias a shared-memory slot of
+                # its sender, which stays claimed (and resident here) for as long as anything holds them.
+                got = msg = None
                 busy = True  # the message may have made work for `step`: run it before sleeping again
                 continue
             started = time.perf_counter()

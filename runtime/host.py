@@ -50,8 +50,8 @@ from slipstream.runtime.transport import (
 )
 
 # The shared-memory lane for same-host bulk tensors grows on demand up to this much per actor. Not smaller:
-# a receiver may hold a slot for a while (a drafter keeps its head bucket until it applies it), and a lane
-# capped at 256 MiB filled with two such slots and failed a push (2026-11-25).
+# a receiver may hold a slot for long (the drafters kept their head bucket's slot), and a lane capped at
+# 256 MiB filled with two such slots and failed a push (2026-11-25; docs/training.md).
 SHM_SLOT_MAX = 1 << 30
 SHM_CAPACITY = 2 << 30
 

@@ -3,13 +3,16 @@
 import re
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import msgspec
 import pytest
+import torch
 import zmq
 
 from slipstream.protocols.control import Ping, Preempt, Shutdown, Status
+from slipstream.protocols.learner import WeightUpdate
 from slipstream.runtime.actor import Actor, Fatal, handler
 from slipstream.runtime.config import ConfigError, load
 from slipstream.runtime.host import actor_path, import_actor
@@ -209,6 +212,28 @@ def test_step_runs_right_after_a_message_and_a_wake_ends_an_idle_wait() -> None:
     thread.join()
     assert len(calls) == 2 and 0.15 < calls[0] - started < 1.0 and 0.35 < calls[1] - started < 1.5
     assert echo.handled == 1
+
+
+class Sink(Actor):
+    role = "sink"
+
+    @handler
+    def on_weights(self, msg: WeightUpdate, sender: str) -> None:
+        pass  # keeps nothing
+
+
+def test_an_actor_holds_no_reference_to_a_message_once_it_is_handled() -> None:
+    # A received tensor may alias its sender's shared-memory slot: the slot stays claimed while it lives.
+    sink = Sink(Sink.Config(), rank=0, outbox=FakeOutbox(), inbox=Inbox(8))
+    tensor = torch.ones(4)
+    probe = weakref.ref(tensor)
+    update = WeightUpdate(version=1, bucket=0, num_buckets=1, names=["w"], tensors=[tensor], checksum="0")
+    sink.inbox.put_data(("learner:0", update))
+    del tensor, update
+    alive: list[bool] = []
+    sink.step = lambda: alive.append(probe() is not None) or sink.stop() or False  # type: ignore[method-assign]
+    sink.serve(idle_wait_s=0.01)
+    assert alive == [False]
 
 
 def test_fatal_ends_the_actor() -> None:
