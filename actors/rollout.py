@@ -356,8 +356,10 @@ class RolloutActor(Actor):
         params = dict(self.model.named_parameters())
         updates = self._staged.pop(version)
         with torch.no_grad():
-            for update in updates.values():  # buckets written in place hold no tensors
-                for name, tensor in zip(update.names, update.tensors, strict=False):
+            for update in updates.values():
+                if not update.tensors:
+                    continue  # written in place on arrival
+                for name, tensor in zip(update.names, update.tensors, strict=True):
                     params[name].copy_(tensor)  # bumps the tensor version: prepacked weights repack
         self.policy_version = version
         self._ready_version = None
