@@ -76,7 +76,7 @@ class RolloutActor(Actor):
         # checksums: proves the model now holds exactly the learner's weights (one hash pass per update).
         verify_applied_weights: bool = False
         # Before `ready`: decode one synthetic full batch with every arm, so the first real step does not pay
-        # first touches (KV and scratch pages, packed weights, each arm's code paths) while the learner starts.
+        # first touches (KV and scratch pages, packed weights, each arm's paths); the learner still loads.
         warm_up: bool = True
 
         def __post_init__(self) -> None:

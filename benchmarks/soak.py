@@ -109,7 +109,7 @@ class SoakResult(msgspec.Struct, frozen=True, kw_only=True):
     near_ties: int  # of those, diverged after >= 1 shared token whose log-probs agree within NEAR_TIE_LOGP
     soak: RunOutcome
     clean: RunOutcome
-    ok: bool  # both finished, nothing lost, recorded == expected, nothing differs but near ties, kills restarted
+    ok: bool  # both finished, nothing lost, recorded == expected, only near ties differ, kills restarted
 
 
 def tiny_model(path: Path) -> Path:
@@ -352,7 +352,8 @@ def render(result: SoakResult) -> str:
         )
     lines.append(
         f"kills {result.kills} (every ~{result.kill_every_s} s, seed {result.seed}), restarts {result.restarts}, "
-        f"requeued {result.requeued}, duplicates dropped {result.duplicates}; {result.differing} samples differ ({result.near_ties} near ties) "
-        f"from the run without kills; not killed: {result.not_killed}; {'OK' if result.ok else 'FAILED'}"
+        f"requeued {result.requeued}, duplicates dropped {result.duplicates}; {result.differing} samples differ "
+        f"({result.near_ties} near ties) from the run without kills; not killed: {result.not_killed}; "
+        f"{'OK' if result.ok else 'FAILED'}"
     )
     return "\n".join(lines)

@@ -13,9 +13,11 @@ Names are canonical (``ngram`` → ``ngram:d4``). Examples: ``ngram:d3``, ``eagl
 Non-obvious choices (why, with the measurements: docs/engine.md, "Tuner"):
 - The reward is the iteration's speedup over plain decoding at the same batch size, from a cost model of
   recent "off" iterations: raw tokens/s would favour arms measured at larger batches.
-- Per bucket: `hold` iterations pool into one sample; an arm's first look there only spans `hold` sequence-passes
-  (one iteration at batch >= hold: a cold start tries every arm everywhere), the estimate is a sliding-window median, untried arms go first, then ε-greedy explores the least-measured arm (less often the costlier it is); `forget(method)`
-  restarts a method's arms when its drafter changes. All draws come from one seeded `random.Random`.
+- Per bucket: `hold` iterations pool into one sample (an arm's first look there spans `hold` sequence-passes:
+  one iteration at batch >= hold, since a cold start tries every arm everywhere), the estimate is a
+  sliding-window median, untried arms go first, then ε-greedy explores the least-measured arm (less often
+  the costlier it is); `forget(method)` restarts a method's arms when its drafter changes. All draws come
+  from one seeded `random.Random`.
 - A stale drafter (eagle, hybrid: a trained head, e.g. one lagging a policy update) is benched: when the
   caller's `record_acceptance` shows under `stale_accept` accepted draft tokens per sequence per pass over
   the method's last `stale_window` iterations, `choose` skips its arms until `refresh(method)` (a new head
@@ -40,8 +42,8 @@ from slipstream.engine.speculator import SpecConfig, SpecMode
 __all__ = ["STALE_METHODS", "Arm", "Decision", "StaleDrafter", "Tuner", "TunerConfig", "parse_arm"]
 
 Sample = tuple[float, float, float, int]
-"""One reward sample, pooled over `hold` iterations (fewer for an arm's first look): committed tokens per sequence,
-seconds, mean batch size, iterations."""
+"""One reward sample, pooled over `hold` iterations (fewer for an arm's first look): committed tokens per
+sequence, seconds, mean batch size, iterations."""
 Why = Literal["untried", "exploit", "explore", "forced", "hold"]
 Available = Callable[[str], bool] | Collection[str] | None
 
@@ -129,12 +131,7 @@ class TunerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     is stale: never chosen until its drafter changes (0 = never stale)."""
 
     def __post_init__(self) -> None:
-        for field, least in (
-            ("window", 1),
-            ("min_trials", 1),
-            ("hold", 1),
-            ("stale_window", 1),
-        ):
+        for field, least in (("window", 1), ("min_trials", 1), ("hold", 1), ("stale_window", 1)):
             value = getattr(self, field)
             if not _is_int(value) or value < least:
                 raise ValueError(f"TunerConfig.{field}: must be an integer >= {least}, got {value!r}")
