@@ -95,6 +95,9 @@ class RolloutActor(Actor):
             dtype=dtype_from_name(cfg.dtype) if cfg.dtype else None,
             device=require_device(cfg.device),
         )
+        # Decoding reads only the packed projections: holding the plain ones too was a model's worth.
+        freed = self.model.keep_packed_only()
+        self.log.info("packed_only", freed_mb=round(freed / 2**20, 1))
         self.tuner = Tuner(cfg.tuner)
         self.tuner_path = Path(self.run_dir or ".") / "rollout" / f"rank-{self.rank}" / "tuner.json"
         if self.tuner_path.is_file():
@@ -309,10 +312,8 @@ class RolloutActor(Actor):
             # the parameters, with no staged copy (a model's worth of memory); `step` decodes nothing until
             # the version's last bucket is in, so no token comes from a mix of two versions.
             self._in_place_version = msg.version
-            params = dict(self.model.named_parameters())
-            with torch.no_grad():
-                for name, tensor in zip(msg.names, msg.tensors, strict=True):
-                    params[name].copy_(tensor)  # bumps the tensor version: prepacked weights repack
+            for name, tensor in zip(msg.names, msg.tensors, strict=True):
+                self.model.write_parameter(name, tensor)
             kept: list[torch.Tensor] = []  # applied: only the names and checksum stay, to verify
         else:
             # Clone: received tensors alias a frame or shared-memory slot that is recycled after this handler.
@@ -353,23 +354,22 @@ class RolloutActor(Actor):
     def _apply_weights(self) -> None:
         version = self._ready_version
         assert version is not None
-        params = dict(self.model.named_parameters())
         updates = self._staged.pop(version)
-        with torch.no_grad():
-            for update in updates.values():
-                if not update.tensors:
-                    continue  # written in place on arrival
-                for name, tensor in zip(update.names, update.tensors, strict=True):
-                    params[name].copy_(tensor)  # bumps the tensor version: prepacked weights repack
+        for update in updates.values():
+            if not update.tensors:
+                continue  # written in place on arrival
+            for name, tensor in zip(update.names, update.tensors, strict=True):
+                self.model.write_parameter(name, tensor)
         self.policy_version = version
         self._ready_version = None
         self._in_place_version = None
         error = None
         if self.config.verify_applied_weights:
+            held = dict(self.model.named_weights())  # packed-only projections unpacked: what decoding uses
             differing = [
                 u.bucket
                 for u in updates.values()
-                if checksum(u.names, [params[n] for n in u.names]) != u.checksum
+                if checksum(u.names, [held[n] for n in u.names]) != u.checksum
             ]
             if differing:
                 error = f"applied weights differ from the learner's in buckets {sorted(differing)}"

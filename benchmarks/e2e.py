@@ -8,7 +8,8 @@ time, then as the baseline (plain decoding, no drafter). Reported per run: secon
 (rollout / reward / learn / sync), rollout tokens/s, accept length, idle and reclaimed device-seconds, each
 actor's peak resident memory (its log's `stopped` event) and their sum — an upper bound of the run's
 simultaneous peak: processes peak at different moments, and a shared-memory page counts in every process
-that maps it; across runs: speedups, and how many steps' samples were token-identical (all of them in
+that maps it — and what the processes held at once (the peak of their summed Pss, sampled each second:
+`MemorySampler`); across runs: speedups, and how many steps' samples were token-identical (all of them in
 reproducible mode: speculation changes speed, never tokens). Then the learner's cost per token: on each of
 the first steps' real samples, the forward pass that computes their log-probs (`PolicyTrainer.logprobs`)
 and a full training step (forward, backward, AdamW) over the same micro-batches, interleaved; the cost is
@@ -18,11 +19,14 @@ docs/benchmarks.md.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import statistics
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,7 @@ from slipstream.engine.grpo import LossConfig
 from slipstream.engine.policy_train import OptimConfig, PolicySample, PolicyTrainer
 from slipstream.engine.weights import load_model
 from slipstream.protocols.learner import ScoredGroup
+from slipstream.runtime.process import MemorySampler
 
 __all__ = [
     "E2EResult",
@@ -71,6 +76,10 @@ class RunFigures(msgspec.Struct, frozen=True, kw_only=True):
     invalid: int
     peak_rss_mb: dict[str, float] = {}  # actor ("role:rank") -> peak resident MiB (VmHWM), from its log
     peak_rss_mb_total: float = 0.0  # their sum: an upper bound of the simultaneous peak
+    # What the run's processes held at once: the peak over time (sampled each second) of their summed
+    # proportional set size, shared pages split between the processes that map them; and its split.
+    peak_pss_mb_total: float = 0.0
+    peak_pss_mb: dict[str, float] = {}
 
 
 class LearnerCost(msgspec.Struct, frozen=True, kw_only=True):
@@ -111,8 +120,11 @@ def run(train: TrainFn, root: Path, *, cost_steps: int = 3, threads: int = 2, ro
         for name, baseline in order[:: -1 if r % 2 else 1]:
             run_dir = root / (name if r == 0 else f"{name}-{r + 1}")
             started = time.monotonic()
-            summary = train(run_dir, baseline)
-            figures[name].append(run_figures(summary, time.monotonic() - started, run_dir=run_dir))
+            with _sampling(MemorySampler(label=_process_label)) as memory:
+                summary = train(run_dir, baseline)
+            figures[name].append(
+                run_figures(summary, time.monotonic() - started, run_dir=run_dir, memory=memory)
+            )
     steps = len(figures["slipstream"][0].step_s_each)
     identical = sum(_samples(root / "slipstream", s) == _samples(root / "baseline", s) for s in range(steps))
     slip, base = figures["slipstream"], figures["baseline"]
@@ -132,8 +144,47 @@ def run(train: TrainFn, root: Path, *, cost_steps: int = 3, threads: int = 2, ro
     )
 
 
-def run_figures(summary: dict[str, Any], wall_s: float, *, run_dir: Path | None = None) -> RunFigures:
-    """The run's figures from its summary; with `run_dir`, also its actors' peak memory (`peak_rss`)."""
+@contextlib.contextmanager
+def _sampling(sampler: MemorySampler, every_s: float = 1.0) -> Iterator[MemorySampler]:
+    """Sample `sampler` from a daemon thread every `every_s` while the body runs (~3 ms a reading)."""
+    done = threading.Event()
+
+    def loop() -> None:
+        while not done.wait(every_s):
+            sampler.sample()
+
+    thread = threading.Thread(target=loop, name="memory-sampler", daemon=True)
+    thread.start()
+    try:
+        yield sampler
+    finally:
+        done.set()
+        thread.join()
+
+
+def _process_label(pid: int) -> str:
+    """ "role:rank" for an actor process (from its command line), "coordinator" for this one, else "other"."""
+    if pid == os.getpid():
+        return "coordinator"
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return "other"
+    if "--actor" in argv and "--rank" in argv:
+        module = argv[argv.index("--actor") + 1].partition(":")[0].rpartition(".")[2]
+        return f"{module}:{argv[argv.index('--rank') + 1]}"
+    return "other"  # reward workers, multiprocessing's resource tracker
+
+
+def run_figures(
+    summary: dict[str, Any],
+    wall_s: float,
+    *,
+    run_dir: Path | None = None,
+    memory: MemorySampler | None = None,
+) -> RunFigures:
+    """The run's figures from its summary; with `run_dir`, also its actors' peak memory (`peak_rss`);
+    with `memory`, the sampled peak of the processes' summed Pss."""
     steps = summary["steps"]
     if not steps:
         raise ValueError(f"{summary.get('run_dir')}: the run recorded no steps")
@@ -162,6 +213,8 @@ def run_figures(summary: dict[str, Any], wall_s: float, *, run_dir: Path | None 
         invalid=int(summary.get("invalid", 0)),
         peak_rss_mb=peaks,
         peak_rss_mb_total=round(sum(peaks.values()), 1),
+        peak_pss_mb_total=round(memory.peak_mb, 1) if memory is not None else 0.0,
+        peak_pss_mb=memory.at_peak_mb if memory is not None else {},
     )
 
 
@@ -276,6 +329,9 @@ def render(result: E2EResult) -> str:
                 f"{name} peak RSS MiB: {each}; sum {f.peak_rss_mb_total:.0f} (of per-process peaks: an "
                 "upper bound of the simultaneous peak)"
             )
+        if f.peak_pss_mb_total:
+            each = ", ".join(f"{label} {mb:.0f}" for label, mb in f.peak_pss_mb.items())
+            lines.append(f"{name} peak summed PSS MiB {f.peak_pss_mb_total:.0f}, held at once: {each}")
     cost = result.learner
     lines.append(
         f"speedup: step {result.speedup_step}x, rollout {result.speedup_rollout}x; identical samples in "

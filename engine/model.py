@@ -13,6 +13,7 @@ Non-obvious choices (figures: docs/engine.md, "Model"):
 - On CPU, inference projections use oneDNN with prepacked weights, repacked when a weight's storage or
   version changes (an in-place weight update bumps the version). Whether the packed path runs is the
   probed switch of engine/device.py; elsewhere (CUDA, training with grad) projections are F.linear.
+  A rollout keeps the packed copies only (`keep_packed_only`: the decoder's weights once, not twice).
 - Decode attention is matmul → softmax → matmul with an additive mask; RoPE tables are built once, in
   float32 as transformers computes them.
 """
@@ -20,6 +21,7 @@ Non-obvious choices (figures: docs/engine.md, "Model"):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +43,10 @@ class _PackedWeight:
         self.packed: Tensor | None = None
 
     def get(self, weight: Tensor) -> Tensor:
+        if weight.is_meta:  # packed only (`Transformer.keep_packed_only`): the packed copy is the weight
+            if self.packed is None:
+                raise RuntimeError("a packed-only projection has no packed weight")
+            return self.packed
         key = (weight.data_ptr(), weight._version)
         if key != self.key:
             with torch.inference_mode():
@@ -51,12 +57,21 @@ class _PackedWeight:
         assert self.packed is not None
         return self.packed
 
+    def put(self, value: Tensor) -> None:
+        """Pack `value` now (a packed-only projection's update: no plain copy is kept)."""
+        with torch.inference_mode():
+            self.packed = None  # drop the old pack first: two at once would double the peak per layer
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(value.detach().contiguous(), None)
+        self.key = None
+
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, pack: _PackedWeight) -> Tensor:
     if onednn_linear_ok(x.device, weight.dtype) and not (
         torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)
     ):
         return torch.ops.mkldnn._linear_pointwise(x, pack.get(weight), bias, "none", [], "")
+    if weight.is_meta and not x.is_meta:  # F.linear would return a meta tensor, silently
+        raise RuntimeError("this projection keeps only its packed weight (keep_packed_only): inference only")
     return F.linear(x, weight, bias)
 
 
@@ -264,6 +279,56 @@ class Transformer(nn.Module):
     def lm_head_weight(self) -> Tensor:
         """[vocab, hidden] output projection (the embedding matrix when tied)."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def keep_packed_only(self) -> int:
+        """Inference only: the decoder layers' projections keep just their oneDNN-packed copies.
+
+        Each plain weight becomes a meta placeholder (its shape and dtype, no storage), so a rollout holds
+        the projections once instead of twice; anything that reads one, such as a training forward, fails
+        loudly. The embedding (also the tied LM head) and an untied LM head stay plain: lookups and the
+        draft vocabulary read their rows. Write new values with `write_parameter`, read them back with
+        `named_weights`. Returns the bytes
+        freed: 0 where oneDNN does not run these weights (CUDA, a dtype the probe refused).
+        """
+        freed = 0
+        for layer in self.layers:
+            for module in layer.modules():
+                if not isinstance(module, Linear) or module.weight.is_meta:
+                    continue
+                weight = module.weight
+                if not onednn_linear_ok(weight.device, weight.dtype):
+                    return freed
+                module._pack.put(weight)
+                freed += weight.numel() * weight.element_size()
+                module.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
+        return freed
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """(name, value) of every parameter, as `named_parameters` but packed-only ones unpacked (a copy:
+        oneDNN's reorder is exact both ways), so checks and tests read what decoding uses."""
+        for name, param in self.named_parameters():
+            if param.is_meta:
+                module = self.get_submodule(name.rpartition(".")[0])
+                assert isinstance(module, Linear) and module._pack.packed is not None
+                yield name, module._pack.packed.to_dense()
+            else:
+                yield name, param.detach()
+
+    def write_parameter(self, name: str, value: Tensor) -> None:
+        """Copy `value` into parameter `name`; a packed-only projection is repacked straight from it."""
+        module_name, _, attr = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        param = getattr(module, attr)
+        if tuple(value.shape) != tuple(param.shape) or value.dtype != param.dtype:
+            raise ValueError(
+                f"{name}: got {tuple(value.shape)} {value.dtype}, expected {tuple(param.shape)} {param.dtype}"
+            )
+        if param.is_meta:
+            assert isinstance(module, Linear) and attr == "weight"
+            module._pack.put(value)
+            return
+        with torch.no_grad():
+            param.copy_(value)  # bumps the tensor version: a prepacked copy repacks on next use
 
     def head(self, hidden: Tensor) -> Tensor:
         """Logits [..., vocab] from last-layer hidden states [..., hidden] (final norm, then LM head)."""

@@ -1,4 +1,4 @@
-"""What /proc says about a process: whether a pid still runs, and this process's peak resident memory.
+"""What /proc says about processes: whether a pid still runs, peak resident memory, a process tree's Pss.
 
 `pid_alive` is the one check of whether a pid still names a running process, used wherever a pid outlives
 its process's usefulness: shared-memory slots claimed by a receiver that died (runtime/shm.py). The
@@ -23,6 +23,7 @@ import ctypes.util
 import os
 import resource
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 _PROC = Path("/proc")
@@ -79,3 +80,66 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # 1 on success; a C library that refuses a value keeps its default, and we say so.
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+class MemorySampler:
+    """The peak, over time, of the summed proportional set size (Pss) of a process and its descendants.
+
+    Pss splits each shared page between the processes that map it (a shared-memory slot both ends map, a
+    library every process loads), so the sum is what the tree holds at that moment — unlike summing each
+    process's own peak RSS, which counts shared pages in every process and adds peaks from different
+    moments. `sample()` reads /proc/PID/smaps_rollup of every process in the tree (Linux ≥ 4.14; elsewhere
+    `available` is False and nothing is recorded); call it every second or so from any thread. `peak_mb`
+    is the largest sum seen and `at_peak_mb` its split by process label (`label(pid)`, default the pid).
+    """
+
+    def __init__(self, root_pid: int | None = None, label: Callable[[int], str] | None = None) -> None:
+        self.root_pid = os.getpid() if root_pid is None else root_pid
+        self.label = label or str
+        self.available = (_PROC / str(self.root_pid) / "smaps_rollup").is_file()
+        self.peak_mb = 0.0
+        self.at_peak_mb: dict[str, float] = {}
+        self.samples = 0
+
+    def tree(self) -> list[int]:
+        """The root and every process descending from it now."""
+        parents: dict[int, int] = {}
+        for entry in _PROC.iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                    parents[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue  # exited while we looked
+        tree, frontier = [self.root_pid], [self.root_pid]
+        while frontier:
+            frontier = [pid for pid, parent in parents.items() if parent in frontier]
+            tree += frontier
+        return tree
+
+    def sample(self) -> float:
+        """One reading: the tree's summed Pss in MiB now (0.0 where unavailable)."""
+        if not self.available:
+            return 0.0
+        split: dict[str, float] = {}
+        for pid in self.tree():
+            pss = _pss_kib(pid)
+            if pss is not None:
+                key = self.label(pid)
+                split[key] = split.get(key, 0.0) + pss / 1024
+        total = sum(split.values())
+        self.samples += 1
+        if total > self.peak_mb:
+            self.peak_mb = total
+            self.at_peak_mb = {key: round(mb, 1) for key, mb in sorted(split.items())}
+        return total
+
+
+def _pss_kib(pid: int) -> int | None:
+    try:
+        for line in (_PROC / str(pid) / "smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None  # exited, or not ours to read
+    return None

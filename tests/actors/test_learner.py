@@ -83,14 +83,14 @@ def test_step_zero_matches_the_rollout_and_the_push_is_bitwise_exact(tiny: Path,
     assert stats.metrics["invalid_samples"] == 1.0
 
     rollout, out = make_actor(tiny, tmp_path / "rollout2")
-    before = {n: p.detach().clone() for n, p in rollout.model.named_parameters()}
+    before = {n: w.clone() for n, w in rollout.model.named_weights()}  # packed ones unpacked
     for update in sent.of(WeightUpdate):
         rollout.on_weights(update, "learner:0")
     drain(rollout)
     assert [a.ok for a in out.of(WeightAck)] == [True] and rollout.policy_version == 1
     learned = dict(learner.model.named_parameters())
     changed = 0
-    for name, param in rollout.model.named_parameters():
+    for name, param in rollout.model.named_weights():
         assert torch.equal(param, learned[name]), name  # bitwise
         changed += not torch.equal(param, before[name])
     assert changed > 0  # the policy moved
@@ -107,7 +107,7 @@ def test_a_corrupted_bucket_is_refused_and_nothing_decodes_until_the_version_is_
     updates = sent.of(WeightUpdate)
     assert len(updates) > 1  # bucketed
     rollout, out = make_actor(tiny, tmp_path / "rollout2")
-    before = {n: p.detach().clone() for n, p in rollout.model.named_parameters()}
+    before = {n: w.clone() for n, w in rollout.model.named_weights()}  # packed ones unpacked
     bad = updates[0]
     tampered = WeightUpdate(
         version=bad.version, bucket=bad.bucket, num_buckets=bad.num_buckets, names=bad.names,
@@ -123,7 +123,7 @@ def test_a_corrupted_bucket_is_refused_and_nothing_decodes_until_the_version_is_
     rollout.on_generate(request(0, [1, 2, 3], 2, 1.0), "coordinator")
     drain(rollout)
     assert rollout.policy_version == 0 and not out.of(Completion) and len(out.of(WeightAck)) == 1
-    params = dict(rollout.model.named_parameters())
+    params = dict(rollout.model.named_weights())
     assert all(torch.equal(params[n], before[n]) for n in bad.names)
     assert all(
         torch.equal(params[n], t) for u in updates[1:] for n, t in zip(u.names, u.tensors, strict=True)
@@ -188,8 +188,8 @@ def test_applied_weights_are_rehashed_against_the_learners_checksums(tiny: Path,
     *first, last = sent2.of(WeightUpdate)
     for update in first:
         rollout2.on_weights(update, "learner:0")
-    with torch.no_grad():
-        dict(rollout2.model.named_parameters())[first[0].names[0]].add_(1.0)
+    name = first[0].names[0]
+    rollout2.model.write_parameter(name, dict(rollout2.model.named_weights())[name] + 1.0)
     rollout2.on_weights(last, "learner:0")
     (ack,) = out2.of(WeightAck)
     assert not ack.ok and f"buckets [{first[0].bucket}]" in (ack.error or "")

@@ -23,7 +23,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
-def shifted(params: dict[str, torch.nn.Parameter], version: int, delta: float) -> WeightUpdate:
+def shifted(params: dict[str, torch.Tensor], version: int, delta: float) -> WeightUpdate:
     """Every parameter plus `delta`, as one well-formed bucket of `version` (valid names, shapes, checksum)."""
     names = list(params)
     tensors = [params[n].detach() + delta for n in names]
@@ -35,11 +35,11 @@ def shifted(params: dict[str, torch.nn.Parameter], version: int, delta: float) -
 
 def test_a_weight_update_not_newer_than_the_held_version_changes_nothing(tiny: Path, tmp_path: Path) -> None:
     actor, out = make_actor(tiny, tmp_path, max_batch=4, policy_version=3)
-    params = dict(actor.model.named_parameters())
-    held = {n: p.detach().clone() for n, p in params.items()}
+    params = dict(actor.model.named_weights())  # packed-only projections unpacked (copies)
+    held = {n: p.clone() for n, p in params.items()}
 
     def unchanged() -> list[str]:
-        return [n for n, p in params.items() if not torch.equal(p.detach(), held[n])]
+        return [n for n, p in actor.model.named_weights() if not torch.equal(p, held[n])]
 
     actor.on_generate(request(0, [1, 2, 3], 2, 1.0), "coordinator")
     actor.step()  # in flight: an accepted update would be staged, then applied once the queue drains
@@ -59,7 +59,7 @@ def test_a_weight_update_not_newer_than_the_held_version_changes_nothing(tiny: P
     assert actor.policy_version == 4 and len(unchanged()) == len(params)
 
 
-def halves(params: dict[str, torch.nn.Parameter], version: int, delta: float) -> list[WeightUpdate]:
+def halves(params: dict[str, torch.Tensor], version: int, delta: float) -> list[WeightUpdate]:
     """Every parameter plus `delta`, as two well-formed buckets of `version`."""
     names = list(params)
     parts = [names[: len(names) // 2], names[len(names) // 2 :]]
@@ -83,10 +83,11 @@ def test_an_idle_rollout_writes_buckets_in_place_and_a_busy_one_stages_them(
     tiny: Path, tmp_path: Path
 ) -> None:
     actor, out = make_actor(tiny, tmp_path, max_batch=4)
-    params = dict(actor.model.named_parameters())
-    held = {n: p.detach().clone() for n, p in params.items()}
+    params = dict(actor.model.named_weights())  # packed-only projections unpacked (copies)
+    held = {n: p.clone() for n, p in params.items()}
     first, second = halves(params, 1, 0.5)
     actor.on_weights(first, "learner:0")  # idle: written at once, and decoding waits for the rest
+    params = dict(actor.model.named_weights())
     assert all(torch.equal(params[n], t) for n, t in zip(first.names, first.tensors, strict=True))
     assert actor._staged[1][0].tensors == []  # no staged copy
     actor.on_generate(request(0, [1, 2, 3], 2, 1.0), "coordinator")
@@ -98,6 +99,7 @@ def test_an_idle_rollout_writes_buckets_in_place_and_a_busy_one_stages_them(
     actor.on_weights(second, "learner:0")
     assert [(a.version, a.ok) for a in out.of(WeightAck)] == [(2, True), (1, False)]
     assert actor.policy_version == 2
+    params = dict(actor.model.named_weights())
     assert all(torch.equal(params[n], held[n] + 0.25) for n in params)
     drain(actor)
     assert {c.policy_version for c in out.of(Completion)} == {2}
@@ -108,6 +110,7 @@ def test_an_idle_rollout_writes_buckets_in_place_and_a_busy_one_stages_them(
     for update in halves(params, 3, 0.5):
         actor.on_weights(update, "learner:0")
     assert actor.policy_version == 2 and all(len(u.tensors) > 0 for u in actor._staged[3].values())
+    params = dict(actor.model.named_weights())
     assert all(torch.equal(params[n], held[n] + 0.25) for n in params)  # untouched while decoding
     drain(actor)
     assert actor.policy_version == 3 and [a.version for a in out.of(WeightAck)] == [2, 1, 3]

@@ -181,6 +181,11 @@ def test_bench_e2e_runs_both_modes_and_times_the_learner(tiny_chat: Path, tmp_pa
     decoded = json.loads(msgspec.json.encode(result))
     assert decoded["learner"]["cost_x"] == cost.cost_x and "speedup_rollout" in decoded
     assert "learner cost per token" in e2e.render(result)
+    if Path("/proc/self/smaps_rollup").is_file():  # sampled while each run ran: every actor, at once
+        held = result.slipstream.peak_pss_mb
+        assert {"coordinator", "learner:0", "rollout:0", "drafter:0"} <= held.keys()
+        assert result.slipstream.peak_pss_mb_total == pytest.approx(sum(held.values()), abs=1)
+        assert "peak summed PSS" in e2e.render(result)
 
 
 def test_the_gpu_config_is_checked_and_refused_at_start_naming_the_device(tmp_path: Path) -> None:

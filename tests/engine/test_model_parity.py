@@ -20,9 +20,9 @@ from safetensors.torch import load_file, save_file
 
 from slipstream.engine.batch import BatchLayout
 from slipstream.engine.config import ModelConfig, dtype_from_name, dtype_name
-from slipstream.engine.device import set_onednn_linear
+from slipstream.engine.device import onednn_linear_ok, set_onednn_linear
 from slipstream.engine.kv_cache import KVCache
-from slipstream.engine.model import Transformer
+from slipstream.engine.model import Linear, Transformer
 from slipstream.engine.tree import tree_attention_mask
 from slipstream.engine.weights import hf_state_dict, load_model
 
@@ -134,6 +134,34 @@ def test_weight_update_repacks(make_checkpoint: Callable[..., Path]) -> None:
     after = cached_logits(model, ids)
     assert not torch.allclose(before, after)
     torch.testing.assert_close(after, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["llama-biases-headdim", "qwen2-untied"])
+def test_packed_only_projections(make_checkpoint: Callable[..., Path], case: str) -> None:
+    """A rollout's packed-only model decodes exactly as the plain one, before and after a weight update
+    written through `write_parameter`, and a training forward (which needs the plain weights) fails."""
+    arch, overrides = CASES[case]
+    path = make_checkpoint(arch, seed=5, **overrides)
+    plain, packed = load_model(path), load_model(path)
+    freed = packed.keep_packed_only()
+    projections = [m.weight for layer in plain.layers for m in layer.modules() if isinstance(m, Linear)]
+    if not onednn_linear_ok(torch.device("cpu"), torch.float32):
+        assert freed == 0  # nothing is packed where oneDNN does not run: the plain weights stay
+        return
+    assert freed == sum(w.numel() * w.element_size() for w in projections)
+    ids = torch.randint(0, 160, (2, 40), generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(cached_logits(packed, ids), cached_logits(plain, ids), atol=0, rtol=0)
+    update = {name: p.detach() * 1.1 for name, p in plain.named_parameters()}
+    for name, value in update.items():
+        plain.write_parameter(name, value)
+        packed.write_parameter(name, value)
+    torch.testing.assert_close(cached_logits(packed, ids), cached_logits(plain, ids), atol=0, rtol=0)
+    held = dict(packed.named_weights())  # unpacked: exactly the values written
+    assert held.keys() == update.keys() and all(torch.equal(held[n], v) for n, v in update.items())
+    with pytest.raises(ValueError, match=r"layers\.0\.attn\.qkv\.weight: got"):
+        packed.write_parameter("layers.0.attn.qkv.weight", torch.zeros(3))
+    with pytest.raises(RuntimeError, match="keeps only its packed weight"):
+        packed.forward_train(ids)
 
 
 def test_hf_state_dict_round_trip(make_checkpoint: Callable[..., Path]) -> None:

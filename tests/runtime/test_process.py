@@ -101,3 +101,47 @@ def test_kept_freed_memory_is_reused_instead_of_faulted_in_again() -> None:
     assert results["keep"][0] == "True"
     assert results["default"][1] > pages * 0.5  # the control: the defaults fault most pages in again
     assert results["keep"][1] < results["default"][1] * 0.5
+
+
+_HOLD = """
+import mmap, sys
+size = int(sys.argv[1]) << 20
+if sys.argv[2] == "shared":  # map one file both children map: its pages are shared between them
+    f = open(sys.argv[3], "r+b"); buf = mmap.mmap(f.fileno(), size)
+else:
+    buf = bytearray(size)
+for i in range(0, size, 4096):
+    buf[i] = 1  # touch every page: resident
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def _hold(mb: int, *how: str) -> subprocess.Popen[str]:
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(mb), *how], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+    return child
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").is_file(), reason="needs Linux >= 4.14")
+def test_memory_sampler_counts_the_tree_and_shared_pages_once(tmp_path: Path) -> None:
+    shared = tmp_path / "shared.bin"
+    shared.write_bytes(b"\0" * (64 << 20))
+    sampler = process.MemorySampler(label=lambda pid: "root" if pid == os.getpid() else "child")
+    baseline = sampler.sample()
+    children = [_hold(96, "private"), _hold(64, "shared", str(shared)), _hold(64, "shared", str(shared))]
+    try:
+        assert set(sampler.tree()) >= {os.getpid(), *(c.pid for c in children)}
+        held = sampler.sample() - baseline
+        # 96 MiB private + 64 MiB shared by two (once in all) + three interpreters (~10 MiB each),
+        # where summing RSS would count the shared 64 twice.
+        assert 96 + 64 <= held < 96 + 2 * 64
+        assert sampler.peak_mb >= baseline + held - 1 and sampler.at_peak_mb["child"] >= 96 + 64
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+    assert sampler.sample() < sampler.peak_mb  # the peak stays the peak
+    assert process.MemorySampler(root_pid=children[0].pid).sample() == 0.0  # gone: nothing to read
