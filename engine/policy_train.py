@@ -229,8 +229,9 @@ class PolicyTrainer:
 
     def warm_up(self) -> None:
         """One forward and backward over a synthetic micro-batch of the full token budget, gradients then
-        dropped: the step's largest buffers are allocated (and fail here, at start, if they do not fit)
-        before the first real step. Nothing changes: no optimizer step, no schedule advance, no weights."""
+        dropped, and AdamW's moments created (zeros, as its first step makes them): the step's largest
+        buffers are allocated (and fail here, at start, if they do not fit) before the first real step.
+        Nothing learned changes: no weight, no schedule advance, and the first step is a fresh one's."""
         device = self.model.embed_tokens.weight.device
         length = min(self.optim.micro_batch_tokens, self.model.config.max_position_embeddings)
         if length < 2:
@@ -248,6 +249,30 @@ class PolicyTrainer:
         loss.backward()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train(was_training)
+        if not self.optimizer.state:  # a fresh optimizer (a resumed one has its moments already)
+            self._create_moments()
+
+    def _create_moments(self) -> None:
+        """Make AdamW create its moments now, as its first step would: two model's worth of zeros that step
+        0 otherwise allocates and first-touches inside the timed step (on a VM whose fresh pages fault in
+        from the host, ~1 s of the demo's first learner step, docs/training.md). The optimizer builds them
+        itself, so their dtypes and devices are its own: one step at lr 0 on zero gradients, which leaves
+        the weights bit-identical (x·(1 - 0·wd), x - 0·m) and the moments zero; the step counts are then
+        reset, and the first real step is a fresh optimizer's (tested bitwise)."""
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.0
+        for param in self.params:
+            param.grad = torch.zeros_like(param)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), Tensor):
+                state["step"].zero_()
+            else:
+                state["step"] = 0
 
     def free_gradients(self) -> None:
         """Drop the last step's gradients (a model's worth of memory). `step` keeps them for inspection;

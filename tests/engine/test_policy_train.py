@@ -327,8 +327,9 @@ def test_step_zero_agreement_holds_with_speculation_on(make_checkpoint, mode: st
 
 
 def test_warm_up_changes_nothing_and_the_next_step_is_the_same(make_checkpoint) -> None:
-    """warm_up runs a full-budget forward and backward and leaves no trace: weights, optimizer state, the
-    step count and gradients as before, and the first real step equal to a cold trainer's."""
+    """warm_up runs a full-budget forward and backward and creates AdamW's moments, and changes nothing
+    learned: weights, step count and gradients as before, moments zero at step 0, and the first real step
+    (weights and moments) bit-identical to a cold trainer's."""
     model_dir = make_checkpoint()
     samples = rollout(model_dir)
     results = []
@@ -340,9 +341,26 @@ def test_warm_up_changes_nothing_and_the_next_step_is_the_same(make_checkpoint) 
             trainer.warm_up()
             assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
             assert all(p.grad is None for p in model.parameters())
-            assert trainer.steps == 0 and not trainer.optimizer.state
+            assert trainer.steps == 0 and len(trainer.optimizer.state) == len(trainer.params)
+            for state in trainer.optimizer.state.values():
+                assert float(state["step"]) == 0
+                assert not state["exp_avg"].any() and not state["exp_avg_sq"].any()
         stats = trainer.step(samples)
-        results.append((stats, {n: p.detach().clone() for n, p in model.named_parameters()}))
-    (cold, w_cold), (warm_stats, w_warm) = results
+        moments = [
+            (float(st["step"]), st["exp_avg"].clone(), st["exp_avg_sq"].clone())
+            for st in (trainer.optimizer.state[p] for p in trainer.params)
+        ]
+        results.append((stats, {n: p.detach().clone() for n, p in model.named_parameters()}, moments))
+        if warm:  # a resumed optimizer keeps its moments: warm_up creates none over them
+            trainer.warm_up()
+            assert all(
+                torch.equal(a[1], trainer.optimizer.state[p]["exp_avg"])
+                for a, p in zip(moments, trainer.params, strict=True)
+            )
+    (cold, w_cold, m_cold), (warm_stats, w_warm, m_warm) = results
     assert warm_stats["loss"] == cold["loss"] and warm_stats["grad_norm"] == cold["grad_norm"]
     assert all(torch.equal(w_cold[n], w_warm[n]) for n in w_cold)
+    assert all(
+        a[0] == b[0] == 1 and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+        for a, b in zip(m_cold, m_warm, strict=True)
+    )
