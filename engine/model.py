@@ -287,8 +287,8 @@ class Transformer(nn.Module):
         the projections once instead of twice; anything that reads one, such as a training forward, fails
         loudly. The embedding (also the tied LM head) and an untied LM head stay plain: lookups and the
         draft vocabulary read their rows. Write new values with `write_parameter`, read them back with
-        `named_weights`. Returns the bytes
-        freed: 0 where oneDNN does not run these weights (CUDA, a dtype the probe refused).
+        `named_weights`. Returns the bytes freed: 0 where oneDNN does not run these weights (CUDA, a
+        dtype the probe refused).
         """
         freed = 0
         for layer in self.layers:

@@ -254,11 +254,11 @@ class PolicyTrainer:
 
     def _create_moments(self) -> None:
         """Make AdamW create its moments now, as its first step would: two model's worth of zeros that step
-        0 otherwise allocates and first-touches inside the timed step (on a VM whose fresh pages fault in
-        from the host, ~1 s of the demo's first learner step, docs/training.md). The optimizer builds them
-        itself, so their dtypes and devices are its own: one step at lr 0 on zero gradients, which leaves
-        the weights bit-identical (x·(1 - 0·wd), x - 0·m) and the moments zero; the step counts are then
-        reset, and the first real step is a fresh optimizer's (tested bitwise)."""
+        0 otherwise allocates and first-touches inside the timed step. (It did not close the demo's
+        first-step gap with the method on: docs/training.md.) The optimizer builds them itself, so their
+        dtypes and devices are its own: one step at lr 0 on zero gradients, which leaves the weights
+        bit-identical (x·(1 - 0·wd), x - 0·m) and the moments zero; the step counts are then reset, and
+        the first real step is a fresh optimizer's (tested bitwise)."""
         lrs = [group["lr"] for group in self.optimizer.param_groups]
         for group in self.optimizer.param_groups:
             group["lr"] = 0.0
