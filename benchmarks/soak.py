@@ -32,6 +32,7 @@ from typing import Any
 import msgspec
 
 from slipstream.engine import hub
+from slipstream.runtime.process import parent_pid
 from slipstream.runtime.transport import parse_actor_name
 
 __all__ = ["OVERRIDES", "Kill", "RunOutcome", "SoakPlan", "SoakResult", "render", "run", "tiny_model"]
@@ -289,17 +290,9 @@ class _Actor:
 
     def live_pid(self, plan: SoakPlan) -> int | None:
         """Its pid if it is up and a child of this process (no other process is ever killed)."""
-        if self.pid is None or self.pid in self.killed or _parent(self.pid) != os.getpid():
+        if self.pid is None or self.pid in self.killed or parent_pid(self.pid) != os.getpid():
             return None
         return self.pid
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state; comm may hold spaces
 
 
 def _kill_loop(plan: SoakPlan, run_dir: Path, stop: threading.Event, kills: list[Kill]) -> None:

@@ -105,12 +105,8 @@ class MemorySampler:
         """The root and every process descending from it now."""
         parents: dict[int, int] = {}
         for entry in _PROC.iterdir():
-            if entry.name.isdigit():
-                try:
-                    stat = (entry / "stat").read_text()
-                    parents[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
-                except (OSError, ValueError, IndexError):
-                    continue  # exited while we looked
+            if entry.name.isdigit() and (parent := parent_pid(int(entry.name))) is not None:
+                parents[int(entry.name)] = parent
         tree, frontier = [self.root_pid], [self.root_pid]
         while frontier:
             frontier = [pid for pid, parent in parents.items() if parent in frontier]
@@ -133,6 +129,15 @@ class MemorySampler:
             self.peak_mb = total
             self.at_peak_mb = {key: round(mb, 1) for key, mb in sorted(split.items())}
         return total
+
+
+def parent_pid(pid: int) -> int | None:
+    """The parent of `pid` from /proc/PID/stat; None if it is gone (or /proc has no such entry)."""
+    try:
+        stat = (_PROC / str(pid) / "stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state; comm may hold spaces
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _pss_kib(pid: int) -> int | None:
