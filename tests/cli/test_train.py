@@ -143,19 +143,25 @@ def test_resume_continues_with_the_same_data_weights_and_optimizer(tiny_chat: Pa
     # Step 1 trains the same samples from the same weights, so its loss and gradient match whatever the
     # optimizer holds; its update follows Adam's moments, and with it step 2's gradient norm and responses and
     # the final weights: a resume that restored the weights alone takes a fresh Adam step there. (The loss is
-    # ~0 on-policy, advantages being zero-mean: the grad norm carries the check.) Both learners run the same
-    # fp32 CPU kernels on one thread, so the figures agree to rounding; atol 1e-5 leaves room for
-    # reassociation and is orders of magnitude below what losing the moments changes.
+    # ~0 on-policy, advantages being zero-mean: the grad norm carries the check.)
     for name in ("loss", "grad_norm"):
         got, want = (
             torch.tensor([r[name] for r in records(run)], dtype=torch.float64) for run in (parts, whole)
         )
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=lambda m, n=name: f"per-step {n}: {m}")
 
-    def weights(run: Path) -> dict[str, torch.Tensor]:
-        return torch.load(run / "checkpoints" / "step-3" / "learner.pt", weights_only=True)["model"]
+    def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+        return torch.load(run / "checkpoints" / f"step-{step}" / "learner.pt", weights_only=True)["model"]
 
-    torch.testing.assert_close(weights(parts), weights(whole), atol=1e-5, rtol=0)
+    # Not elementwise: the two runs' behaviour log-probs agree to rounding only (~1e-6), since fp32 rows
+    # decoded in other batch shapes differ in their last bits and the batches depend on timing (when requests
+    # arrive, which arm the tuner's timings pick). AdamW turns that into up to ~1.5e-5 in the few elements
+    # whose gradient is near its eps. Measured against the last step's update, the runs differ by 5e-6 to
+    # 2e-5 of it from that rounding, and by 1.95 when the resume loses Adam's moments (planted).
+    final, before, resumed = weights(whole, 3), weights(whole, 2), weights(parts, 3)
+    off = torch.stack([(resumed[k] - final[k]).norm() for k in final]).norm()
+    update = torch.stack([(final[k] - before[k]).norm() for k in final]).norm()
+    assert off <= 1e-3 * update, f"resumed weights off by {off / update:.2e} of a step's update"
     assert responses(parts, 2) == responses(whole, 2)
 
 
