@@ -243,14 +243,14 @@ class PolicyTrainer:
             behaviour_logprobs=[0.0] * (length - 1),
             advantage=1.0,
         )
+        if not self.optimizer.state:  # a fresh optimizer (a resumed one has its moments already)
+            self._create_moments()
         was_training = self.model.training
         self.model.train()
         loss, _, _ = self._micro_step([sample], length - 1, 1, device)
         loss.backward()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train(was_training)
-        if not self.optimizer.state:  # a fresh optimizer (a resumed one has its moments already)
-            self._create_moments()
 
     def _create_moments(self) -> None:
         """Make AdamW create its moments now, as its first step would: two model's worth of zeros that step
