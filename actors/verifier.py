@@ -13,29 +13,23 @@ so each worker first forks a guard into its group, which waits for the worker's 
 group, itself included. A helper that leaves the group (setsid) leaves that reach too.
 
 Workers come from the "forkserver" context (fork is unsafe here: this process holds zmq sockets and
-threads). The server preloads this module and the built-in rewards, so a worker starts in milliseconds;
-each worker loads the reward itself, and one that cannot is a start-up error naming the path. Jobs and
-outcomes cross the pipe as msgspec bytes, never pickles. A reward is a finite real number (`judge`);
+threads). The server preloads the worker's module (`tasks/reward_worker.py`, which imports no torch) and
+the built-in rewards, so a worker starts in milliseconds; each worker loads the reward itself, and one
+that cannot is a start-up error naming the path. Jobs and outcomes cross the pipe as msgspec bytes, never
+pickles. A reward is a finite real number (`judge`);
 None means "cannot score"; a bool is garbage (True would pass for 1.0 unnoticed). Counts go to the
 coordinator as `Status(topic="verifier")` every `report_every_s` while they change, and at stop.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import ctypes
-import inspect
-import math
 import multiprocessing
 import multiprocessing.forkserver
-import numbers
 import os
 import signal
-import sys
 import time
 from collections import Counter, deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -46,147 +40,10 @@ import msgspec
 from slipstream.protocols.control import Status
 from slipstream.protocols.reward import Reward, ScoreRequest
 from slipstream.runtime.actor import COORDINATOR, Actor, Fatal, handler
+from slipstream.tasks.reward_worker import REASONS, Job, Outcome, Started, worker_main
 
-REASONS = ("raised", "timeout", "garbage", "none", "crashed", "bad_row", "stopped")  # why a sample is invalid
 _POLL_S = 0.01  # the longest one step waits on the workers: messages are never kept waiting for long
 _RESERVED = frozenset(("prompt", "completion"))  # passed by name, so a row may not carry them
-_CLIP = 300  # characters of a returned value or exception message kept in an error
-
-
-# -- what crosses a worker's pipe ----------------------------------------------------------------
-
-
-class _Job(msgspec.Struct, array_like=True, frozen=True):
-    job_id: int
-    prompt: str
-    completion: str
-    row: dict[str, Any]
-
-
-class _Started(msgspec.Struct, tag=True, array_like=True, frozen=True):
-    pid: int
-    error: str | None  # why the reward could not be loaded
-
-
-class _Outcome(msgspec.Struct, tag=True, array_like=True, frozen=True):
-    job_id: int
-    reward: float | None
-    reason: str | None  # one of REASONS when reward is None
-    error: str | None
-    elapsed_s: float
-
-
-# -- the worker side -----------------------------------------------------------------------------
-
-
-def judge(value: object) -> tuple[float | None, str | None, str | None]:
-    """(reward, reason, error) for what a reward function returned."""
-    if value is None:
-        return None, "none", "none: the reward could not score it"
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        try:
-            reward = float(value)
-        except (TypeError, ValueError, OverflowError):
-            reward = math.nan
-        if math.isfinite(reward):
-            return reward, None, None
-    return None, "garbage", f"garbage: returned {_clip(repr(value))} ({type(value).__name__})"
-
-
-def call_reward(
-    fn: Callable[..., Any], prompt: str, completion: str, row: dict[str, Any], loop: asyncio.AbstractEventLoop
-) -> tuple[float | None, str | None, str | None]:
-    """One call of `fn` as a worker makes it: awaited in `loop` if async, any exception caught."""
-    try:
-        value = fn(prompt, completion, **row)
-        if inspect.isawaitable(value):
-            value = loop.run_until_complete(value)
-    except BaseException as e:  # SystemExit too: a reward that exits costs its sample, not the worker
-        return None, "raised", f"raised: {type(e).__name__}: {_clip(str(e))}"
-    return judge(value)
-
-
-def _worker_main(conn: Connection, reward_path: str) -> None:
-    """A worker process: load the reward, then score jobs from `conn` until the actor closes it."""
-    # Imported here, not by the actor: it runs no reward code, and the built-ins' dependencies take
-    # seconds to import (the forkserver has them preloaded).
-    from slipstream.tasks.rewards import load_reward
-
-    _die_with_the_actor()
-    encoder = msgspec.msgpack.Encoder()
-    try:
-        fn = load_reward(reward_path)
-    except ValueError as e:
-        conn.send_bytes(encoder.encode(_Started(pid=os.getpid(), error=str(e))))
-        return
-    conn.send_bytes(encoder.encode(_Started(pid=os.getpid(), error=None)))
-    decoder = msgspec.msgpack.Decoder(_Job)
-    loop = asyncio.new_event_loop()
-    while True:
-        try:
-            job = decoder.decode(conn.recv_bytes())
-        except EOFError:
-            return
-        started = time.perf_counter()
-        reward, reason, error = call_reward(fn, job.prompt, job.completion, job.row, loop)
-        outcome = _Outcome(
-            job_id=job.job_id,
-            reward=reward,
-            reason=reason,
-            error=error,
-            elapsed_s=time.perf_counter() - started,
-        )
-        conn.send_bytes(encoder.encode(outcome))
-
-
-def _die_with_the_actor() -> None:
-    """Ties the life of this worker, and of every process its reward starts, to the actor's."""
-    # A forkserver child inherits the server's liveness pipe (so that it could fork in turn), which
-    # keeps the server alive as long as the child lives. Closed here, the server exits with the actor,
-    # and PDEATHSIG then kills this worker, even in a call that hangs where no Python code runs.
-    server = getattr(multiprocessing.forkserver, "_forkserver", None)
-    if getattr(server, "_forkserver_alive_fd", None) is not None:
-        os.close(server._forkserver_alive_fd)
-        server._forkserver_alive_fd = None
-    os.setsid()  # the group's id is now our pid: the actor's killpg reaches all the reward starts
-    _set_pdeathsig(signal.SIGKILL)
-    _start_guard()
-
-
-def _start_guard() -> None:
-    """Forks the process that kills this worker's group once the worker is gone, however it went."""
-    # A SIGKILLed worker cannot kill its group, and a signal handler in it would never run while a
-    # reward hangs in C code holding the GIL: only another process can be relied on to do it.
-    worker = os.getpid()
-    if os.fork() != 0:
-        return
-    try:
-        # The actor's pipe above all: the actor sees EOF when the worker dies, not when the guard does.
-        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # kept pending for sigwait
-        told = _set_pdeathsig(signal.SIGTERM)
-        while os.getppid() == worker:  # checked after prctl: the worker may have died before it
-            if told:
-                signal.sigwait({signal.SIGTERM})
-            else:
-                time.sleep(0.5)
-        os.killpg(0, signal.SIGKILL)
-    finally:
-        os._exit(0)  # never back into the worker's code
-
-
-def _set_pdeathsig(sig: int) -> bool:
-    """Asks the kernel for `sig` when this process's parent dies; False where that cannot be asked."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(1, sig) == 0  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return False
-
-
-def _clip(text: str) -> str:
-    return text if len(text) <= _CLIP else text[:_CLIP] + "…"
 
 
 def _exit_text(code: int | None) -> str:
@@ -206,7 +63,7 @@ def _exit_text(code: int | None) -> str:
 @dataclass
 class _Task:
     request: ScoreRequest
-    job: bytes  # the encoded _Job
+    job: bytes  # the encoded Job
     job_id: int
     started: float = 0.0  # monotonic time a worker took it
 
@@ -236,14 +93,14 @@ class VerifierActor(Actor):
         if cfg.results_to != COORDINATOR and cfg.results_to not in self.peers:
             raise ValueError(f"results_to: {cfg.results_to!r} is not in this run")
         self._mp = multiprocessing.get_context("forkserver")
-        self._mp.set_forkserver_preload([__name__, "slipstream.tasks.rewards"])
+        self._mp.set_forkserver_preload(["slipstream.tasks.reward_worker", "slipstream.tasks.rewards"])
         self._queue: deque[_Task] = deque()
         self._counts: Counter[str] = Counter()
         self._reported: dict[str, int] | None = None
         self._next_report = time.monotonic() + cfg.report_every_s
         self._job_ids = 0
         self._encoder = msgspec.msgpack.Encoder()
-        self._from_worker = msgspec.msgpack.Decoder(_Started | _Outcome)
+        self._from_worker = msgspec.msgpack.Decoder(Started | Outcome)
         self._row = msgspec.json.Decoder(dict[str, Any])
         self._workers: list[_Worker] = []
         try:
@@ -275,7 +132,7 @@ class VerifierActor(Actor):
             if clash := sorted(_RESERVED & row.keys()):
                 raise ValueError(f"{clash} are passed by name, not as row fields")
             self._job_ids += 1
-            job = self._encoder.encode(_Job(self._job_ids, msg.prompt, msg.completion, row))
+            job = self._encoder.encode(Job(self._job_ids, msg.prompt, msg.completion, row))
         except (msgspec.DecodeError, msgspec.EncodeError, ValueError, OverflowError) as e:
             self._finish(msg, None, "bad_row", f"bad row: {e}", 0.0)
             return
@@ -350,7 +207,7 @@ class VerifierActor(Actor):
         try:
             while w.conn.poll():
                 msg = self._from_worker.decode(w.conn.recv_bytes())
-                if isinstance(msg, _Started):
+                if isinstance(msg, Started):
                     if msg.error is not None:
                         raise Fatal(msg.error)
                     w.ready = True
@@ -375,7 +232,7 @@ class VerifierActor(Actor):
     def _spawn(self) -> _Worker:
         ours, theirs = self._mp.Pipe()
         proc = self._mp.Process(
-            target=_worker_main, args=(theirs, self.config.reward), name=f"{self.name}-reward", daemon=True
+            target=worker_main, args=(theirs, self.config.reward), name=f"{self.name}-reward", daemon=True
         )
         proc.start()
         theirs.close()

@@ -2,7 +2,7 @@
 
 The supervisor (or a node agent on another host) starts it as
 
-    python -m slipstream.runtime.host --actor pkg.mod:Class --rank 0 --control ipc://… --run-dir RUN
+    python -m slipstream.runtime --actor pkg.mod:Class --rank 0 --control ipc://… --run-dir RUN
 
 Handshake: connect the control DEALER (identity "role:rank") and bind the data ROUTER; send Hello;
 wait for Init (the actor's config, its peers, the heartbeat interval, its thread budget); build the

@@ -232,7 +232,7 @@ class Supervisor:
             for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
                 env[var] = str(spec.threads)
         cmd = [
-            sys.executable, "-m", "slipstream.runtime.host",
+            sys.executable, "-m", "slipstream.runtime",
             "--actor", spec.actor, "--rank", str(spec.rank),
             "--control", self.control_endpoint, "--run-dir", str(self.run_dir),
             "--events", self.events_in, "--parent-pid", str(os.getpid()),

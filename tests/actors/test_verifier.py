@@ -29,12 +29,12 @@ import msgspec
 import numpy as np
 import pytest
 
-from slipstream.actors.verifier import call_reward, judge
 from slipstream.protocols.control import Shutdown, Status
 from slipstream.protocols.reward import Reward, ScoreRequest
 from slipstream.runtime.codec import Codec, ProtocolError
 from slipstream.runtime.process import pid_alive
 from slipstream.runtime.supervisor import ActorSpec, Supervisor, SupervisorError
+from slipstream.tasks.reward_worker import call_reward, judge
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 1.0  # the deadline of the shared pool's calls
@@ -326,6 +326,7 @@ def pools(tmp_path_factory: pytest.TempPathFactory) -> Any:
                 max_pending=MAX_PENDING,
             ),
             spec("tests.actors.test_verifier:CountingReward", 1, workers=1),
+            spec("tests.actors.torchless_reward:imports_torch", 2, workers=1),
         ],
     )
     yield pools
@@ -389,8 +390,10 @@ def test_a_hung_reward_is_killed_at_its_deadline_and_replaced(pools: Pools) -> N
     assert [r.error is not None and r.error.startswith("timeout") for r in got] == [True, True, False, False]
     status = pools.status("verifier:0")
     assert status["restarts"] == restarts + 3 and status["workers"] == 2
+    # Both first workers were killed, each with its guard, and their replacements started theirs (a worker
+    # forks its guard once its reward is loaded: this file's rewards import torch, which takes a moment).
+    pools.wait_until(lambda: len(descendants(actor_pid)) >= len(before), timeout=10)
     after = descendants(actor_pid)
-    # Both first workers were killed, each with its guard, and their replacements started theirs.
     assert len(after) == len(before) and len(before - after) == 4
 
 
@@ -506,3 +509,13 @@ def test_a_bad_config_fails_before_anything_is_spawned(tmp_path: Path, config: d
 
     with pytest.raises(SupervisorError, match=f"verifier:0 config: {field}: "):
         asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_reward_worker_holds_the_reward_and_not_the_actor_runtime(pools: Pools) -> None:
+    """Workers come from a forkserver that preloads only the worker's module and the built-in rewards: a
+    worker of a reward that needs no torch has none loaded (it held torch and the actor runtime, ~170 MB a
+    worker, when the server preloaded the actor's module or the actor ran as `-m slipstream.runtime.host`,
+    which multiprocessing re-imports in every child)."""
+    (reward,) = pools.score("verifier:2", ["good"])
+    assert reward.error is None and reward.reward == 0.0
