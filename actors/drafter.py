@@ -40,6 +40,7 @@ from slipstream.protocols.drafter import DrafterDelta, DrafterStats, DrafterUpda
 from slipstream.protocols.learner import WeightUpdate
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
+from slipstream.runtime.process import memory_now, pin_threads, release_freed_memory
 from slipstream.runtime.transport import actor_name
 
 ROLE = "drafter"
@@ -114,7 +115,7 @@ class DrafterActor(Actor):
         # The newest policy version whose hidden states these weights have trained on (own steps, folded
         # deltas, adopted updates); data merely buffered does not count: it has not shaped the drafter.
         self.policy_version = 0
-        self.lease: Lease | None = None
+        self.leases: dict[int, Lease] = {}  # lease id -> lease: the devices (cores) it may train on now
         # The policy version of the target's head parts held (0: as loaded), and the learner's pushes of
         # them staged by version: bucket → {name: tensor} (clones), applied once every bucket is in.
         self.head_version = 0
@@ -162,22 +163,28 @@ class DrafterActor(Actor):
 
     @handler
     def on_lease(self, msg: Lease, sender: str) -> None:
-        self.lease = msg
-        if msg.threads > 0:
-            torch.set_num_threads(msg.threads)
-        if msg.cpus:
-            os.sched_setaffinity(0, set(msg.cpus))
-        self.log.info("leased", lease_id=msg.lease_id, device=msg.device, threads=msg.threads)
+        self.leases[msg.lease_id] = msg
+        self._fit_to_leases()
+        self.log.info("leased", lease_id=msg.lease_id, device=msg.device, threads=msg.threads, cpus=msg.cpus)
 
     @handler
     def on_preempt(self, msg: Preempt, sender: str) -> None:
-        if self.lease is None or self.lease.lease_id != msg.lease_id:
+        if self.leases.pop(msg.lease_id, None) is None:
             self.log.warning("preempt_unknown_lease", lease_id=msg.lease_id)
-        self.lease = None
+        if self.leases:
+            self._fit_to_leases()  # off the returned device at once, on with the others
+        else:
+            # What the training steps kept for reuse goes back to the host before the core does: the
+            # learner, next, peaks while this drafter idles. The next lease faults its pages in again.
+            release_freed_memory()
         latency = max(0, time.time_ns() - msg.sent_ns)
         self.send(COORDINATOR, Released(lease_id=msg.lease_id, latency_ns=latency))
         self.log.info(
-            "released", lease_id=msg.lease_id, latency_ms=round(latency / 1e6, 3), reason=msg.reason
+            "released",
+            lease_id=msg.lease_id,
+            latency_ms=round(latency / 1e6, 3),
+            reason=msg.reason,
+            **memory_now(),
         )
         self.send(COORDINATOR, self._stats())  # training seconds so far: the coordinator's reclaimed time
         # after Released: the release latency never includes a delta or an update
@@ -185,6 +192,17 @@ class DrafterActor(Actor):
             self._share(group_now=True)
         else:
             self._send_delta(final=True)
+
+    def _fit_to_leases(self) -> None:
+        """Threads and cores to what the leases held grant: their threads summed, their cores joined. Every
+        thread of the process is pinned (an OpenMP worker keeps the cores it was created with), so training
+        never runs on a core whose rollout has it back."""
+        threads = sum(lease.threads for lease in self.leases.values())
+        if threads > 0:
+            torch.set_num_threads(threads)
+        cpus = {cpu for lease in self.leases.values() for cpu in lease.cpus}
+        if cpus:
+            pin_threads(cpus)
 
     @handler
     def on_checkpoint(self, msg: SaveCheckpoint, sender: str) -> None:
@@ -332,7 +350,7 @@ class DrafterActor(Actor):
             self._report_checkpoints()
             if self._remote_merged:
                 self._share()
-        if self.lease is None or self.buffer.stats().tokens < self.config.min_buffer_tokens:
+        if not self.leases or self.buffer.stats().tokens < self.config.min_buffer_tokens:
             return False
         if not self.owner and self._base is None:
             return False  # not before adopting the owner's weights: no forked starting points
@@ -348,7 +366,7 @@ class DrafterActor(Actor):
         # the latency after this change is not measured yet).
         metrics = self.trainer.step(batch, stop=self.control_pending)
         elapsed = time.perf_counter() - started
-        self._trained_s += elapsed
+        self._trained_s += elapsed * len(self.leases)  # device-seconds: what the coordinator's account caps
         if metrics is None:
             return True  # the loop serves the control message next
         self._last_loss = float(metrics["loss"])
@@ -369,7 +387,7 @@ class DrafterActor(Actor):
         active = {rank for rank, until in self._active.items() if until > now}
         if sender is not None:
             active.add(sender)
-        if self.lease is not None and self.buffer.stats().tokens >= self.config.min_buffer_tokens:
+        if self.leases and self.buffer.stats().tokens >= self.config.min_buffer_tokens:
             active.add(self.name)
         return max(1, len(active))
 

@@ -46,6 +46,7 @@ from slipstream.protocols.learner import (
 )
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
+from slipstream.runtime.process import memory_now
 
 STOP_BARRIER_S = 60.0  # how long a stopping rank waits for its peers before tearing down anyway
 
@@ -207,7 +208,14 @@ class LearnerActor(Actor):
                 metrics={**metrics, **counts},
             ),
         )
-        self.log.info("trained", step=msg.step, version=msg.version, elapsed_s=round(elapsed, 3), **counts)
+        self.log.info(
+            "trained",
+            step=msg.step,
+            version=msg.version,
+            elapsed_s=round(elapsed, 3),
+            **counts,
+            **memory_now(),
+        )
         if self.rank == 0:
             if msg.checkpoint:
                 self._save(msg.checkpoint)

@@ -46,6 +46,7 @@ from slipstream.protocols.rollout import Completion as CompletionMsg
 from slipstream.protocols.rollout import GenerateRequest, IterationStats
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
+from slipstream.runtime.process import memory_now, release_freed_memory
 
 
 class RolloutActor(Actor):
@@ -170,7 +171,10 @@ class RolloutActor(Actor):
             if self.eagle is not None:
                 self.eagle.vocab.frozen = False
         self.log.info(
-            "warmed_up", arms=[a.name for a in arms], seconds=round(time.perf_counter() - started, 3)
+            "warmed_up",
+            arms=[a.name for a in arms],
+            seconds=round(time.perf_counter() - started, 3),
+            **memory_now(),
         )
 
     def _make_eagle(self) -> EagleDrafter:
@@ -374,7 +378,9 @@ class RolloutActor(Actor):
             if differing:
                 error = f"applied weights differ from the learner's in buckets {sorted(differing)}"
                 self.log.error("weights_differ", version=version, buckets=sorted(differing))
-        self.log.info("weights_applied", version=version, verified=self.config.verify_applied_weights)
+        self.log.info(
+            "weights_applied", version=version, verified=self.config.verify_applied_weights, **memory_now()
+        )
         self.send(
             COORDINATOR,
             WeightAck(version=version, role=self.role, rank=self.rank, ok=error is None, error=error),
@@ -394,10 +400,13 @@ class RolloutActor(Actor):
             if not self._idle_sent:
                 self._idle_sent = True
                 self._save_tuner()
+                # The step's KV cache and decode buffers go back to the host before the learner peaks (it
+                # trains while this rollout idles), and before Idle leases this core to a drafter.
+                release_freed_memory()
                 self.send(
                     COORDINATOR, Idle(role=self.role, rank=self.rank, policy_version=self.policy_version)
                 )
-                self.log.info("idle", policy_version=self.policy_version)
+                self.log.info("idle", policy_version=self.policy_version, **memory_now())
             return False
         batch = generator.num_decoding
         clean = batch > 0 and generator.num_prefilling == 0

@@ -46,7 +46,7 @@ from slipstream.engine.weights import load_model
 from slipstream.protocols.rollout import GenerateRequest, IterationStats, SamplingSpec
 from slipstream.runtime import config as run_config
 from slipstream.runtime.coordinator import Coordinator
-from slipstream.runtime.placement import place
+from slipstream.runtime.placement import Placement, place
 from slipstream.runtime.progress import bar
 from slipstream.runtime.step import rollout_step
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
@@ -244,13 +244,17 @@ def default_drafter_dir(model: str, task: str) -> Path:
     return hub.home() / "drafters" / f"{Path(model).name}-{task}"
 
 
+def _placement(config: RolloutBenchConfig) -> Placement:
+    return place(config.device, rollouts=DEVICES, learners=1, learner_threads=1)  # (no learner runs here)
+
+
 def rollout_specs(
     config: RolloutBenchConfig, mode: Mode, model: str, max_len: int, drafter: Path | None, max_batch: int
 ) -> list[ActorSpec]:
     adaptive = mode == "adaptive"
     rollouts = [actor_name(RolloutActor.role, r) for r in range(DEVICES)]
-    drafters = [actor_name(DrafterActor.role, r) for r in range(DEVICES)]
-    where = place(config.device, rollouts=DEVICES, learners=1, learner_threads=1)  # (no learner runs here)
+    where = _placement(config)
+    drafters = [actor_name(DrafterActor.role, r) for r in range(len(where.drafters))]
     specs = []
     for rank, slot in enumerate(where.rollouts):
         rollout = RolloutActor.Config(
@@ -274,7 +278,7 @@ def rollout_specs(
                 device=slot.device,
                 init_from=str(drafter),
                 publish_to=rollouts,
-                world_size=DEVICES,
+                world_size=len(where.drafters),
                 batch_tokens=settings.batch_tokens,
                 publish_every_steps=settings.publish_every_steps,
                 checkpoint_every_steps=settings.checkpoint_every_steps,
@@ -307,13 +311,17 @@ async def run_phase(
     sup = Supervisor(run_dir, heartbeat_s=1.0)
     await sup.start(rollout_specs(config, mode, model, max_len, drafter, max_batch))
     rollouts = [actor_name(RolloutActor.role, r) for r in range(DEVICES)]
-    # Only the adaptive mode has drafters: the coordinator leases an idle device to the one sharing it.
+    # Only the adaptive mode has drafters: the coordinator leases an idle device to the one placed for it.
+    where = _placement(config)
     drafters = (
-        {r: actor_name(DrafterActor.role, i) for i, r in enumerate(rollouts)} if mode == "adaptive" else {}
+        {r: actor_name(DrafterActor.role, where.drafter_of[i]) for i, r in enumerate(rollouts)}
+        if mode == "adaptive"
+        else {}
     )
+    lease_cpus = {r: where.rollouts[i].cpus for i, r in enumerate(rollouts)}
     steps = []
     try:
-        async with Coordinator(sup, rollouts=rollouts, drafters=drafters) as coord:
+        async with Coordinator(sup, rollouts=rollouts, drafters=drafters, lease_cpus=lease_cpus) as coord:
             for step, prompts in enumerate(prompt_sets):
                 figures = await _step(
                     coord, mode, prompts, config.samples, sampling, config.seed + step, group_base=step * 10_000,

@@ -44,7 +44,7 @@ from slipstream.protocols.rollout import Completion, GenerateRequest, SamplingSp
 from slipstream.runtime import config as run_config
 from slipstream.runtime.coordinator import ActorDiedError, Coordinator
 from slipstream.runtime.host import actor_path
-from slipstream.runtime.placement import place
+from slipstream.runtime.placement import Placement, place
 from slipstream.runtime.progress import ProgressFactory, silent
 from slipstream.runtime.step import rollout_step
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
@@ -170,15 +170,35 @@ def default_reward(cfg: TrainConfig) -> str:
     return f"slipstream.tasks.rewards:{name}"
 
 
+def placement(cfg: TrainConfig) -> Placement:
+    """Where the run's rollouts, drafters and learner ranks go on this host (runtime/placement.py)."""
+    return place(
+        cfg.device,
+        rollouts=cfg.rollout.devices,
+        learners=cfg.learner.ranks,
+        learner_threads=cfg.learner.threads,
+    )
+
+
 def actor_names(cfg: TrainConfig, *, baseline: bool) -> tuple[list[str], list[str], list[str], list[str]]:
     """Rollout, drafter (none for --baseline or a disabled drafter), verifier and learner actor names."""
-    devices = range(cfg.rollout.devices)
+    drafters = range(len(placement(cfg).drafters)) if cfg.drafter.enabled and not baseline else range(0)
     return (
-        [actor_name(RolloutActor.role, r) for r in devices],
-        [actor_name(DrafterActor.role, r) for r in devices] if cfg.drafter.enabled and not baseline else [],
+        [actor_name(RolloutActor.role, r) for r in range(cfg.rollout.devices)],
+        [actor_name(DrafterActor.role, r) for r in drafters],
         [actor_name(VerifierActor.role, r) for r in range(cfg.verifier.actors)],
         [actor_name(LearnerActor.role, r) for r in range(cfg.learner.ranks)],
     )
+
+
+def lease_plan(cfg: TrainConfig, *, baseline: bool) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """Which drafter each rollout's idle device is lent to, and the cores a lease of it grants."""
+    where = placement(cfg)
+    rollouts, drafters = actor_names(cfg, baseline=baseline)[:2]
+    if not drafters:
+        return {}, {}
+    drafter_of = {rollout: drafters[where.drafter_of[r]] for r, rollout in enumerate(rollouts)}
+    return drafter_of, {rollout: where.rollouts[r].cpus for r, rollout in enumerate(rollouts)}
 
 
 def rollout_dtype(cfg: TrainConfig) -> str:
@@ -189,14 +209,10 @@ def rollout_dtype(cfg: TrainConfig) -> str:
 
 
 def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from: str) -> list[ActorSpec]:
-    """Every process of the run, placed by runtime/placement.py (rollout r and drafter r share a device)."""
+    """Every process of the run, placed by runtime/placement.py (`lease_plan`: which drafter trains on which
+    idle rollout device)."""
     devices = cfg.rollout.devices
-    where = place(
-        cfg.device,
-        rollouts=devices,
-        learners=cfg.learner.ranks,
-        learner_threads=cfg.learner.threads,
-    )
+    where = placement(cfg)
     rollouts, drafters = actor_names(cfg, baseline=baseline)[:2]
     train_drafter = bool(drafters)
     tuner = TunerConfig(buckets=cfg.rollout.tuner.buckets, arms=["off"]) if baseline else cfg.rollout.tuner
@@ -236,7 +252,7 @@ def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from:
                     lr=cfg.drafter.lr,
                     publish_to=rollouts,
                     publish_every_steps=cfg.drafter.publish_every_steps,
-                    world_size=devices,
+                    world_size=len(drafters),
                     init_from=cfg.drafter.init_from,
                     seed=cfg.seed,
                     verify_applied_head=cfg.rollout.verify_weights,
@@ -309,6 +325,7 @@ async def train(
     )  # fmt: skip
     specs = actor_specs(cfg, run_dir, baseline=baseline, resume_from=str(state["checkpoint"]))
     rollouts, drafters, verifiers, learners = actor_names(cfg, baseline=baseline)
+    drafter_of, lease_cpus = lease_plan(cfg, baseline=baseline)
     sup = Supervisor(
         run_dir, max_restarts=cfg.faults.max_restarts, restart_backoff_s=cfg.faults.restart_backoff_s, log=log
     )
@@ -323,7 +340,8 @@ async def train(
         async with Coordinator(
             sup,
             rollouts=rollouts,
-            drafters=dict(zip(rollouts, drafters, strict=False)),
+            drafters=drafter_of,
+            lease_cpus=lease_cpus,
             verifiers=verifiers,
             learners=learners,
             restart=True,  # a dead rollout or verifier is restarted and dealt its work again

@@ -54,7 +54,7 @@ class DrafterStats(Message, frozen=True, kw_only=True):
     steps: NonNeg
     loss: float
     buffer_tokens: NonNeg
-    elapsed_s: Annotated[float, msgspec.Meta(ge=0.0)]
+    elapsed_s: Annotated[float, msgspec.Meta(ge=0.0)]  # training device-seconds: seconds × leases held
 
 
 class DrafterDelta(Message, frozen=True, kw_only=True):

@@ -70,6 +70,7 @@ class Coordinator:
         *,
         rollouts: Sequence[str],
         drafters: dict[str, str] | None = None,
+        lease_cpus: dict[str, list[int]] | None = None,
         verifiers: Sequence[str] = (),
         learners: Sequence[str] = (),
         lease_threads: int = 1,
@@ -82,7 +83,9 @@ class Coordinator:
         self.rollouts = list(rollouts)
         self.verifiers = list(verifiers)
         self.learners = list(learners)
-        self.leases = LeaseTable(drafter_of=dict(drafters or {}), threads=lease_threads)
+        self.leases = LeaseTable(
+            drafter_of=dict(drafters or {}), threads=lease_threads, cpus_of=dict(lease_cpus or {})
+        )
         self.on_iteration = on_iteration
         self.log = log
         self.dead: dict[str, str] = {}
@@ -190,7 +193,7 @@ class Coordinator:
             self._send_soon(*granted)
 
     def _on_released(self, drafter: str, msg: Released) -> None:
-        self.leases.released(drafter, msg.latency_ns / 1e6)
+        self.leases.released(drafter, msg.lease_id, msg.latency_ns / 1e6)
 
     def _preempt_all(self, reason: str) -> None:
         for drafter, preempt in self.leases.preempts(reason):
@@ -328,7 +331,7 @@ class Coordinator:
         while unsettled():
             # A drafter that died is restarted (from its checkpoint) and handed the policy's head; its lease
             # is void. Drafters change speed, never samples: the step goes on meanwhile.
-            for drafter in [d for d in table.drafter_of.values() if d in self.dead]:
+            for drafter in [d for d in table.drafters if d in self.dead]:
                 await self._recover_drafter(drafter)
             for rollout in [r for r in self.rollouts if r in self.dead]:
                 # Its share was in (the rollout is over): back up with the current weights, and idle.

@@ -6,9 +6,14 @@ a drafter reported its training seconds, a drafter died); the table answers with
 drafter training reclaimed. Pure bookkeeping: no sockets, no clock of its own (times are passed in), so
 `tests/runtime/test_coordinator.py` drives it through the coordinator and its arithmetic is plain.
 
-The non-obvious rule: a drafter's reclaimed time is its training seconds during the lease, capped by its
-device's idle window. A step it finishes after the last completion (the preemption latency) reclaims
-nothing, and a drafter that died mid-lease counts nothing for that lease.
+One drafter may hold several leases at once: on a CPU host one drafter process trains on whichever
+rollout cores are idle (runtime/placement.py), so `drafter_of` maps many rollouts to it, and each lease
+carries its rollout's cores (`cpus_of`) for the drafter to pin its threads to.
+
+The non-obvious rule: a drafter's reclaimed time is its training device-seconds during its leases (seconds
+of training × devices held, as it reports them), capped by the idle windows of the devices it was lent. A
+step it finishes after the last completion (the preemption latency) reclaims nothing, and a drafter that
+died mid-lease counts nothing for that step.
 """
 
 from __future__ import annotations
@@ -36,16 +41,26 @@ class Reclaimed:
 
 @dataclass
 class LeaseTable:
-    """Which drafter holds which device, when each rollout went idle, and its drafter's training seconds."""
+    """Which drafter holds which devices, when each rollout went idle, and each drafter's training seconds."""
 
-    drafter_of: dict[str, str]  # rollout name -> the drafter actor sharing its device
-    threads: int = 1  # threads a leased drafter may use
-    active: dict[str, int] = field(default_factory=dict)  # drafter name -> lease id
+    drafter_of: dict[str, str]  # rollout name -> the drafter actor its device is lent to (many to one)
+    threads: int = 1  # threads a drafter may use per device leased
+    cpus_of: dict[str, list[int]] = field(default_factory=dict)  # rollout -> its cores (pinning; empty: none)
+    active: dict[int, tuple[str, str]] = field(default_factory=dict)  # lease id -> (drafter, rollout)
     idle_at: dict[str, float] = field(default_factory=dict)  # rollout name -> when it went idle this step
-    trained: dict[str, float] = field(default_factory=dict)  # drafter -> training seconds so far
-    trained_at_lease: dict[str, float] = field(default_factory=dict)  # drafter -> its training seconds then
+    trained: dict[str, float] = field(default_factory=dict)  # drafter -> training device-seconds so far
+    trained_at_lease: dict[str, float] = field(default_factory=dict)  # drafter -> that, at its first lease
     awaiting_stats: set[str] = field(default_factory=set)  # released, DrafterStats not in yet
     preempt_ms: list[float] = field(default_factory=list)
+
+    @property
+    def drafters(self) -> list[str]:
+        """Every drafter leases can go to, once each, in rollout order."""
+        return list(dict.fromkeys(self.drafter_of.values()))
+
+    def leased(self, drafter: str) -> list[int]:
+        """The ids of the leases `drafter` holds now."""
+        return [lease_id for lease_id, (d, _) in self.active.items() if d == drafter]
 
     def begin_step(self) -> None:
         """A new rollout: every device is busy again; nothing is leased or idle yet."""
@@ -63,18 +78,24 @@ class LeaseTable:
         drafter = self.drafter_of.get(rollout)
         if not grant or drafter is None or drafter in dead:
             return None
-        lease = Lease(lease_id=next(_lease_ids), device=rollout, threads=self.threads)
-        self.active[drafter] = lease.lease_id
-        self.trained_at_lease[drafter] = self.trained.get(drafter, 0.0)
+        lease = Lease(
+            lease_id=next(_lease_ids),
+            device=rollout,
+            threads=self.threads,
+            cpus=self.cpus_of.get(rollout, []),
+        )
+        self.active[lease.lease_id] = (drafter, rollout)
+        self.trained_at_lease.setdefault(drafter, self.trained.get(drafter, 0.0))
         return drafter, lease
 
     def busy(self, rollout: str) -> None:
         """Rollout `rollout` has work again (a restarted one dealt what it owed)."""
         self.idle_at.pop(rollout, None)
 
-    def released(self, drafter: str, latency_ms: float) -> None:
-        self.active.pop(drafter, None)
-        self.awaiting_stats.add(drafter)  # a drafter reports its training seconds right after releasing
+    def released(self, drafter: str, lease_id: int, latency_ms: float) -> None:
+        if self.active.get(lease_id, ("",))[0] == drafter:
+            del self.active[lease_id]
+        self.awaiting_stats.add(drafter)  # a drafter reports its training seconds right after each release
         self.preempt_ms.append(latency_ms)
 
     def stats(self, drafter: str, elapsed_s: float) -> None:
@@ -82,8 +103,9 @@ class LeaseTable:
         self.awaiting_stats.discard(drafter)
 
     def void(self, drafter: str) -> None:
-        """Drafter `drafter` died: its lease and its pending report are void, and reclaim nothing."""
-        self.active.pop(drafter, None)
+        """Drafter `drafter` died: its leases and its pending report are void, and reclaim nothing."""
+        for lease_id in self.leased(drafter):
+            del self.active[lease_id]
         self.awaiting_stats.discard(drafter)
         self.trained_at_lease.pop(drafter, None)
 
@@ -92,20 +114,23 @@ class LeaseTable:
         now = time.time_ns()
         return [
             (drafter, Preempt(lease_id=lease_id, reason=reason, sent_ns=now))
-            for drafter, lease_id in self.active.items()
+            for lease_id, (drafter, _) in self.active.items()
         ]
 
     def unsettled(self, live_rollouts: Iterable[str]) -> list[str]:
         """Drafters still leased or owing their stats, and live rollouts not idle: what a step's end waits on."""
-        return [*self.active, *self.awaiting_stats, *(r for r in live_rollouts if r not in self.idle_at)]
+        leased = dict.fromkeys(d for d, _ in self.active.values())
+        return [*leased, *self.awaiting_stats, *(r for r in live_rollouts if r not in self.idle_at)]
 
     def account(self, ended: float) -> Reclaimed:
         """The step's idle device-seconds up to `ended` (its last completion) and what drafters reclaimed."""
         idle = {r: max(0.0, ended - t) for r, t in self.idle_at.items()}
         reclaimed = sum(
-            min(idle.get(r, 0.0), max(0.0, self.trained.get(d, 0.0) - self.trained_at_lease[d]))
-            for r, d in self.drafter_of.items()
-            if d in self.trained_at_lease
+            min(
+                sum(idle.get(r, 0.0) for r, d in self.drafter_of.items() if d == drafter),
+                max(0.0, self.trained.get(drafter, 0.0) - at_lease),
+            )
+            for drafter, at_lease in self.trained_at_lease.items()
         )
         self.trained_at_lease.clear()
         return Reclaimed(sum(idle.values()), reclaimed, list(self.preempt_ms))

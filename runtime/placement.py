@@ -1,11 +1,15 @@
 """Placement: which device, cores and threads each actor of a run gets. Decided here, never in an actor.
 
-A *device* is what one rollout actor owns: a GPU on a CUDA host, a core on a CPU host. Drafter r shares
-rollout r's device (it trains there only while that rollout is idle: the coordinator's lease), so a
-rollout and its drafter are always placed together. Learner ranks get GPUs of their own when the host has
-enough (rollouts + ranks ≤ GPUs), else they share the rollouts' GPUs from the first (synchronous RL: the
-rollouts are idle while the learner trains). On a CPU host rollout r and drafter r are pinned to core
-r mod cores with one thread each, and the learner takes `learner_threads` unpinned threads.
+A *device* is what one rollout actor owns: a GPU on a CUDA host, a core on a CPU host. A drafter trains
+on a rollout's device only while that rollout is idle (the coordinator's lease); `drafter_of[r]` says
+which drafter rollout r's device is lent to. On a CUDA host each rollout has a drafter on its GPU. On a
+CPU host one drafter serves every core: its process may run on all the rollouts' cores and pins its
+threads to the cores it is leased (each lease carries them), so the host holds one drafter's weights,
+optimizer and buffer instead of one per core (~0.6 GB each for SmolLM2, docs/training.md), and the
+drafter is one copy, never averaged. Learner ranks get GPUs of their own when the host has enough
+(rollouts + ranks ≤ GPUs), else they share the rollouts' GPUs from the first (synchronous RL: the
+rollouts are idle while the learner trains). On a CPU host rollout r is pinned to core r mod cores with
+one thread, and the learner takes `learner_threads` unpinned threads.
 
     place("cuda", rollouts=6, learners=2, learner_threads=2, cores=16, gpus=8)
 """
@@ -36,8 +40,9 @@ class Slot:
 class Placement:
     rollouts: list[Slot]
     drafters: list[Slot]
-    """drafters[r] is rollout r's slot: the pairing the coordinator leases by."""
     learners: list[Slot]
+    drafter_of: list[int] = field(default_factory=list)
+    """drafter_of[r]: the index in `drafters` of the drafter rollout r's device is lent to."""
 
 
 def place(
@@ -61,10 +66,12 @@ def place(
     if kind == "cpu":
         cores = max(1, cores)
         pinned = [Slot("cpu", threads=1, cpus=[r % cores]) for r in range(rollouts)]
+        every = sorted({cpu for slot in pinned for cpu in slot.cpus})
         return Placement(
             rollouts=pinned,
-            drafters=list(pinned),
+            drafters=[Slot("cpu", threads=1, cpus=every)],  # one for the host; leases narrow its cores
             learners=[Slot("cpu", threads=learner_threads) for _ in range(learners)],
+            drafter_of=[0] * rollouts,
         )
     if kind != "cuda":
         raise ValueError(f"device: {kind!r} is not a device kind (cpu or cuda)")
@@ -76,5 +83,6 @@ def place(
     return Placement(
         rollouts=gpu,
         drafters=list(gpu),
+        drafter_of=list(range(rollouts)),
         learners=[Slot(f"cuda:{(first + i) % gpus}", threads=learner_threads) for i in range(learners)],
     )

@@ -13,11 +13,17 @@ first: Linux carries that across exec from the pre-exec image, so a child forked
 `keep_freed_memory` tells glibc's malloc to keep what a process frees for reuse instead of handing it
 back to the kernel: a learner step allocates and frees gigabytes of activations, and with glibc's
 defaults each buffer over its (dynamic, at most 32 MiB) threshold is a fresh mmap whose pages fault in,
-zeroed by the kernel, on every step (docs/training.md, "The learner's kernel time").
+zeroed by the kernel, on every step (docs/training.md, "The learner's kernel time"). A process that idles
+while another peaks (a rollout between steps, a drafter between leases) hands what it kept back with
+`release_freed_memory`; `memory_now` says what a log line needs: resident size, heap in use, heap kept.
+
+`pin_threads` pins every thread of this process: `sched_setaffinity(0)` moves only the caller, and an
+OpenMP pool made earlier would stay where it was (the CPU host's one drafter narrows to its leased cores).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -25,9 +31,11 @@ import resource
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 _PROC = Path("/proc")
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # mallopt parameters (glibc malloc.h)
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def pid_alive(pid: int) -> bool:
@@ -82,6 +90,64 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+                     "fordblks", "keepcost")
+    ]  # fmt: skip
+
+
+_libc: Any = None  # glibc, where this process runs on it: mallinfo2 and malloc_trim
+if sys.platform.startswith("linux"):
+    try:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        _libc.mallinfo2.restype = _MallInfo2
+        _libc.malloc_trim.argtypes, _libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    except (OSError, AttributeError):  # not glibc >= 2.33
+        _libc = None
+
+
+def pin_threads(cpus: set[int]) -> bool:
+    """Pin every thread of this process to `cpus`, not only the calling one (`sched_setaffinity(0)` moves
+    just that thread: the OpenMP workers torch made earlier would stay where they were). Threads made later
+    inherit their creator's cores. False where the OS has no per-thread affinity (not Linux)."""
+    if not hasattr(os, "sched_setaffinity") or not (_PROC / "self" / "task").is_dir():
+        return False
+    for tid in os.listdir(_PROC / "self" / "task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
+    return True
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the kernel now (glibc `malloc_trim(0)`: every whole free page,
+    also inside the heap, not only at its top). For a process that goes idle between bursts (a rollout
+    between steps, a drafter between leases) while another one peaks: what it kept for reuse
+    (`keep_freed_memory`) then stops counting against the host, and its next burst faults pages in again.
+    False where the C library is not glibc, or nothing was released."""
+    if _libc is None:
+        return False
+    return bool(_libc.malloc_trim(0))
+
+
+def memory_now() -> dict[str, float]:
+    """This process's resident MiB now and, under glibc, its heap: MiB in use and MiB freed but kept
+    (`keep_freed_memory`), which is what a log line needs to tell a leak from a high-water mark."""
+    fields: dict[str, float] = {}
+    try:
+        fields["rss_mb"] = round(
+            int((_PROC / "self" / "statm").read_text().split()[1]) * _PAGE_BYTES / 2**20, 1
+        )
+    except (OSError, ValueError, IndexError):
+        pass
+    if _libc is not None:
+        info = _libc.mallinfo2()
+        fields["heap_used_mb"] = round((info.uordblks + info.hblkhd) / 2**20, 1)
+        fields["heap_free_mb"] = round(info.fordblks / 2**20, 1)
+    return fields
+
+
 class MemorySampler:
     """The peak, over time, of the summed proportional set size (Pss) of a process and its descendants.
 
@@ -90,12 +156,13 @@ class MemorySampler:
     process's own peak RSS, which counts shared pages in every process and adds peaks from different
     moments. `sample()` reads /proc/PID/smaps_rollup of every process in the tree (Linux ≥ 4.14; elsewhere
     `available` is False and nothing is recorded); call it every second or so from any thread. `peak_mb`
-    is the largest sum seen and `at_peak_mb` its split by process label (`label(pid)`, default the pid).
+    is the largest sum seen and `at_peak_mb` its split by process label (`label(pid)`, default the pid; a
+    process labelled None is not counted, e.g. a benchmark's own process beside the run it measures).
     """
 
-    def __init__(self, root_pid: int | None = None, label: Callable[[int], str] | None = None) -> None:
+    def __init__(self, root_pid: int | None = None, label: Callable[[int], str | None] | None = None) -> None:
         self.root_pid = os.getpid() if root_pid is None else root_pid
-        self.label = label or str
+        self.label: Callable[[int], str | None] = label or str
         self.available = (_PROC / str(self.root_pid) / "smaps_rollup").is_file()
         self.peak_mb = 0.0
         self.at_peak_mb: dict[str, float] = {}
@@ -119,9 +186,9 @@ class MemorySampler:
             return 0.0
         split: dict[str, float] = {}
         for pid in self.tree():
-            pss = _pss_kib(pid)
-            if pss is not None:
-                key = self.label(pid)
+            key = self.label(pid)
+            pss = None if key is None else _pss_kib(pid)
+            if key is not None and pss is not None:
                 split[key] = split.get(key, 0.0) + pss / 1024
         total = sum(split.values())
         self.samples += 1

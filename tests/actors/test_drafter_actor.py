@@ -20,6 +20,7 @@ from slipstream.protocols.control import Lease, Preempt, Released, Status
 from slipstream.protocols.drafter import DrafterUpdate, HiddenStates
 from slipstream.runtime.codec import Codec, checksum
 from slipstream.runtime.inbox import Inbox
+from slipstream.runtime.process import pin_threads
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
 from tests.engine.conftest import build_checkpoint
 
@@ -210,3 +211,44 @@ def test_updates_carry_the_newest_policy_version_trained_on(tmp_path: Path) -> N
         actor.on_stop()  # waits for the checkpoint writer
     newest = sorted((tmp_path / "run" / "drafter" / "rank-0").glob("ckpt-*.pt"))[-1]
     assert torch.load(newest, weights_only=True)["policy_version"] == 5
+
+
+@pytest.mark.timeout(60)
+def test_one_drafter_trains_on_every_device_leased_and_lets_each_go(tmp_path: Path) -> None:
+    """A CPU host's one drafter holds the idle rollouts' cores at once: its threads are the leases' threads
+    summed, every thread of the process is pinned to their cores joined, and a preempted lease's core is
+    let go at once while training goes on with the others."""
+    cores = sorted(os.sched_getaffinity(0))
+    a, b = cores[0], cores[-1]  # two cores where the host has them (one on a single-core host)
+    threads_before = torch.get_num_threads()
+
+    def pinned() -> set[int]:
+        tasks = os.listdir("/proc/self/task")
+        return set().union(*(os.sched_getaffinity(int(t)) for t in tasks))
+
+    model = build_checkpoint(tmp_path / "model")
+    out = Sent()
+    actor = DrafterActor(
+        drafter_config(model), rank=0, outbox=out, inbox=Inbox(8), run_dir=str(tmp_path / "run")
+    )
+    actor.on_start()
+    try:
+        for msg in hidden_states(8, 64, 160):
+            actor.on_hidden(msg, "rollout:0")
+        actor.on_lease(Lease(lease_id=1, device="rollout:0", threads=1, cpus=[a]), "coordinator")
+        actor.on_lease(Lease(lease_id=2, device="rollout:1", threads=1, cpus=[b]), "coordinator")
+        assert torch.get_num_threads() == 2 and pinned() == {a, b}
+        assert actor.step()
+        actor.on_preempt(Preempt(lease_id=2, reason="rollout:1 busy", sent_ns=time.time_ns()), "coordinator")
+        assert torch.get_num_threads() == 1 and pinned() == {a}  # rollout:1's core is its own again
+        assert actor.step()  # still leased rollout:0's core
+        actor.on_preempt(Preempt(lease_id=1, reason="rollout done", sent_ns=time.time_ns()), "coordinator")
+        assert not actor.step()  # no lease left: dormant
+        released = [m.lease_id for _, m in out.messages if isinstance(m, Released)]
+        assert released == [2, 1]
+        stats = [m for _, m in out.messages if type(m).__name__ == "DrafterStats"]
+        assert len(stats) == 2 and 0 < stats[0].elapsed_s < stats[1].elapsed_s  # device-seconds, growing
+    finally:
+        actor.on_stop()
+        pin_threads(set(cores))
+        torch.set_num_threads(threads_before)

@@ -1,5 +1,6 @@
 """Process liveness (`runtime.process.pid_alive`) against real processes, a zombie included."""
 
+import json
 import os
 import resource
 import subprocess
@@ -101,6 +102,44 @@ def test_kept_freed_memory_is_reused_instead_of_faulted_in_again() -> None:
     assert results["keep"][0] == "True"
     assert results["default"][1] > pages * 0.5  # the control: the defaults fault most pages in again
     assert results["keep"][1] < results["default"][1] * 0.5
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim: Linux only")
+def test_released_memory_leaves_the_process_and_the_heap_says_what_is_kept() -> None:
+    """What a burst kept for reuse (`keep_freed_memory`) shows as the heap's free part, counts in the resident
+    size, and goes back to the kernel on `release_freed_memory`, live tensors untouched."""
+    code = (
+        "import json, torch; from slipstream.runtime import process\n"
+        "process.keep_freed_memory()\n"
+        "live = torch.ones(8 << 18)\n"  # 8 MiB that must survive
+        "burst = [torch.ones(32 << 18) for _ in range(8)]; del burst\n"  # 256 MiB, freed but kept
+        "kept = process.memory_now()\n"
+        "released = process.release_freed_memory()\n"
+        "print(json.dumps([kept, released, process.memory_now(), float(live.sum())]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    kept, released, after, live = json.loads(out.stdout)
+    assert kept["heap_free_mb"] > 200 and kept["heap_used_mb"] >= 8
+    assert released and kept["rss_mb"] - after["rss_mb"] > 200  # the kept pages left the process
+    assert live == 8 << 18  # the live tensor's pages stayed
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="per-thread affinity: Linux only")
+def test_pinning_moves_every_thread_not_only_the_caller() -> None:
+    """`pin_threads` pins threads made earlier (an OpenMP pool) too; `sched_setaffinity(0)` moves the caller."""
+    code = (
+        "import json, os, threading, time\n"
+        "from slipstream.runtime.process import pin_threads\n"
+        "stop = threading.Event(); t = threading.Thread(target=stop.wait); t.start()\n"
+        "one = {min(os.sched_getaffinity(0))}\n"
+        "ok = pin_threads(one)\n"
+        "got = [sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir('/proc/self/task')]\n"
+        "stop.set(); t.join(); print(json.dumps([ok, sorted(one), got]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    ok, one, got = json.loads(out.stdout)
+    assert ok and len(got) >= 2 and all(cpus == one for cpus in got)
 
 
 _HOLD = """
