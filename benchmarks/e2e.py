@@ -13,8 +13,10 @@ that maps it — and what the processes held at once (the peak of their summed P
 reproducible mode: speculation changes speed, never tokens). Then the learner's cost per token: on each of
 the first steps' real samples, the forward pass that computes their log-probs (`PolicyTrainer.logprobs`)
 and a full training step (forward, backward, AdamW) over the same micro-batches, interleaved; the cost is
-their ratio. Runs the loop through a callable the CLI passes in (benchmarks do not import cli/). Fields:
-docs/benchmarks.md.
+their ratio. Runs the loop through a callable the CLI passes in (benchmarks do not import cli/): the CLI's
+starts each run as a child `slipstream train`, as a user would, so the run's memory is its own processes'
+(`isolated`; in process, this one was counted as the coordinator with what the bench itself held).
+Fields: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from slipstream.engine.grpo import LossConfig
 from slipstream.engine.policy_train import OptimConfig, PolicySample, PolicyTrainer
 from slipstream.engine.weights import load_model
 from slipstream.protocols.learner import ScoredGroup
-from slipstream.runtime.process import MemorySampler
+from slipstream.runtime.process import MemorySampler, parent_pid
 
 __all__ = [
     "E2EResult",
@@ -107,11 +109,21 @@ class E2EResult(msgspec.Struct, frozen=True, kw_only=True):
     speedup_rollout_each: list[float] = []
 
 
-def run(train: TrainFn, root: Path, *, cost_steps: int = 3, threads: int = 2, rounds: int = 1) -> E2EResult:
+def run(
+    train: TrainFn,
+    root: Path,
+    *,
+    cost_steps: int = 3,
+    threads: int = 2,
+    rounds: int = 1,
+    isolated: bool = False,
+) -> E2EResult:
     """Both runs under `root` (slipstream/, baseline/), then the learner's cost on the first run's samples.
     `rounds` 2 runs Slipstream, baseline, then baseline, Slipstream again (slipstream-2/, baseline-2/):
     whichever runs first in an invocation pays the host's first touches of memory (docs/benchmarks.md),
-    so each mode gets an early and a late slot; the speedups pool the rounds' mean step times."""
+    so each mode gets an early and a late slot; the speedups pool the rounds' mean step times. `isolated`:
+    `train` runs each one as a child process (`slipstream train`, as a user would), so what this process
+    holds (imports, the first run's leftovers) is not counted as the run's coordinator."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     figures: dict[str, list[RunFigures]] = {"slipstream": [], "baseline": []}
@@ -120,7 +132,7 @@ def run(train: TrainFn, root: Path, *, cost_steps: int = 3, threads: int = 2, ro
         for name, baseline in order[:: -1 if r % 2 else 1]:
             run_dir = root / (name if r == 0 else f"{name}-{r + 1}")
             started = time.monotonic()
-            with _sampling(MemorySampler(label=_process_label)) as memory:
+            with _sampling(MemorySampler(label=lambda pid: _process_label(pid, isolated=isolated))) as memory:
                 summary = train(run_dir, baseline)
             figures[name].append(
                 run_figures(summary, time.monotonic() - started, run_dir=run_dir, memory=memory)
@@ -162,10 +174,12 @@ def _sampling(sampler: MemorySampler, every_s: float = 1.0) -> Iterator[MemorySa
         thread.join()
 
 
-def _process_label(pid: int) -> str:
-    """ "role:rank" for an actor process (from its command line), "coordinator" for this one, else "other"."""
+def _process_label(pid: int, *, isolated: bool = False) -> str | None:
+    """ "role:rank" for an actor process (from its command line); "coordinator" for the process running the
+    loop: this one, or with `isolated` the `slipstream train` child (this one is then not counted: None);
+    else "other"."""
     if pid == os.getpid():
-        return "coordinator"
+        return None if isolated else "coordinator"
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
@@ -173,6 +187,8 @@ def _process_label(pid: int) -> str:
     if "--actor" in argv and "--rank" in argv:
         module = argv[argv.index("--actor") + 1].partition(":")[0].rpartition(".")[2]
         return f"{module}:{argv[argv.index('--rank') + 1]}"
+    if isolated and "train" in argv and parent_pid(pid) == os.getpid():
+        return "coordinator"
     return "other"  # reward workers, multiprocessing's resource tracker
 
 

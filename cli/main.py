@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -62,6 +63,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _bench_e2e(args: argparse.Namespace) -> int:
     import msgspec
+    import yaml
 
     from slipstream.benchmarks import e2e
     from slipstream.cli import train
@@ -69,11 +71,21 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     # The demo's config at 4 steps unless the command line says otherwise (a bad key fails here).
     cfg = train.load_config(args.config or packaged_config("demo.yaml"), ["steps=4", *args.overrides])
     root = Path(args.run_dir or f"runs/bench-e2e-{time.strftime('%Y%m%d-%H%M%S')}")
+    root.mkdir(parents=True, exist_ok=True)
+    resolved = root / "config.yaml"  # the resolved config both runs start from
+    resolved.write_text(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False))
+
+    def run_train(run_dir: Path, baseline: bool) -> dict[str, Any]:
+        # A child process, as a user runs it: what this process holds is not the run's memory.
+        cmd = [sys.executable, "-m", "slipstream.cli.main", "train", str(resolved), "--run-dir", str(run_dir)]
+        with (root / f"{run_dir.name}.out").open("w") as out:
+            done = subprocess.run([*cmd, *(["--baseline"] if baseline else [])], stdout=out, stderr=out)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited with {done.returncode}: see {out.name}")
+        return json.loads((run_dir / "summary.json").read_text())
+
     result = e2e.run(
-        lambda run_dir, baseline: _run_training(cfg, run_dir, baseline=baseline),
-        root,
-        threads=args.threads or cfg.learner.threads,
-        rounds=args.rounds,
+        run_train, root, threads=args.threads or cfg.learner.threads, rounds=args.rounds, isolated=True
     )
     print(msgspec.json.encode(result).decode() if args.json else e2e.render(result))
     return 0

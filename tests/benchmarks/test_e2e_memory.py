@@ -67,3 +67,22 @@ def test_two_rounds_run_a_b_b_a_and_pool_the_speedups(tmp_path: Path, monkeypatc
     assert calls == [("slipstream", False), ("baseline", True), ("baseline-2", True), ("slipstream-2", False)]
     assert result.speedup_step_each == [0.5, 0.75]
     assert result.speedup_step == round((1.0 + 3.0) / (2.0 + 4.0), 3) and result.rounds == 2
+
+
+def test_an_isolated_run_counts_its_train_process_as_the_coordinator_and_not_the_bench() -> None:
+    """`bench e2e` runs each `slipstream train` as a child: that child is the run's coordinator, and the
+    bench's own process (its imports, what the first run left in it) is no part of the run's memory."""
+    import os
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "train"])
+    try:
+        assert e2e._process_label(os.getpid(), isolated=True) is None
+        assert e2e._process_label(child.pid, isolated=True) == "coordinator"
+        # In process (tests, a caller's own loop): this process runs the loop; a stray child is "other".
+        assert e2e._process_label(os.getpid()) == "coordinator"
+        assert e2e._process_label(child.pid) == "other"
+    finally:
+        child.kill()
+        child.wait()

@@ -178,6 +178,10 @@ def test_memory_sampler_counts_the_tree_and_shared_pages_once(tmp_path: Path) ->
         # where summing RSS would count the shared 64 twice.
         assert 96 + 64 <= held < 96 + 2 * 64
         assert sampler.peak_mb >= baseline + held - 1 and sampler.at_peak_mb["child"] >= 96 + 64
+        # A process labelled None (a benchmark's own beside the run it measures) is not counted.
+        skipping = process.MemorySampler(label=lambda pid: None if pid == os.getpid() else "child")
+        assert skipping.sample() == pytest.approx(held + baseline - sampler.at_peak_mb["root"], abs=8)
+        assert "root" not in skipping.at_peak_mb
     finally:
         for child in children:
             child.kill()
