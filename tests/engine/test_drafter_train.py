@@ -467,3 +467,29 @@ def test_a_stopped_step_changes_nothing_and_the_next_one_is_exact(
     b = twin.step(batch)
     assert a is not None and b is not None and a["loss"] == b["loss"] and trainer.steps == 1
     assert all(torch.equal(v, twin_head.state_dict()[k]) for k, v in head.state_dict().items())
+
+
+def test_a_preemption_stops_the_candidate_product_between_row_chunks(
+    target: Transformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The full-vocabulary candidate product is most of a step: a stop arriving during it is honoured at
+    the next row chunk, not after the whole product, and the abandoned step changes nothing."""
+    import slipstream.engine.drafter_train as drafter_train
+
+    vocab = target.lm_head_weight.shape[0]
+    monkeypatch.setattr(drafter_train, "CE_CHUNK_ELEMENTS", 2 * vocab)  # two rows a chunk
+    head = EagleHead.for_target(target.config).to(torch.float64)
+    trainer = DrafterTrainer(head, target, lr=1e-3)
+    start = {k: v.clone() for k, v in head.state_dict().items()}
+    batch = random_batch(target, [9, 12, 5], [3, 1, 0], seed=2)
+    chunks = []
+    real = drafter_train._linear
+
+    def counting(*args: object, **kwargs: object) -> torch.Tensor:
+        chunks.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(drafter_train, "_linear", counting)
+    assert trainer.step(batch, stop=lambda: len(chunks) >= 2) is None  # asked to stop during chunk 2
+    assert len(chunks) == 2 and trainer.abandoned == 1 and trainer.steps == 0  # chunk 3 never ran
+    assert all(torch.equal(v, start[k]) for k, v in head.state_dict().items())
