@@ -90,6 +90,10 @@ class DrafterActor(Actor):
         # rollout's verify_applied_weights). Off by default: a sha256 of the embedding on the core the
         # rollout applies its weights on, at the same moment (the buckets are checked on arrival anyway).
         verify_applied_head: bool = False
+        # Niceness of the compute thread (and the threads it starts: OpenMP's, the checkpoint writer), not of
+        # the IO thread that heartbeats. Drafter training is opportunistic: on a core it shares with a reward
+        # worker, the coordinator or a rollout's message handling, it must yield at once (0: no change).
+        nice: Annotated[int, msgspec.Meta(ge=0, le=19)] = 19
 
         def __post_init__(self) -> None:
             parse_device(self.device)
@@ -104,6 +108,9 @@ class DrafterActor(Actor):
         if missing:
             raise ValueError(f"world_size: {cfg.world_size} ranks, but {missing} are not in this run")
         self.device = require_device(cfg.device)
+        if cfg.nice and hasattr(os, "setpriority"):
+            # Linux: a thread id names one thread here, so the IO thread (started before) keeps its priority.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), cfg.nice)
         torch.manual_seed(cfg.seed + self.rank)
         # Only the embedding, final norm and LM head: the drafter never runs the target's layers.
         self.target = load_head_parts(hub.resolve(cfg.model), device=self.device)

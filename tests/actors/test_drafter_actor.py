@@ -28,12 +28,16 @@ HEARTBEAT_S = 0.25
 
 
 def drafter_config(model: Path, **config: Any) -> DrafterActor.Config:
+    # nice 0: an actor built in this process must not lower the test process's own priority for good.
     fields = {"publish_to": ["coordinator"], "batch_tokens": 256, "min_buffer_tokens": 32,
-              "publish_every_steps": 5, "checkpoint_every_steps": 5, "publish_min_interval_s": 0.0, **config}  # fmt: skip
+              "publish_every_steps": 5, "checkpoint_every_steps": 5, "publish_min_interval_s": 0.0,
+              "nice": 0, **config}  # fmt: skip
     return DrafterActor.Config(model=str(model), **fields)
 
 
 def drafter_spec(model: Path, rank: int = 0, **config: Any) -> ActorSpec:
+    """A drafter process, at the niceness it runs with in a run unless `config` says otherwise."""
+    config = {"nice": DrafterActor.Config(model="").nice, **config}
     return ActorSpec.of(DrafterActor, rank=rank, config=drafter_config(model, **config), threads=1)
 
 
@@ -80,6 +84,12 @@ def feed(
     )
 
 
+def _nice(pid: int, tid: int) -> int:
+    """A thread's niceness, from /proc (field 19 of its stat line)."""
+    stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[16])
+
+
 async def wait_for(sup: Supervisor, kind: type, pred=lambda m: True, timeout: float = 30.0):
     deadline = time.monotonic() + timeout
     while True:
@@ -96,6 +106,11 @@ def test_preempt_releases_within_100ms_p99(tmp_path: Path) -> None:
         sup = Supervisor(tmp_path / "run", heartbeat_s=HEARTBEAT_S)
         try:
             await sup.start([drafter_spec(model, checkpoint_every_steps=0, publish_every_steps=1)])
+            # Its compute thread (tid = pid) yields to anything else on a core; its IO thread, which
+            # heartbeats and takes the Preempt off the socket, keeps its priority.
+            pid = sup.pid("drafter:0")
+            nice = {int(t): _nice(pid, int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+            assert nice[pid] == 19 and 0 in nice.values(), nice
             feed(sup.endpoints()["drafter:0"], 40, 64, 160)
             latencies = []
             for lease_id in range(1, 21):
