@@ -70,6 +70,9 @@ class RunFigures(msgspec.Struct, frozen=True, kw_only=True):
     rollout_tokens: int
     tokens_per_s: float  # rollout tokens / rollout seconds
     accept_length: float  # tokens per target forward, token-weighted over steps (1.0 = no speculation)
+    # step 0's, per batch-size bucket, over the iterations that speculated: what the drafter the run
+    # starts from (the shipped one) buys before any online training
+    step0_accept_by_batch: dict[str, float] = {}
     idle_device_s: float
     reclaimed_s: float  # idle device-seconds leased to drafter training
     reclaimed_share: float
@@ -221,6 +224,7 @@ def run_figures(
         rollout_tokens=tokens,
         tokens_per_s=round(tokens / rollout_s, 1) if rollout_s > 0 else 0.0,
         accept_length=round(sum(s["accept_length"] * s["tokens"] for s in steps) / max(tokens, 1), 3),
+        step0_accept_by_batch=dict(steps[0].get("accept_by_batch", {})),
         idle_device_s=round(idle, 2),
         reclaimed_s=round(reclaimed, 2),
         reclaimed_share=round(reclaimed / idle, 3) if idle > 0 else 0.0,
@@ -348,6 +352,9 @@ def render(result: E2EResult) -> str:
         if f.peak_pss_mb_total:
             each = ", ".join(f"{label} {mb:.0f}" for label, mb in f.peak_pss_mb.items())
             lines.append(f"{name} peak summed PSS MiB {f.peak_pss_mb_total:.0f}, held at once: {each}")
+    if result.slipstream.step0_accept_by_batch:
+        each = ", ".join(f"batch {b}: {a:.2f}" for b, a in result.slipstream.step0_accept_by_batch.items())
+        lines.append(f"step 0 accept length where it speculated: {each}")
     cost = result.learner
     lines.append(
         f"speedup: step {result.speedup_step}x, rollout {result.speedup_rollout}x; identical samples in "

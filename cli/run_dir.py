@@ -51,6 +51,8 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     sync_s: float  # weight push until every rollout acknowledged
     accept_length: float
     arms: dict[str, int]
+    # batch-size bucket -> tokens per sequence per target pass over the iterations that speculated there
+    accept_by_batch: dict[str, float] = {}
     idle_device_s: float
     reclaimed_s: float
     loss: float

@@ -551,6 +551,7 @@ async def _step(
         sync_s=0.0,
         accept_length=round(metrics.accept_length, 3),
         arms=dict(metrics.arms),
+        accept_by_batch=metrics.speculated_accept_length(),
         idle_device_s=round(metrics.idle_device_s, 3),
         reclaimed_s=round(metrics.reclaimed_s, 3),
         loss=0.0,

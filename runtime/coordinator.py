@@ -158,12 +158,7 @@ class Coordinator:
         elif isinstance(msg, StepStats):
             self._stats[msg.step][sender] = msg
         elif isinstance(msg, IterationStats):
-            m = self._step.metrics
-            if msg.batch_size > 0:  # a prefill-only pass says nothing about decoding
-                m.iterations += 1
-                m.accepted += msg.accepted
-                m.sequence_iterations += msg.batch_size
-                m.arms[msg.arm] = m.arms.get(msg.arm, 0) + 1
+            self._step.metrics.add_iteration(msg.batch_size, msg.arm, msg.accepted)
             if self.on_iteration is not None:
                 self.on_iteration(sender, msg)
         elif isinstance(msg, Idle):

@@ -15,7 +15,7 @@ from typing import Any
 
 from slipstream.protocols.rollout import Completion, GenerateRequest
 
-__all__ = ["StepMetrics", "rollout_step"]
+__all__ = ["BATCH_BUCKETS", "StepMetrics", "batch_bucket", "rollout_step"]
 
 
 @dataclass
@@ -32,6 +32,9 @@ class StepMetrics:
     reclaimed_s: float = 0.0
     preempt_ms: list[float] = field(default_factory=list)
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    # batch-size bucket ("1", "2", "3-4", "5-8", ...) -> [sequence-iterations, accepted draft tokens] over the
+    # iterations that speculated (any arm but "off"): what a drafter buys where it is used
+    speculated: dict[str, list[int]] = field(default_factory=dict)
     requeued: int = 0  # samples and score requests dealt again after their actor died
     duplicates: int = 0  # completions and rewards dropped: their (group, sample) had come back already
 
@@ -40,6 +43,38 @@ class StepMetrics:
         """Tokens per decoding sequence per target pass: 1 + accepted draft tokens per sequence-iteration
         (exactly 1.0 without speculation; counting committed tokens would include first tokens born of prefill)."""
         return 1.0 + self.accepted / self.sequence_iterations if self.sequence_iterations else 0.0
+
+    def add_iteration(self, batch_size: int, arm: str, accepted: int) -> None:
+        """One decode iteration's IterationStats (a prefill-only pass, batch 0, says nothing here)."""
+        if batch_size <= 0:
+            return
+        self.iterations += 1
+        self.accepted += accepted
+        self.sequence_iterations += batch_size
+        self.arms[arm] = self.arms.get(arm, 0) + 1
+        if arm != "off":
+            cell = self.speculated.setdefault(batch_bucket(batch_size), [0, 0])
+            cell[0] += batch_size
+            cell[1] += accepted
+
+    def speculated_accept_length(self) -> dict[str, float]:
+        """Per batch-size bucket: tokens per sequence per target pass over the iterations that speculated."""
+        order = {label: i for i, label in enumerate(BATCH_BUCKETS)}
+        cells = sorted(self.speculated.items(), key=lambda kv: order.get(kv[0], len(order)))
+        return {label: round(1.0 + accepted / seqs, 3) for label, (seqs, accepted) in cells if seqs}
+
+
+BATCH_BUCKETS = ("1", "2", "3-4", "5-8", "9-16", "17-32", "33+")
+
+
+def batch_bucket(batch_size: int) -> str:
+    """The label of `batch_size`'s bucket in `BATCH_BUCKETS` (powers of two: where speculation pays moves
+    with the batch, so a step's acceptance is reported per bucket)."""
+    edges = (1, 2, 4, 8, 16, 32)
+    for label, top in zip(BATCH_BUCKETS, edges, strict=False):
+        if batch_size <= top:
+            return label
+    return BATCH_BUCKETS[-1]
 
 
 async def rollout_step(

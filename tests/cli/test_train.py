@@ -80,6 +80,9 @@ def test_three_steps_learn_sync_and_train_the_drafter_in_idle_time(tiny_chat: Pa
     # and its mixed groups, so nothing above would notice it.
     assert differing(own_rewards(cfg, run_dir)) == []
     assert sum(s["reclaimed_s"] for s in steps) > 0  # the drafter trained in leased idle time
+    speculated = [s["accept_by_batch"] for s in steps]  # where the tuner speculated, per batch bucket
+    assert any(speculated) and all(set(a) <= {"1", "2", "3-4", "5-8"} for a in speculated), speculated
+    assert all(v >= 1.0 for a in speculated for v in a.values())
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [0, 1, 2]
     assert json.loads((run_dir / "summary.json").read_text())["last_reward"] == steps[-1]["reward_mean"]
@@ -181,6 +184,7 @@ def test_bench_e2e_runs_both_modes_and_times_the_learner(tiny_chat: Path, tmp_pa
     assert result.steps == 2 and len(result.slipstream.step_s_each) == len(result.baseline.step_s_each) == 2
     assert result.slipstream.reclaimed_s > 0 and result.baseline.reclaimed_s == 0  # no drafter in baseline
     assert result.baseline.accept_length == 1.0  # plain decoding: one token per target forward
+    assert result.baseline.step0_accept_by_batch == {}  # it never speculated
     assert result.speedup_step > 0 and result.slipstream.tokens_per_s > 0
     cost = result.learner
     assert cost.steps == 2 and len(cost.forward_s) == len(cost.train_s) == 2

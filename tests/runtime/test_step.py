@@ -1,0 +1,22 @@
+"""A step's rollout metrics (runtime/step.py): what speculation accepted, per batch-size bucket."""
+
+from __future__ import annotations
+
+from slipstream.runtime.step import StepMetrics, batch_bucket
+
+
+def test_a_step_reports_what_speculation_accepted_per_batch_bucket() -> None:
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 500)] == [
+        "1", "2", "3-4", "3-4", "5-8", "5-8", "9-16", "9-16", "17-32", "17-32", "33+", "33+",
+    ]  # fmt: skip
+    m = StepMetrics()
+    m.add_iteration(1, "eagle:d3", 2)  # 3 tokens for one sequence: accept length 3
+    m.add_iteration(1, "off", 0)  # plain iterations are not what speculation bought
+    m.add_iteration(2, "ngram:d3", 1)
+    m.add_iteration(4, "eagle:d3", 4)
+    m.add_iteration(3, "eagle:d3", 0)
+    m.add_iteration(12, "off", 0)
+    m.add_iteration(0, "eagle:d3", 5)  # a prefill-only pass: nothing decoded
+    assert m.speculated_accept_length() == {"1": 3.0, "2": 1.5, "3-4": round(1 + 4 / 7, 3)}
+    assert m.iterations == 6 and m.arms == {"eagle:d3": 3, "off": 2, "ngram:d3": 1}
+    assert m.accept_length == 1.0 + 7 / 23  # over every decoding sequence-iteration
