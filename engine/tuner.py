@@ -13,8 +13,9 @@ Names are canonical (``ngram`` → ``ngram:d4``). Examples: ``ngram:d3``, ``eagl
 Non-obvious choices (why, with the measurements: docs/engine.md, "Tuner"):
 - The reward is the iteration's speedup over plain decoding at the same batch size, from a cost model of
   recent "off" iterations: raw tokens/s would favour arms measured at larger batches.
-- Per bucket: `hold` iterations pool into one sample (an arm's first look there spans `hold` sequence-passes:
-  one iteration at batch >= hold, since a cold start tries every arm everywhere), the estimate is a
+- Per bucket: `hold` iterations pool into one sample (a look, an arm's first there or an exploration, spans
+  `hold` sequence-passes: one iteration at batch >= hold, since a cold start tries every arm everywhere and
+  exploring a losing arm at a large batch costs several plain iterations each), the estimate is a
   sliding-window median, untried arms go first, then ε-greedy explores the least-measured arm (less often
   the costlier it is); `forget(method)` restarts a method's arms when its drafter changes. All draws come
   from one seeded `random.Random`.
@@ -230,8 +231,9 @@ class Tuner:
         ]
         self._trials = [[0] * na for _ in range(nb)]  # lifetime samples, for the summary
         self._attempt = [[-1] * na for _ in range(nb)]  # decision count of the latest exploration attempt
-        # (arm, decisions still held, first look: the hold ends early once the arm's first sample closed)
-        self._hold: list[tuple[int, int, bool] | None] = [None] * nb
+        # (arm, decisions still held, look: -1, or for a look (a first look or an exploration) the arm's
+        # window length when it began: the hold ends once that look's sample closed)
+        self._hold: list[tuple[int, int, int] | None] = [None] * nb
         # [bucket][arm] → [committed per sequence, seconds, iterations, batch sizes summed] pooled so far
         # towards the next reward sample
         self._pending = [[_no_pending() for _ in range(na)] for _ in range(nb)]
@@ -293,7 +295,8 @@ class Tuner:
         windows = self._windows[b]
         self.decisions += 1
         held = self._hold[b]
-        if held is not None and held[1] > 0 and held[0] in candidates and not (held[2] and windows[held[0]]):
+        looked = held is not None and held[2] >= 0 and len(windows[held[0]]) > held[2]  # its sample closed
+        if held is not None and held[1] > 0 and held[0] in candidates and not looked:
             self._hold[b] = (held[0], held[1] - 1, held[2])
             return self._decision(batch_size, b, held[0], "hold")
         why: Why
@@ -315,8 +318,9 @@ class Tuner:
                 slower = _median_seconds(windows[turn]) / max(_median_seconds(windows[best]), 1e-12)
                 if self._rng.random() * slower < 1:  # probability min(1, 1 / slower)
                     i, why = turn, "explore"
-        first = not windows[i]  # a first look: held until its sample closes (module docstring)
-        self._hold[b] = (i, self.config.hold - 1, first) if self.config.hold > 1 and why != "forced" else None
+        # A first look or an exploration is a look: held until its sample closes (module docstring).
+        look = len(windows[i]) if not windows[i] or why == "explore" else -1
+        self._hold[b] = (i, self.config.hold - 1, look) if self.config.hold > 1 and why != "forced" else None
         return self._decision(batch_size, b, i, why)
 
     def _candidates(self, available: Available) -> list[int]:
@@ -362,8 +366,13 @@ class Tuner:
         pending[1] += seconds
         pending[2] += 1
         pending[3] += batch_size
-        # An arm's first look in a bucket ends once it spans `hold` sequence-passes (module docstring).
-        if pending[2] >= self.config.hold or (not self._windows[b][i] and pending[3] >= self.config.hold):
+        # A look (an arm's first in a bucket, or an exploration) ends once it spans `hold` sequence-passes
+        # (module docstring).
+        held = self._hold[b]
+        looking = held is not None and held[0] == i and held[2] == len(self._windows[b][i])
+        if pending[2] >= self.config.hold or (
+            (looking or not self._windows[b][i]) and pending[3] >= self.config.hold
+        ):
             sample = (float(pending[0]), float(pending[1]), pending[3] / pending[2], int(pending[2]))
             self._windows[b][i].append(sample)
             self._trials[b][i] += 1
@@ -530,7 +539,8 @@ class Tuner:
         self._trials = [[int(n) for n in t] for t in state["trials"]]
         self._attempt = [[int(n) for n in t] for t in state["attempt"]]
         self._hold = [
-            (int(h[0]), int(h[1]), bool(h[2]) if len(h) > 2 else False) if h is not None else None
+            # state saved before explorations were looks held a bool: a first look (window 0) or none
+            (int(h[0]), int(h[1]), _look(h[2]) if len(h) > 2 else -1) if h is not None else None
             for h in state["hold"]
         ]
         self._pending = [
@@ -557,6 +567,12 @@ class Tuner:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _look(value: bool | int) -> int:
+    if isinstance(value, bool):
+        return 0 if value else -1
+    return int(value)
 
 
 def _no_pending() -> list[float]:
