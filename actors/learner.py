@@ -251,6 +251,7 @@ class LearnerActor(Actor):
             names = [n for n, _ in bucket]
             # One cast copy on the CPU for every destination: frames leave zero-copy, the next step must not
             # change what is still in flight, and the copy, not the master, is what the checksum covers.
+            # (Same-host destinations then share one shared-memory slot per tensor: `broadcast`.)
             tensors = [p.detach().to("cpu", self.push_dtype, copy=True) for _, p in bucket]
             update = WeightUpdate(
                 version=version,
@@ -260,8 +261,7 @@ class LearnerActor(Actor):
                 tensors=tensors,
                 checksum=checksum(names, tensors),
             )
-            for dest in dests:
-                self.send(dest, update)
+            self.broadcast(dests, update)  # one shared-memory copy for every destination on this host
             self.tick()  # a push of many buckets is progress, not a hang
 
     def _save(self, path: str) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import inspect
 import time
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import msgspec
@@ -36,6 +36,7 @@ from slipstream.protocols.base import Message
 from slipstream.protocols.control import Shutdown
 from slipstream.runtime.codec import Codec
 from slipstream.runtime.inbox import Inbox
+from slipstream.runtime.shm import MAX_READERS
 from slipstream.runtime.transport import actor_name
 
 COORDINATOR = "coordinator"  # destination name of the control socket
@@ -137,6 +138,20 @@ class Actor:
         """
         local = self.peers.get(dest, "").startswith("ipc://")
         return self._outbox.send(dest, (self._local_codec if local else self._codec).encode(msg))
+
+    def broadcast(self, dests: Sequence[str], msg: Message) -> None:
+        """Sends `msg` to every one of `dests`, encoded once for those on this host: their large tensors take
+        one shared-memory slot that each of them claims (a weight bucket for every rollout of a host is
+        one copy, not one per rollout). Up to `MAX_READERS` share a slot; more take another."""
+        local = [d for d in dests if self.peers.get(d, "").startswith("ipc://")]
+        for dest in dests:
+            if dest not in local:
+                self.send(dest, msg)
+        for start in range(0, len(local), MAX_READERS):
+            group = local[start : start + MAX_READERS]
+            frames = self._local_codec.encode(msg, readers=len(group))
+            for dest in group:
+                self._outbox.send(dest, frames)
 
     def control_pending(self) -> bool:
         """True while a control message (preempt, shutdown, lease) waits: long steps poll this."""

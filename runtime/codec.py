@@ -122,22 +122,26 @@ class Codec:
             for kind, cls in self.types.items()
         }
         self._out: list[Any] = []
+        self._readers = 1
         self._in: Sequence[memoryview] = ()
         self._used: set[int] = set()
 
     # -- encode ---------------------------------------------------------------------------------------
 
-    def encode(self, msg: Message) -> list[Any]:
-        """Frames for `msg`: kind, body, then one buffer per large tensor (zero-copy views)."""
+    def encode(self, msg: Message, *, readers: int = 1) -> list[Any]:
+        """Frames for `msg`: kind, body, then one buffer per large tensor (zero-copy views). `readers`: how
+        many receivers the same frames go to, each claiming a shared-memory slot once (one copy for all)."""
         kind = getattr(msg, "kind", "")
         if not kind or self.types.get(kind) is not type(msg):
             raise TypeError(f"{type(msg).__name__} is not a registered message type")
         self._out = []
+        self._readers = readers
         try:
             body = self._encoder.encode(msg)
             return [kind.encode(), body, *self._out]
         finally:
             self._out = []
+            self._readers = 1
 
     def _enc_hook(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -149,7 +153,7 @@ class Codec:
             if raw.numel() <= self.inline_bytes:
                 return [name, shape, raw.numpy().tobytes()]
             if self.shm is not None and raw.numel() >= self.shm_min_bytes:
-                ref = self.shm.put(raw)  # blocks while the lane is full: backpressure on the sender
+                ref = self.shm.put(raw, readers=self._readers)  # blocks while the lane is full: backpressure
                 if ref is not None:
                     return [name, shape, ref]
             self._out.append(raw.numpy())  # buffer protocol: zmq sends it without a copy

@@ -6,9 +6,11 @@ pre-faulted /dev/shm segment it keeps reusing, and the body carries a `ShmRef` (
 slot, generation); the receiver maps the segment once and gets a tensor that *aliases* the slot.
 
 The non-obvious choice: release needs no message. Each segment starts with a header page holding, per
-slot, `state`, `generation` and the claiming `pid`; the receiver flips `state` back to FREE when the
-last tensor (or view) over the slot is freed, and the sender simply sees it. That is the credit. The slot
-state machine, its locking and ordering rules: the comment above the header layout below.
+slot, its `generation`, the claims still `pending` and one cell per reader holding its pid; a receiver
+clears its cell when the last tensor (or view) over the slot is freed, and the sender simply sees it.
+That is the credit. A slot may be written once for several receivers (`put(readers=n)`: a weight bucket
+for every rollout of the host is one copy, not n). The slot protocol, its locking and ordering rules: the
+comment above the header layout below.
 
 `ShmArena` (sender) grows in power-of-two size classes up to a capacity, then `put` blocks until a slot
 frees (`ShmFullError` after its timeout): that is the backpressure. `ShmReader` is the receiving side.
@@ -44,27 +46,35 @@ _TAG_RE = re.compile(r"[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*")
 _PAGE = 4096
 _ALIGN = 64  # receivers view the bytes as any dtype: keep every tensor cache-line aligned
 
-# Slot protocol. Each slot moves through
+# Slot protocol. A slot is written once for `readers` receivers (1 to MAX_READERS: a broadcast, such as a
+# weight bucket every rollout on the host applies, is one copy however many read it), and each of them
+# claims it once and releases it once:
 #
-#     FREE ──put (sender)──▶ WRITTEN ──get (receiver)──▶ CLAIMED ──last view freed (receiver)──▶ FREE
-#                              │                            └──claimer pid dead (sender, reclaim)──▶ FREE
-#                              └──reclaim(older_than_s): descriptor lost (sender)──────────────────▶ FREE
+#     free ──put(readers=n) (sender)──▶ pending = n ──get (a receiver)──▶ pending - 1, its cell = its pid
+#       ▲                                                                  │
+#       └── pending = 0 and every cell 0 ◀──last view freed (that receiver): its cell = 0
+#                                          ◀──claimer pid dead (sender, reclaim): its cell = 0
+#                                          ◀──reclaim(older_than_s): descriptors lost (sender): pending = 0
 #
-# - Only the sender writes FREE→WRITTEN, and it bumps `generation` on every put and every reclaim; a
-#   descriptor whose generation is not the slot's is stale and `get` refuses it, so a late or replayed
-#   descriptor can never read a reused slot. A descriptor is single-use: a second `get` finds CLAIMED.
-# - WRITTEN→CLAIMED (receiver) and WRITTEN→FREE (sender reclaim) race, so both hold an fcntl lock on
-#   the slot's header bytes. The other transitions have one writer each and take no lock.
-# - Ordering: the sender stores data, then generation, then state, then sends the descriptor (a syscall);
-#   the receiver's reads of the data precede its FREE store. x86-64 (TSO) keeps both orders for plain
-#   stores; a weakly ordered CPU would need fences that Python cannot express.
+# - A slot is free when no descriptor is pending and no receiver holds it: `pending` == 0 and every reader
+#   cell is 0. Only the sender reuses a slot, and it decides that from the header alone; no message says so.
+# - Only the sender writes a new content: data, then `generation` + 1, then `readers` and `pending`, then
+#   the descriptor goes out (a syscall). A descriptor whose generation is not the slot's is stale and `get`
+#   refuses it, so a late or replayed descriptor can never read a reused slot; one taken by all of its
+#   readers already is refused too.
+# - A claim (receiver) and a lost-descriptor reclaim (sender) race on `pending`, so both hold an fcntl lock
+#   on the slot's header bytes. A receiver writes its cell before it decrements `pending`; the sender reads
+#   `pending` before the cells. Each cell has one writer at a time (its receiver; the sender only once
+#   that receiver is dead), so a release takes no lock.
+# - Ordering: plain stores in program order, read in the opposite order, as above. x86-64 (TSO) keeps
+#   that; a weakly ordered CPU would need fences that Python cannot express.
 # - The receiver's tensor is torch.frombuffer over a numpy array over the mapping; torch holds that array
-#   until the storage dies (views included), and `weakref.finalize` on the array does the FREE store.
-# - A receiver that dies holding slots: the sender frees CLAIMED slots whose pid is gone (`pid_alive`:
-#   a zombie counts as gone), automatically whenever `put` finds no free slot (and on `reclaim()`). Pids
-#   must share a namespace (same host, no separate pid namespaces). A descriptor that never arrived
-#   (message dropped) leaves its slot WRITTEN until the owner calls `reclaim(older_than_s)` with a bound
-#   well above delivery latency.
+#   until the storage dies (views included), and `weakref.finalize` on the array clears the cell.
+# - A receiver that dies holding slots: the sender clears cells whose pid is gone (`pid_alive`: a zombie
+#   counts as gone), automatically whenever `put` finds no free slot (and on `reclaim()`). Pids must share
+#   a namespace (same host, no separate pid namespaces). A descriptor that never arrived (message dropped)
+#   keeps its slot pending until the owner calls `reclaim(older_than_s)` with a bound well above delivery
+#   latency.
 # - Slots come in power-of-two size classes; a class's segment grows by doubling its slot count. The
 #   arena grows to `capacity_bytes` of slot memory (plus a 4 KiB header page per segment), evicts wholly
 #   free segments of other classes when a new class needs room, and then `put` blocks, polling the
@@ -73,14 +83,15 @@ _ALIGN = 64  # receivers view the bytes as any dtype: keep every tensor cache-li
 #   MAP_POPULATE (no page faults later).
 #
 # The header page, as uint64 words: segment fields, then one row of slot fields per slot.
-_MAGIC = int.from_bytes(b"SLIPSHM1", "little")
+_MAGIC = int.from_bytes(b"SLIPSHM2", "little")
 _HEADER_BYTES = _PAGE
 _META_WORDS = 8
 _M_MAGIC, _M_RETIRED, _M_SLOT_BYTES, _M_NSLOTS = 0, 1, 2, 3
-_SLOT_WORDS = 4
-_S_STATE, _S_GEN, _S_PID = 0, 1, 2
-MAX_SLOTS = (_HEADER_BYTES // 8 - _META_WORDS) // _SLOT_WORDS  # 126
-FREE, WRITTEN, CLAIMED = 0, 1, 2
+MAX_READERS = 8
+"""Receivers one slot can be written for (a host's rollouts: one per GPU on an 8-GPU node)."""
+_S_GEN, _S_READERS, _S_PENDING, _S_CELLS = 0, 1, 2, 3  # cells: MAX_READERS words, a claimer's pid each
+_SLOT_WORDS = _S_CELLS + MAX_READERS + 1  # and one spare, for an even row
+MAX_SLOTS = (_HEADER_BYTES // 8 - _META_WORDS) // _SLOT_WORDS  # 42
 
 _GROW_BYTES = 256 << 20  # cap on one growth step for small classes: pre-faulting is not free
 _DEAD_CHECK_S = 0.05
@@ -115,7 +126,7 @@ class _Segment:
         words = np.frombuffer(mm, dtype=np.uint64, count=_HEADER_BYTES // 8)
         self.meta = words[:_META_WORDS]
         rows = words[_META_WORDS : _META_WORDS + MAX_SLOTS * _SLOT_WORDS]
-        self.slots = rows.reshape(MAX_SLOTS, _SLOT_WORDS)  # [slot, (state, generation, pid, spare)]
+        self.slots = rows.reshape(MAX_SLOTS, _SLOT_WORDS)  # [slot, (generation, readers, pending, cells…)]
         self.slot_bytes = int(self.meta[_M_SLOT_BYTES])
         self.nslots = int(self.meta[_M_NSLOTS])
         self.stamps: list[float] = []  # sender only: monotonic time of the last put per slot
@@ -132,8 +143,14 @@ class _Segment:
         finally:
             fcntl.lockf(self.fd, fcntl.LOCK_UN, _SLOT_WORDS * 8, start, os.SEEK_SET)
 
+    def free_mask(self) -> np.ndarray:
+        """[nslots] bool: slots no descriptor is pending for and no receiver holds (read in that order)."""
+        rows = self.slots[: self.nslots]
+        pending = rows[:, _S_PENDING] == 0
+        return pending & (rows[:, _S_CELLS : _S_CELLS + MAX_READERS] == 0).all(axis=1)
+
     def all_free(self) -> bool:
-        return bool((self.slots[: self.nslots, _S_STATE] == FREE).all())
+        return bool(self.free_mask().all())
 
     def close(self) -> None:
         self.meta = self.slots = None  # type: ignore[assignment]
@@ -183,17 +200,21 @@ class ShmArena:
         return [s.name for segs in self._classes.values() for s in segs]
 
     def busy_slots(self) -> int:
-        """Slots not FREE: written and in flight, or held by a receiver."""
-        return sum(int((s.slots[: s.nslots, _S_STATE] != FREE).sum()) for s in self._segments())
+        """Slots not free: written and in flight, or held by a receiver."""
+        return sum(int((~s.free_mask()).sum()) for s in self._segments())
 
-    def put(self, raw: torch.Tensor, *, timeout_s: float | None = None) -> ShmRef | None:
-        """Copies `raw` (uint8, 1-D, contiguous, any device) into a free slot and describes it.
+    def put(self, raw: torch.Tensor, *, readers: int = 1, timeout_s: float | None = None) -> ShmRef | None:
+        """Copies `raw` (uint8, 1-D, contiguous, any device) into a free slot and describes it, for
+        `readers` receivers (send the one descriptor to each): the slot frees once each has claimed and
+        released it.
 
         None when `raw` is empty or larger than `slot_bytes_max` (send it as a frame instead). Blocks
         while every slot is busy and the arena is at capacity; raises ShmFullError after `timeout_s`.
         """
         if raw.dtype != torch.uint8 or raw.dim() != 1 or not raw.is_contiguous():
             raise TypeError(f"put needs a contiguous 1-D uint8 tensor, got {raw.dtype} {tuple(raw.shape)}")
+        if type(readers) is not int or not 1 <= readers <= MAX_READERS:
+            raise ValueError(f"readers={readers!r}: a slot is written for 1 to {MAX_READERS} receivers")
         if not self._finalizer.alive:
             raise RuntimeError("ShmArena is closed")
         nbytes = raw.numel()
@@ -206,28 +227,36 @@ class ShmArena:
         torch.frombuffer(seg.mm, dtype=torch.uint8, count=nbytes, offset=offset).copy_(raw)
         generation = int(seg.slots[slot, _S_GEN]) + 1
         seg.slots[slot, _S_GEN] = generation
-        seg.slots[slot, _S_STATE] = WRITTEN  # after the generation: WRITTEN implies the new generation
+        seg.slots[slot, _S_READERS] = readers
+        seg.slots[slot, _S_PENDING] = readers  # last: a pending claim implies the new generation
         seg.stamps[slot] = time.monotonic()
         return ShmRef(seg.name, offset, nbytes, slot, generation)
 
     def reclaim(self, older_than_s: float | None = None) -> int:
-        """Frees slots whose claiming receiver died and, given `older_than_s`, slots whose descriptor
-        was never taken that long after `put` (its message was lost). Returns how many were freed."""
+        """Releases the claims of receivers that died and, given `older_than_s`, the pending claims of
+        descriptors never taken that long after `put` (their message was lost). Returns how many slots
+        that made free."""
         freed = 0
         now = time.monotonic()
         for seg in self._segments():
-            for slot in range(seg.nslots):
-                state = int(seg.slots[slot, _S_STATE])
-                if state == CLAIMED and not pid_alive(int(seg.slots[slot, _S_PID])):
-                    seg.slots[slot, _S_GEN] += np.uint64(1)
-                    seg.slots[slot, _S_STATE] = FREE
-                    freed += 1
-                elif state == WRITTEN and older_than_s is not None and now - seg.stamps[slot] > older_than_s:
+            before = seg.free_mask()
+            for slot in np.flatnonzero(~before):
+                cells = seg.slots[slot, _S_CELLS : _S_CELLS + MAX_READERS]
+                for k in np.flatnonzero(cells):
+                    if not pid_alive(int(cells[k])):
+                        cells[k] = 0  # its receiver is gone: nobody else writes this cell now
+                if (
+                    older_than_s is not None
+                    and seg.slots[slot, _S_PENDING]
+                    and now - seg.stamps[slot] > older_than_s
+                ):
                     with seg.locked(slot):  # a receiver may be claiming it right now
-                        if int(seg.slots[slot, _S_STATE]) == WRITTEN:
-                            seg.slots[slot, _S_GEN] += np.uint64(1)
-                            seg.slots[slot, _S_STATE] = FREE
-                            freed += 1
+                        seg.slots[slot, _S_PENDING] = 0
+            now_free = np.flatnonzero(seg.free_mask() & ~before)
+            # A late descriptor of a slot freed here must not claim it: it is stale from now on. Releases
+            # check their cell, not the generation, so readers still holding a slot are not affected.
+            seg.slots[now_free, _S_GEN] += np.uint64(1)
+            freed += now_free.size
         return freed
 
     def close(self) -> None:
@@ -280,7 +309,7 @@ class ShmArena:
     @staticmethod
     def _free_slot(segments: list[_Segment]) -> tuple[_Segment, int] | None:
         for seg in segments:
-            free = np.flatnonzero(seg.slots[: seg.nslots, _S_STATE] == FREE)
+            free = np.flatnonzero(seg.free_mask())
             if free.size:
                 return seg, int(free[0])
         return None
@@ -356,11 +385,11 @@ def _unlink_all(paths: set[Path]) -> None:
     paths.clear()
 
 
-def _release(slots: np.ndarray, slot: int, generation: int) -> None:
-    # The last tensor over the slot died. Only free what is still ours: after our own death-reclaim
-    # (impossible while we live) or a bug, the generation would have moved on.
-    if int(slots[slot, _S_GEN]) == generation and int(slots[slot, _S_STATE]) == CLAIMED:
-        slots[slot, _S_STATE] = FREE
+def _release(slots: np.ndarray, slot: int, cell: int, pid: int) -> None:
+    # The last view of this receiver's claim died: clear its cell. Only while the cell is still ours (the
+    # sender clears it only once we are dead, and reuses the slot only once it is clear).
+    if int(slots[slot, _S_CELLS + cell]) == pid:
+        slots[slot, _S_CELLS + cell] = 0
 
 
 class ShmReader:
@@ -398,7 +427,7 @@ class ShmReader:
             )
         if ref.offset % _ALIGN:
             raise ValueError(f"shm descriptor offset {ref.offset} is not {_ALIGN}-byte aligned")
-        with seg.locked(ref.slot):  # against the sender reclaiming this WRITTEN slot
+        with seg.locked(ref.slot):  # against other readers' claims and the sender's lost-descriptor reclaim
             if seg.meta[_M_RETIRED]:
                 raise ValueError(f"shm segment {ref.name} was retired by its sender")
             generation = int(seg.slots[ref.slot, _S_GEN])
@@ -407,15 +436,21 @@ class ShmReader:
                     f"stale shm descriptor: generation {ref.generation}, but slot {ref.slot} of "
                     f"{ref.name} is at generation {generation} (reused or reclaimed)"
                 )
-            state = int(seg.slots[ref.slot, _S_STATE])
-            if state != WRITTEN:
-                what = "already claimed (descriptors are single-use)" if state == CLAIMED else "free"
-                raise ValueError(f"shm slot {ref.slot} of {ref.name} is {what}, not written")
-            seg.slots[ref.slot, _S_PID] = os.getpid()
-            seg.slots[ref.slot, _S_STATE] = CLAIMED
+            readers, pending = int(seg.slots[ref.slot, _S_READERS]), int(seg.slots[ref.slot, _S_PENDING])
+            if pending == 0 or pending > readers or readers > MAX_READERS:
+                held = bool(seg.slots[ref.slot, _S_CELLS : _S_CELLS + MAX_READERS].any())
+                what = (
+                    f"already claimed (by all {readers} of its reader(s): a descriptor is single-use per reader)"
+                    if held
+                    else "free, not written"
+                )
+                raise ValueError(f"shm slot {ref.slot} of {ref.name} is {what}")
+            cell, pid = readers - pending, os.getpid()
+            seg.slots[ref.slot, _S_CELLS + cell] = pid  # before pending: the sender reads them the other way
+            seg.slots[ref.slot, _S_PENDING] = pending - 1
         buf = np.frombuffer(seg.mm, dtype=np.uint8, count=nbytes, offset=ref.offset)  # [nbytes]
         # torch keeps `buf` alive for as long as any view of the storage lives; its death is the release.
-        weakref.finalize(buf, _release, seg.slots, ref.slot, ref.generation)
+        weakref.finalize(buf, _release, seg.slots, ref.slot, cell, pid)
         return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(shape)
 
     def close(self) -> None:

@@ -282,6 +282,61 @@ def test_round_trip_across_processes_releases_through_the_header(tag: str) -> No
         stop(proc)
 
 
+def test_one_slot_written_for_several_readers_frees_when_the_last_releases(tag: str) -> None:
+    """A broadcast: one copy for `readers` receivers, each claiming the same descriptor once; the slot is
+    reused only after every reader released it, and a claim beyond `readers` is refused."""
+    with ShmArena(tag, slot_bytes_max=MIB, capacity_bytes=MIB) as arena:  # one slot in all
+        x = torch.arange(MIB // 4, dtype=torch.float32)  # [256K] = 1 MiB
+        ref = arena.put(as_bytes(x), readers=3)
+        assert ref is not None
+        got = [ShmReader().get(ref, torch.float32, [MIB // 4]) for _ in range(3)]
+        assert all(torch.equal(g, x) for g in got)
+        with pytest.raises(ValueError, match=r"already claimed \(by all 3 of its reader"):
+            ShmReader().get(ref, torch.float32, [MIB // 4])
+        view = got[0][10:]  # a view keeps its reader's claim
+        del got[0]
+        got.pop()
+        assert arena.busy_slots() == 1
+        with pytest.raises(ShmFullError):
+            arena.put(as_bytes(x), timeout_s=0.1)
+        got.clear()
+        assert arena.busy_slots() == 1  # the view still holds it
+        del view
+        assert arena.busy_slots() == 0
+        again = arena.put(as_bytes(x * 2), readers=2)
+        assert again is not None and again.slot == ref.slot and again.generation == ref.generation + 1
+        for bad in (0, 9, True):
+            with pytest.raises(ValueError, match="readers="):
+                arena.put(as_bytes(x), readers=bad)
+
+
+@pytest.mark.timeout(60)
+def test_a_broadcast_slot_survives_a_dead_reader_and_a_lost_descriptor(tag: str) -> None:
+    proc = spawn("pipe")
+    try:
+        with ShmArena(tag, slot_bytes_max=MIB, capacity_bytes=MIB) as arena:
+            x = torch.ones(MIB // 4)
+            ref = arena.put(as_bytes(x), readers=3)
+            assert ref is not None
+            ask(proc, ref, [MIB // 4], "hold")  # reader 1: another process, holding it
+            mine = ShmReader().get(ref, torch.float32, [MIB // 4])  # reader 2: this one
+            # Reader 3's descriptor is lost, reader 1 dies: neither frees the slot while reader 2 holds it.
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+            assert arena.reclaim(older_than_s=0) == 0 and arena.busy_slots() == 1
+            with pytest.raises(ValueError, match="already claimed"):  # the lost claim is void now
+                ShmReader().get(ref, torch.float32, [MIB // 4])
+            assert float(mine.sum()) == MIB // 4  # ... and reader 2's tensor is still whole
+            del mine
+            assert arena.busy_slots() == 0
+            late = arena.put(as_bytes(x))
+            assert late is not None and late.slot == ref.slot
+            with pytest.raises(ValueError, match="stale shm descriptor"):
+                ShmReader().get(ref, torch.float32, [MIB // 4])
+    finally:
+        stop(proc)
+
+
 @pytest.mark.timeout(60)
 def test_slots_held_by_a_dead_receiver_are_reclaimed(tag: str) -> None:
     proc = spawn("pipe")

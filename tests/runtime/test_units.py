@@ -236,6 +236,38 @@ def test_an_actor_holds_no_reference_to_a_message_once_it_is_handled() -> None:
     assert alive == [False]
 
 
+def test_a_broadcast_writes_one_shared_memory_slot_for_every_destination_on_the_host() -> None:
+    """A weight bucket for the host's rollouts is one copy each claims, not one copy per rollout; a peer on
+    another host gets its own plain encoding (no descriptor could reach it)."""
+    import uuid
+
+    from slipstream.runtime.codec import Codec
+    from slipstream.runtime.shm import ShmArena, ShmReader, cleanup
+
+    tag = f"test{uuid.uuid4().hex[:8]}"
+    try:
+        with ShmArena(tag, slot_bytes_max=8 << 20, capacity_bytes=64 << 20) as arena:
+            out = FakeOutbox()
+            peers = {"rollout:0": "ipc:///a", "rollout:1": "ipc:///b", "rollout:2": "tcp://10.0.0.2:5000"}
+            sink = Sink(Sink.Config(), rank=0, outbox=out, inbox=Inbox(8), peers=peers,
+                        local_codec=Codec(shm=arena))  # fmt: skip
+            weights = torch.randn(1 << 19)  # [512K] float32 = 2 MiB: over the lane's threshold
+            update = WeightUpdate(
+                version=1, bucket=0, num_buckets=1, names=["w"], tensors=[weights], checksum="0"
+            )
+            sink.broadcast(["rollout:0", "rollout:1", "rollout:2"], update)
+            sent = dict(out.sent)
+            assert sent["rollout:0"] is sent["rollout:1"] and arena.busy_slots() == 1  # one copy, one slot
+            assert len(sent["rollout:2"]) == 3  # kind, body, and the tensor's own frame
+            decoded = [Codec(shm_reader=ShmReader()).decode(sent[d]) for d in ("rollout:0", "rollout:1")]
+            assert all(torch.equal(m.tensors[0], weights) for m in decoded)  # type: ignore[attr-defined]
+            assert arena.busy_slots() == 1
+            del decoded
+            assert arena.busy_slots() == 0  # both rollouts released it
+    finally:
+        cleanup(tag)
+
+
 def test_fatal_ends_the_actor() -> None:
     echo, _ = make_echo()
     echo.inbox.put_data(("peer:0", Ping(seq=666, sent_ns=0)))
