@@ -49,6 +49,15 @@ def test_three_actors_exchange_then_sigkill_is_reported_and_rest_shut_down(tmp_p
         try:
             await sup.start(smoke.specs(sinks=2, messages=8))
             pids = [sup.pid(n) for n in ("source:0", "sink:0", "sink:1")]
+            # Every actor runs with oneDNN's and ideep's shape caches bounded (the supervisor's defaults).
+            environ = dict(
+                line.split("=", 1)
+                for line in Path(f"/proc/{pids[0]}/environ").read_bytes().decode().split("\0")
+                if "=" in line
+            )
+            assert (
+                environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY") == environ.get("LRU_CACHE_CAPACITY") == "256"
+            )
             await sup.send("source:0", Status(topic="go", fields={}))
             done = await next_status(sup, "smoke_done")
             assert done.fields["acked"] == 16 and done.fields["bad"] == 0
