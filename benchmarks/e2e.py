@@ -1,6 +1,6 @@
 """`slipstream bench e2e`: whole RL steps, Slipstream against `--baseline`, side by side in one invocation.
 
-    slipstream bench e2e --json                       # deploy/configs/demo.yaml with steps=4
+    slipstream bench e2e --json                       # deploy/configs/demo.yaml with steps=4, 2 rounds
     slipstream bench e2e --config my.yaml steps=6 --json
 
 The same config, seeds, prompts and reward run twice: with speculation and drafter training in idle device

@@ -471,7 +471,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kill-every", type=float, default=3.0, help="soak: mean seconds between kills")
     s.add_argument("--kills", type=int, default=0, help="soak: the most kills (0 = no cap)")
     s.add_argument(
-        "--rounds", type=int, default=1, help="e2e: 2 runs Slipstream, baseline, baseline, Slipstream"
+        "--rounds",
+        type=int,
+        default=2,
+        help="e2e: 2 (default) runs Slipstream, baseline, baseline, Slipstream and pools them; 1: S, B only",
     )
 
     s = sub.add_parser("logs", help="print a run's logs, merged by time; --follow streams live events")
