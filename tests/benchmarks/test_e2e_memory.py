@@ -76,8 +76,10 @@ def test_an_isolated_run_counts_its_train_process_as_the_coordinator_and_not_the
     import subprocess
     import sys
 
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "train"])
+    code = "import time; print('ready', flush=True); time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", code, "train"], stdout=subprocess.PIPE, text=True)
     try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"  # exec'd: its argv
         assert e2e._process_label(os.getpid(), isolated=True) is None
         assert e2e._process_label(child.pid, isolated=True) == "coordinator"
         # In process (tests, a caller's own loop): this process runs the loop; a stray child is "other".

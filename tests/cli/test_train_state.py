@@ -41,7 +41,9 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:
 def test_a_resumed_run_keeps_each_earlier_step_once(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     fields = {
-        f: 0 for f in run_dir.StepRecord.__struct_fields__ if f not in ("arms", "restarts", "reward_errors")
+        f: 0
+        for f in run_dir.StepRecord.__struct_fields__
+        if f not in ("arms", "restarts", "reward_errors", "accept_by_batch")
     }
 
     def line(step: int, reward: float) -> str:
