@@ -136,6 +136,7 @@ class DrafterActor(Actor):
         self._shared_version = self._published_version = self._checkpointed_version = 0
         self._published_at = float("-inf")
         self._remote_merged = False  # deltas folded in since the group last heard
+        self._lease_started: dict[int, int] = {}  # lease id -> when it arrived (monotonic ns), its span
         self._active: dict[str, float] = {}  # rank → monotonic time until which it counts as training
         self._last_delta_at: dict[str, float] = {}
         self._lr_scale = 1
@@ -171,12 +172,14 @@ class DrafterActor(Actor):
     @handler
     def on_lease(self, msg: Lease, sender: str) -> None:
         self.leases[msg.lease_id] = msg
+        self._lease_started[msg.lease_id] = time.monotonic_ns()
         self._fit_to_leases()
         self.log.info("leased", lease_id=msg.lease_id, device=msg.device, threads=msg.threads, cpus=msg.cpus)
 
     @handler
     def on_preempt(self, msg: Preempt, sender: str) -> None:
-        if self.leases.pop(msg.lease_id, None) is None:
+        lease = self.leases.pop(msg.lease_id, None)
+        if lease is None:
             self.log.warning("preempt_unknown_lease", lease_id=msg.lease_id)
         if self.leases:
             self._fit_to_leases()  # off the returned device at once, on with the others
@@ -186,6 +189,18 @@ class DrafterActor(Actor):
             release_freed_memory()
         latency = max(0, time.time_ns() - msg.sent_ns)
         self.send(COORDINATOR, Released(lease_id=msg.lease_id, latency_ns=latency))
+        leased_at = self._lease_started.pop(msg.lease_id, None)
+        if leased_at is not None:  # from the lease to its release: what this device did for the drafter
+            self.spans.add(
+                "lease",
+                leased_at,
+                time.monotonic_ns() - leased_at,
+                self.policy_version,
+                lease_id=msg.lease_id,
+                device=lease.device if lease is not None else None,
+                preempt_ms=round(latency / 1e6, 3),
+                reason=msg.reason,
+            )
         self.log.info(
             "released",
             lease_id=msg.lease_id,
@@ -368,12 +383,23 @@ class DrafterActor(Actor):
             return False
         batch = batch.to(self.device)  # the buffer stays in host memory; one batch at a time moves
         started = time.perf_counter()
+        started_ns = time.monotonic_ns()
         # A control message (a preemption) abandons the step between its phases: the device goes back
         # within one phase instead of a whole step (releases came 80-640 ms late at 512 tokens on a core;
         # the latency after this change is not measured yet).
         metrics = self.trainer.step(batch, stop=self.control_pending)
         elapsed = time.perf_counter() - started
         self._trained_s += elapsed * len(self.leases)  # device-seconds: what the coordinator's account caps
+        self.spans.add(
+            "train_step",
+            started_ns,
+            time.monotonic_ns() - started_ns,
+            self.policy_version,
+            tokens=int(batch.token_ids.numel()),
+            leases=len(self.leases),
+            loss=None if metrics is None else round(float(metrics["loss"]), 5),
+            abandoned=metrics is None,
+        )
         if metrics is None:
             return True  # the loop serves the control message next
         self._last_loss = float(metrics["loss"])

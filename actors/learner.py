@@ -189,13 +189,27 @@ class LearnerActor(Actor):
         if msg.push_only or (alone and msg.num_groups == 0):
             stats = {"loss": 0.0, "grad_norm": 0.0, "tokens": 0}
         else:
-            stats = self.trainer.step(samples, on_progress=self.tick)
+            marks = [time.monotonic_ns()]
+
+            def progress() -> None:  # after each micro-batch: a span for it, and a tick (not a hang)
+                now = time.monotonic_ns()
+                self.spans.add("micro_batch", marks[-1], now - marks[-1], msg.step, index=len(marks) - 1)
+                marks.append(now)
+                self.tick()
+
+            stats = self.trainer.step(samples, on_progress=progress)
+            # After the last micro-batch: the all-reduce, the clip and AdamW's step.
+            self.spans.add("optimizer", marks[-1], time.monotonic_ns() - marks[-1], msg.step)
             # The checkpoint and the push below do not need the step's gradients (a model's worth): freed,
             # their memory serves the push's cast copies.
             self.trainer.free_gradients()
         self.version = msg.version
         elapsed = time.perf_counter() - started
         metrics = {k: float(v) for k, v in stats.items() if k not in ("step", "loss", "grad_norm", "tokens")}
+        if msg.push_to:  # what the push after this step moves: one copy of the policy in the push dtype
+            metrics["push_bytes"] = float(
+                sum(p.numel() for p in self.model.parameters()) * self.push_dtype.itemsize
+            )
         self.send(
             COORDINATOR,
             StepStats(
@@ -227,17 +241,28 @@ class LearnerActor(Actor):
 
     def push(self, dests: list[str], version: int) -> None:
         """Sends every parameter to each of `dests`, cast to `push_dtype`, as checksummed buckets."""
-        self._push(list(self.model.named_parameters()), dests, version)
+        self._push(list(self.model.named_parameters()), dests, version, span="push")
         self.log.info("weights_pushed", dests=dests, version=version)
 
     def push_head(self, dests: list[str], version: int) -> None:
         """Sends the parameters an EAGLE drafter reads of its target (embedding, final norm, and LM head when
         untied) to each of `dests`: the same kind of buckets, numbered over this subset alone."""
-        self._push([(n, p) for n, p in self.model.named_parameters() if n in HEAD_PARTS], dests, version)
+        head = [(n, p) for n, p in self.model.named_parameters() if n in HEAD_PARTS]
+        self._push(head, dests, version, span="push_head")
         self.log.info("head_pushed", dests=dests, version=version)
 
-    def _push(self, params: list[tuple[str, torch.nn.Parameter]], dests: list[str], version: int) -> None:
+    def _push(
+        self, params: list[tuple[str, torch.nn.Parameter]], dests: list[str], version: int, *, span: str
+    ) -> None:
+        with self.spans.span(span, version - 1, version=version, dests=list(dests)) as fields:
+            fields["bytes"] = self._push_buckets(params, dests, version)
+
+    def _push_buckets(
+        self, params: list[tuple[str, torch.nn.Parameter]], dests: list[str], version: int
+    ) -> int:
+        """Sends the buckets; returns the bytes of one copy of them."""
         itemsize = self.push_dtype.itemsize
+        sent = 0
         buckets: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
         size = 0
         for name, param in params:
@@ -263,8 +288,14 @@ class LearnerActor(Actor):
             )
             self.broadcast(dests, update)  # one shared-memory copy for every destination on this host
             self.tick()  # a push of many buckets is progress, not a hang
+            sent += sum(t.numel() * t.element_size() for t in tensors)
+        return sent
 
     def _save(self, path: str) -> None:
+        with self.spans.span("checkpoint", self.version - 1, path=path):
+            self._save_now(path)
+
+    def _save_now(self, path: str) -> None:
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_suffix(target.suffix + ".tmp")

@@ -131,6 +131,8 @@ class RolloutActor(Actor):
         self.methods = {"off", *drafters} | ({"hybrid"} if {"ngram", "eagle"} <= drafters.keys() else set())
         self.policy_version = cfg.policy_version
         self._samples: dict[str, tuple[int, int]] = {}  # request id -> (group id, sample index)
+        self._queued_ns: dict[str, int] = {}  # request id -> arrival (monotonic ns), for its "sample" span
+        self._push_started_ns: dict[int, int] = {}  # weight version -> its first bucket's arrival
         self._arm = "off"
         self._iteration = 0
         self._idle_sent = True  # nothing to report until work arrives
@@ -146,6 +148,7 @@ class RolloutActor(Actor):
         are still starting: the learner takes seconds longer). Nothing of it is kept: no completion or hidden
         state leaves, the tuner and the draft vocabulary's counts see none of it, every slot is freed."""
         started = time.perf_counter()
+        started_ns = time.monotonic_ns()
         vocab = self.model.config.vocab_size
         length = max(1, min(64, self.config.max_len // 4))
         prompt = [(7919 * i + 13) % vocab for i in range(length)]  # any ids: only the shapes matter
@@ -170,6 +173,7 @@ class RolloutActor(Actor):
             self.generator.set_spec(None)
             if self.eagle is not None:
                 self.eagle.vocab.frozen = False
+        self.spans.add("warm_up", started_ns, time.monotonic_ns() - started_ns, arms=len(arms))
         self.log.info(
             "warmed_up",
             arms=[a.name for a in arms],
@@ -237,6 +241,7 @@ class RolloutActor(Actor):
                 self._send_completion(msg.group_id, i, [], [], "error", 0.0)
                 continue
             self._samples[request_id] = (msg.group_id, i)
+            self._queued_ns[request_id] = time.monotonic_ns()
         self._idle_sent = False
 
     # -- updates --------------------------------------------------------------------------------------
@@ -310,6 +315,7 @@ class RolloutActor(Actor):
             # A newer version is already being written over it (a re-push after a learner restart).
             self.log.warning("weights_superseded", version=msg.version, by=self._in_place_version)
             return
+        self._push_started_ns.setdefault(msg.version, time.monotonic_ns())
         buckets = self._staged.setdefault(msg.version, {})
         if self._in_place_version is not None or (len(buckets) == 0 and not self.generator.has_unfinished()):
             # Idle (the synchronous loop's case), or already writing one: each bucket goes straight into
@@ -378,6 +384,11 @@ class RolloutActor(Actor):
             if differing:
                 error = f"applied weights differ from the learner's in buckets {sorted(differing)}"
                 self.log.error("weights_differ", version=version, buckets=sorted(differing))
+        first = self._push_started_ns.pop(version, None)
+        for old in [v for v in self._push_started_ns if v < version]:
+            del self._push_started_ns[old]
+        if first is not None:  # first bucket in -> applied (and verified): the end of a push's flow
+            self.spans.add("apply_weights", first, time.monotonic_ns() - first, version - 1, version=version)
         self.log.info(
             "weights_applied", version=version, verified=self.config.verify_applied_weights, **memory_now()
         )
@@ -417,12 +428,34 @@ class RolloutActor(Actor):
             self._arm = decision.arm
         self.log.info("tuner_decision", iteration=self._iteration, **decision.as_dict())
         before = generator.stats
+        offered_before, accepted_before = generator.position_stats
+        prefilling = generator.num_prefilling
+        started_ns = time.monotonic_ns()
         started = time.perf_counter()
         outputs = generator.step()
         seconds = time.perf_counter() - started
         after = generator.stats
         committed = after["committed"] - before["committed"]
         drafted, accepted = after["drafted"] - before["drafted"], after["accepted"] - before["accepted"]
+        offered_after, accepted_after = generator.position_stats
+        offered_at = [
+            n - (offered_before[d] if d < len(offered_before) else 0) for d, n in enumerate(offered_after)
+        ]
+        accepted_at = [
+            n - (accepted_before[d] if d < len(accepted_before) else 0) for d, n in enumerate(accepted_after)
+        ]
+        self.spans.add(
+            "iteration",
+            started_ns,
+            time.monotonic_ns() - started_ns,
+            self.policy_version,
+            batch=batch,
+            prefilling=prefilling,
+            arm=decision.arm,
+            drafted=drafted,
+            accepted=accepted,
+            committed=committed,
+        )
         if clean:
             self.tuner.record(batch, decision.arm, committed, seconds)
         # Acceptance needs no clean clock: prefill rows draft nothing, so every iteration's decodes count.
@@ -446,6 +479,8 @@ class RolloutActor(Actor):
                 accepted=accepted,
                 committed=committed,
                 iter_s=seconds,
+                offered_at=offered_at,
+                accepted_at=accepted_at,
             ),
         )
         self._iteration += 1
@@ -456,6 +491,19 @@ class RolloutActor(Actor):
 
     def _finish(self, completion: Completion) -> None:
         group_id, index = self._samples.pop(completion.request_id)
+        queued = self._queued_ns.pop(completion.request_id, None)
+        if queued is not None:  # from the request's arrival to its last token: the long-tail view's bar
+            self.spans.add(
+                "sample",
+                queued,
+                time.monotonic_ns() - queued,
+                self.policy_version,
+                group=group_id,
+                index=index,
+                tokens=len(completion.token_ids),
+                finish=completion.finish_reason,
+                passes=completion.target_passes,
+            )
         passes = completion.target_passes
         accept = len(completion.token_ids) / passes if passes else 0.0
         self._send_completion(

@@ -279,6 +279,18 @@ class VerifierActor(Actor):
             )
         else:
             self._counts["scored"] += 1
+        ended = time.monotonic_ns()
+        took = int(max(0.0, elapsed_s) * 1e9)
+        self.spans.add(
+            "reward",
+            ended - took,
+            took,
+            req.policy_version,
+            group=req.group_id,
+            index=req.sample_index,
+            ok=reward is not None,
+            **({"reason": reason} if reward is None else {}),
+        )
         self.send(
             self.config.results_to,
             Reward(

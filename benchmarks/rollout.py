@@ -147,6 +147,7 @@ class RolloutBenchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True
         ""  # adaptive: the warmed EAGLE head to start from; "" = a cached warmup, made on first use
     )
     warmup_steps: Positive = 1000  # optimizer steps of that warmup when it has to be made
+    spans: bool = False  # actors record spans (runtime/spans.py), as `train` does by default: their cost
     tuner: TunerSettings = msgspec.field(default_factory=TunerSettings)
     rollout_actors: RolloutSettings = msgspec.field(default_factory=RolloutSettings)
     drafter_actors: DrafterSettings = msgspec.field(default_factory=DrafterSettings)
@@ -308,7 +309,7 @@ async def run_phase(
     sampling = SamplingSpec(
         temperature=config.temperature, max_tokens=config.max_tokens, stop_token_ids=stop_ids
     )
-    sup = Supervisor(run_dir, heartbeat_s=1.0)
+    sup = Supervisor(run_dir, heartbeat_s=1.0, trace=config.spans)
     await sup.start(rollout_specs(config, mode, model, max_len, drafter, max_batch))
     rollouts = [actor_name(RolloutActor.role, r) for r in range(DEVICES)]
     # Only the adaptive mode has drafters: the coordinator leases an idle device to the one placed for it.

@@ -23,14 +23,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
+
+from slipstream.cli import export as export_cli
+from slipstream.cli import report as report_cli
+from slipstream.cli import trace as trace_cli
 
 if TYPE_CHECKING:
     from slipstream.cli.train import TrainConfig
 
 NOT_YET = {
-    "trace": "span export to Chrome-trace JSON (observability)",
-    "report": "PNG run reports (observability)",
     "launch": "multi-node launch from a topology file (deploy)",
 }
 
@@ -118,7 +120,13 @@ def _bench_soak(args: argparse.Namespace) -> int:
 
 
 def _run_training(
-    cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume: bool = False, echo: bool = False
+    cfg: TrainConfig,
+    run_dir: Path,
+    *,
+    baseline: bool,
+    resume: bool = False,
+    echo: bool = False,
+    step_lines: TextIO | None = None,
 ) -> dict[str, Any]:
     """One `slipstream train` run: config.json (a fresh run), the coordinator's log, the loop; its summary."""
     import msgspec
@@ -133,7 +141,11 @@ def _run_training(
         (run_dir / "config.json").write_text(json.dumps(msgspec.to_builtins(cfg)))
     log = logs.configure(role="coordinator", run_dir=run_dir, echo=echo)
     log.info("config", **msgspec.to_builtins(cfg))
-    return uvloop.run(train.train(cfg, run_dir, baseline=baseline, resume=resume, progress=bar, log=log))
+    return uvloop.run(
+        train.train(
+            cfg, run_dir, baseline=baseline, resume=resume, progress=bar, log=log, step_lines=step_lines
+        )
+    )
 
 
 def packaged_config(name: str) -> Path:
@@ -168,7 +180,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         cfg = train.load_config(config_path or packaged_config("demo.yaml"), overrides)
         run_dir = args.run_dir or Path(f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
     summary = _run_training(
-        cfg, run_dir, baseline=args.baseline, resume=args.resume is not None, echo=args.verbose
+        cfg,
+        run_dir,
+        baseline=args.baseline,
+        resume=args.resume is not None,
+        echo=args.verbose,
+        step_lines=sys.stdout,  # a line per step as it finishes, on a terminal or not
     )
     print(train.render(summary))
     return 0
@@ -484,10 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--level", default=None)
     s.add_argument("--event", default=None)
 
-    s = sub.add_parser("trace", help="write a run's spans as Chrome-trace JSON (not yet)")
-    s.add_argument("run", nargs="?")
-    s = sub.add_parser("report", help="draw a run's PNG report (not yet)")
-    s.add_argument("run", nargs="?")
+    trace_cli.add_parser(sub)
+    report_cli.add_parser(sub)
+    export_cli.add_parser(sub)
     s = sub.add_parser("drafter", help="train a drafter offline (warmup) or export a run's drafter")
     dsub = s.add_subparsers(dest="action", required=True)
     w = dsub.add_parser("warmup", help="train an EAGLE head on the model's own sampled outputs, export it")
@@ -569,6 +585,9 @@ def main(argv: list[str] | None = None) -> int:
         "logs": _cmd_logs,
         "generate": _cmd_generate,
         "drafter": _cmd_drafter,
+        "trace": trace_cli.run,
+        "report": report_cli.run,
+        "export": export_cli.run,
     }
     if args.command in handlers:
         try:

@@ -53,6 +53,12 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     arms: dict[str, int]
     # batch-size bucket -> tokens per sequence per target pass over the iterations that speculated there
     accept_by_batch: dict[str, float] = {}
+    # batch-size bucket -> tuner arm -> decode iterations
+    arms_by_batch: dict[str, dict[str, int]] = {}
+    # per draft depth: the share of sequence-passes whose draft reached it that accepted its token
+    accept_by_position: list[float] = []
+    drafter_loss: float | None = None  # the drafter's newest training loss in the step (None: none trained)
+    sync_bytes: int = 0  # one copy of the pushed policy (push dtype); same-host rollouts share it
     idle_device_s: float
     reclaimed_s: float
     loss: float

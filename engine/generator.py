@@ -157,6 +157,10 @@ class Generator:
         self._running: dict[str, _Sequence] = {}  # insertion order = admission order (prefill FIFO)
         self._group_live: dict[Hashable, int] = {}  # waiting + running requests per prompt group
         self._stats = dict.fromkeys(("iterations", "target_passes", "drafted", "accepted", "committed"), 0)
+        # Per draft depth d (0-based): sequence-passes whose draft reached depth d+1, and those where the
+        # token at that depth was accepted. Falling acceptance at depth 0 is a stale drafter's first sign.
+        self._offered_at: list[int] = []
+        self._accepted_at: list[int] = []
         self.speculator = Speculator(model.config.vocab_size, drafters)
         self.speculator.set(spec)
 
@@ -180,6 +184,12 @@ class Generator:
         """Running totals: iterations (steps that ran the model), target_passes, drafted, accepted, committed
         (tokens emitted)."""
         return dict(self._stats)
+
+    @property
+    def position_stats(self) -> tuple[list[int], list[int]]:
+        """Running totals per draft depth: (offered, accepted) sequence-passes, index 0 = the first draft
+        token. Acceptance at depth d is accepted[d] / offered[d]."""
+        return list(self._offered_at), list(self._accepted_at)
 
     def add(self, request: Request) -> None:
         """Queue a request; it joins the batch at the next iteration with a free slot."""
@@ -342,12 +352,23 @@ class Generator:
                 None if rows_hidden is None else rows_hidden[rows],
                 drafted=entry.proposal.size,
             )
+            self._count_positions(max(entry.proposal.depths()), len(result.nodes) - 1)
             if i < len(decodes) and output.completion is None:
                 # Keep the root and the accepted nodes; the last emitted token is the new pending one.
                 self.cache.commit_path(seq.slot, layout.starts[i], result.nodes)
                 seq.num_cached = len(seq.tokens) - 1
             outputs.append(output)
         return outputs
+
+    def _count_positions(self, depth: int, accepted: int) -> None:
+        if depth > len(self._offered_at):
+            grow = depth - len(self._offered_at)
+            self._offered_at.extend([0] * grow)
+            self._accepted_at.extend([0] * grow)
+        for d in range(depth):
+            self._offered_at[d] += 1
+        for d in range(min(accepted, depth)):
+            self._accepted_at[d] += 1
 
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
         """Run `requests` to completion (the generator must be idle); completions in request order."""

@@ -4,7 +4,9 @@ from typing import Annotated, ClassVar
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 3: Heartbeat.ticks, SaveCheckpoint
+PROTOCOL_VERSION = (
+    4  # 3: Heartbeat.ticks, SaveCheckpoint; 4: clock stamps and trace in Hello/Init, draft-depth stats
+)
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 NonNegF = Annotated[float, msgspec.Meta(ge=0.0)]

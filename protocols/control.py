@@ -39,6 +39,7 @@ class Hello(Message, frozen=True, kw_only=True):
     host: str
     data_endpoint: str
     protocol_version: int
+    clock_ns: int = 0  # the actor's time.monotonic_ns() when it sent this (clock alignment of spans)
 
 
 class Init(Message, frozen=True, kw_only=True):
@@ -50,6 +51,11 @@ class Init(Message, frozen=True, kw_only=True):
     peers: dict[str, str]  # "role:rank" -> data endpoint
     heartbeat_s: NonNegF
     threads: NonNeg
+    trace: bool = False  # record spans into RUN/spans/ (runtime/spans.py)
+    # The supervisor's monotonic clock when the Hello arrived and when this left: with the actor's own two
+    # readings, an NTP-style estimate of the offset between the two clocks (error <= half the round trip).
+    hello_recv_ns: int = 0
+    sent_ns: int = 0
 
 
 class Ready(Message, frozen=True, kw_only=True):

@@ -80,6 +80,10 @@ class IterationStats(Message, frozen=True, kw_only=True):
     accepted: NonNeg
     committed: NonNeg
     iter_s: Annotated[float, msgspec.Meta(ge=0.0)]
+    # Per draft depth (index 0 = the first draft token): sequences of this iteration whose draft reached it,
+    # and those whose token there was accepted.
+    offered_at: list[NonNeg] = []
+    accepted_at: list[NonNeg] = []
 
 
 MESSAGES: tuple[type[Message], ...] = (SamplingSpec, GenerateRequest, Completion, IterationStats)

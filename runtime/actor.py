@@ -37,6 +37,7 @@ from slipstream.protocols.control import Shutdown
 from slipstream.runtime.codec import Codec
 from slipstream.runtime.inbox import Inbox
 from slipstream.runtime.shm import MAX_READERS
+from slipstream.runtime.spans import NULL_RECORDER, SpanRecorder
 from slipstream.runtime.transport import actor_name
 
 COORDINATOR = "coordinator"  # destination name of the control socket
@@ -116,6 +117,9 @@ class Actor:
         # Turns of the compute loop, plus `tick()` marks from long handlers: the heartbeats carry it, and a
         # supervisor with a hang deadline kills an actor whose ticks stop while its heartbeats arrive.
         self.ticks = 0
+        # Spans of the work that costs time (runtime/spans.py); the host installs a recording one when the
+        # run traces, so handlers record unconditionally.
+        self.spans: SpanRecorder = NULL_RECORDER
 
     # -- hooks for subclasses -----------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ from slipstream.protocols.reward import Reward, ScoreRequest
 from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats
 from slipstream.runtime.leases import LeaseTable
 from slipstream.runtime.ledger import Ledger
+from slipstream.runtime.spans import NULL_RECORDER, SpanRecorder
 from slipstream.runtime.step import StepMetrics
 
 
@@ -88,6 +89,8 @@ class Coordinator:
         )
         self.on_iteration = on_iteration
         self.log = log
+        self.spans: SpanRecorder = NULL_RECORDER  # the step's phases and device windows (runtime/spans.py)
+        self._drafter_steps: dict[str, int] = {}  # drafter -> training steps at its last DrafterStats
         self.dead: dict[str, str] = {}
         # Restart a dead rollout or verifier through the supervisor (its budget) and deal its work again;
         # off, a death ends the wait that sees it (ActorDiedError).
@@ -158,7 +161,9 @@ class Coordinator:
         elif isinstance(msg, StepStats):
             self._stats[msg.step][sender] = msg
         elif isinstance(msg, IterationStats):
-            self._step.metrics.add_iteration(msg.batch_size, msg.arm, msg.accepted)
+            self._step.metrics.add_iteration(
+                msg.batch_size, msg.arm, msg.accepted, msg.offered_at, msg.accepted_at
+            )
             if self.on_iteration is not None:
                 self.on_iteration(sender, msg)
         elif isinstance(msg, Idle):
@@ -167,6 +172,11 @@ class Coordinator:
             self._on_released(sender, msg)
         elif isinstance(msg, DrafterStats):
             self.leases.stats(sender, msg.elapsed_s)
+            # Only a loss from steps trained since its last report is this step's (a drafter that did not
+            # train repeats its last one).
+            if msg.steps > self._drafter_steps.get(sender, 0) and math.isfinite(msg.loss):
+                self._step.metrics.drafter_loss = msg.loss
+            self._drafter_steps[sender] = msg.steps
         elif isinstance(msg, Status):
             if msg.topic in ("head_synced", "head_refused"):  # a drafter's answer to a head push
                 version = int(msg.fields.get("version", -1))
@@ -341,6 +351,16 @@ class Coordinator:
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), timeout=1.0)
+        for rollout, idle_at in table.idle_at.items():  # the device tracks: idle, and lent or not
+            if ended > idle_at:
+                self.spans.add(
+                    "device_idle",
+                    int(idle_at * 1e9),  # time.monotonic() seconds: the same clock as monotonic_ns
+                    int((ended - idle_at) * 1e9),
+                    self.policy_version,
+                    device=rollout,
+                    lent_to=d if (d := table.drafter_of.get(rollout)) in table.trained_at_lease else None,
+                )
         account = table.account(ended)
         m = step.metrics
         m.idle_device_s, m.reclaimed_s, m.preempt_ms = (
@@ -353,6 +373,7 @@ class Coordinator:
     async def _recover_drafter(self, drafter: str) -> None:
         await self._restart(drafter, "leases released")
         self.leases.void(drafter)
+        self._drafter_steps.pop(drafter, None)  # it counts again from its checkpoint's steps
         version = self.policy_version
         if version > 0 and self.learners:  # the restarted process loaded the step-0 head
             await self.sup.send(self.learners[0], PushWeights(version=version, to=[], head_to=[drafter]))

@@ -40,6 +40,7 @@ from slipstream.runtime.inbox import Inbox
 from slipstream.runtime.io_thread import ActorIO
 from slipstream.runtime.process import keep_freed_memory, peak_rss_mb
 from slipstream.runtime.shm import ShmArena
+from slipstream.runtime.spans import SpanRecorder, span_path
 from slipstream.runtime.transport import (
     CurveKeys,
     actor_name,
@@ -155,9 +156,11 @@ def main(argv: list[str] | None = None) -> int:
             host=socket.gethostname(),
             data_endpoint=data_endpoint,
             protocol_version=PROTOCOL_VERSION,
+            clock_ns=time.monotonic_ns(),
         )
         control.send_multipart(codec.encode(hello))
         init = _await_init(control, codec, args.handshake_timeout, log)
+        init_recv_ns = time.monotonic_ns()
         if init is None:
             log.error("handshake_timeout", seconds=args.handshake_timeout)
             return 4
@@ -186,6 +189,18 @@ def main(argv: list[str] | None = None) -> int:
             log=log,
             local_codec=Codec(shm=arena),
         )
+        if init.trace:
+            label = f"{cls.role}-{args.rank}"  # as its log file is named
+            actor.spans = SpanRecorder(
+                span_path(Path(args.run_dir), label), actor=label, role=cls.role, rank=args.rank
+            )
+            # Same host (ipc://): one CLOCK_MONOTONIC, offset 0 exactly; an estimate would only add the
+            # asymmetry of the two legs' delays (1-3 ms measured here). Across hosts, NTP-style:
+            # ((t1 - t0) + (t2 - t3)) / 2, the supervisor's clock minus ours.
+            if init.sent_ns and args.control.startswith("tcp://"):
+                actor.spans.set_clock_offset(
+                    ((init.hello_recv_ns - hello.clock_ns) + (init.sent_ns - init_recv_ns)) // 2
+                )
         io.progress = actor
         io.start()
         signal.signal(signal.SIGTERM, lambda *_: inbox.put_control((COORDINATOR, Shutdown(reason="SIGTERM"))))
@@ -208,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                 actor.on_stop()
             except Exception:
                 log.exception("on_stop_failed")
+            actor.spans.close()
         # Peak resident memory: what a co-located actor really costs its host (the drafter's budget).
         log.info("stopped", handled=actor.handled, dropped=io.dropped, peak_rss_mb=round(peak_rss_mb(), 1))
         return exit_code

@@ -35,6 +35,12 @@ class StepMetrics:
     # batch-size bucket ("1", "2", "3-4", "5-8", ...) -> [sequence-iterations, accepted draft tokens] over the
     # iterations that speculated (any arm but "off"): what a drafter buys where it is used
     speculated: dict[str, list[int]] = field(default_factory=dict)
+    # batch-size bucket -> arm -> decode iterations: what the tuner chose where
+    arms_by_batch: dict[str, dict[str, int]] = field(default_factory=dict)
+    # per draft depth: [sequence-passes whose draft reached it, of those accepted there]
+    positions: list[list[int]] = field(default_factory=list)
+    # the drafters' newest training loss as reported in the step (owner rank's last step), None if none trained
+    drafter_loss: float | None = None
     requeued: int = 0  # samples and score requests dealt again after their actor died
     duplicates: int = 0  # completions and rewards dropped: their (group, sample) had come back already
 
@@ -44,7 +50,14 @@ class StepMetrics:
         (exactly 1.0 without speculation; counting committed tokens would include first tokens born of prefill)."""
         return 1.0 + self.accepted / self.sequence_iterations if self.sequence_iterations else 0.0
 
-    def add_iteration(self, batch_size: int, arm: str, accepted: int) -> None:
+    def add_iteration(
+        self,
+        batch_size: int,
+        arm: str,
+        accepted: int,
+        offered_at: Sequence[int] = (),
+        accepted_at: Sequence[int] = (),
+    ) -> None:
         """One decode iteration's IterationStats (a prefill-only pass, batch 0, says nothing here)."""
         if batch_size <= 0:
             return
@@ -52,10 +65,22 @@ class StepMetrics:
         self.accepted += accepted
         self.sequence_iterations += batch_size
         self.arms[arm] = self.arms.get(arm, 0) + 1
+        bucket = batch_bucket(batch_size)
+        arms = self.arms_by_batch.setdefault(bucket, {})
+        arms[arm] = arms.get(arm, 0) + 1
         if arm != "off":
-            cell = self.speculated.setdefault(batch_bucket(batch_size), [0, 0])
+            cell = self.speculated.setdefault(bucket, [0, 0])
             cell[0] += batch_size
             cell[1] += accepted
+        for depth, (offered, took) in enumerate(zip(offered_at, accepted_at, strict=False)):
+            if depth == len(self.positions):
+                self.positions.append([0, 0])
+            self.positions[depth][0] += offered
+            self.positions[depth][1] += took
+
+    def accept_by_position(self) -> list[float]:
+        """Per draft depth: the share of sequence-passes whose draft reached it that accepted its token."""
+        return [round(took / offered, 4) if offered else 0.0 for offered, took in self.positions]
 
     def speculated_accept_length(self) -> dict[str, float]:
         """Per batch-size bucket: tokens per sequence per target pass over the iterations that speculated."""

@@ -133,6 +133,7 @@ class _Proc:
     proc: asyncio.subprocess.Process
     role: str = ""
     hello: Hello | None = None
+    hello_recv_ns: int = 0  # our monotonic clock when the Hello arrived (span clock alignment)
     ready: bool = False
     dead: bool = False
     reason: str = ""
@@ -156,6 +157,7 @@ class Supervisor:
         log: Any = None,
         max_restarts: int = 3,
         restart_backoff_s: float = 0.5,
+        trace: bool = False,
     ) -> None:
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
@@ -167,6 +169,7 @@ class Supervisor:
         self.handshake_timeout_s = handshake_timeout_s
         self.curve = curve
         self.log = log
+        self.trace = trace  # actors record spans into RUN/spans/ (runtime/spans.py)
         self.ctx = zmq.asyncio.Context()
         self.control_endpoint = ipc_endpoint(self.run_dir, "control")
         self.events_in = ipc_endpoint(self.run_dir, "events-in")
@@ -290,6 +293,9 @@ class Supervisor:
                 peers=peers,
                 heartbeat_s=self.heartbeat_s,
                 threads=p.spec.threads,
+                trace=self.trace,
+                hello_recv_ns=p.hello_recv_ns,
+                sent_ns=time.monotonic_ns(),
             )
             await self.send(p.name, init)
         await until(lambda p: p.ready, "ready")
@@ -350,7 +356,7 @@ class Supervisor:
                         sender, Shutdown(reason=f"protocol {msg.protocol_version} != {PROTOCOL_VERSION}")
                     )
                     continue
-                entry.hello = msg
+                entry.hello, entry.hello_recv_ns = msg, time.monotonic_ns()
             elif isinstance(msg, Ready):
                 entry.ready, entry.moved_at = True, time.monotonic()
                 self._emit("ready", actor=sender)

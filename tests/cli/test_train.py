@@ -7,6 +7,7 @@ reasoning-gym score: groups then have mixed rewards and the policy really moves.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,12 @@ import pytest
 import torch
 import uvloop
 
+from slipstream.cli import trace as trace_cli
 from slipstream.cli import train
 from slipstream.engine.tokenizer import Tokenizer
 from slipstream.tasks.datasets import chat_prompt_ids
 from tests.cli.conftest import brevity, config
+from tests.cli.test_trace import check_chrome_trace
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -87,6 +90,48 @@ def test_three_steps_learn_sync_and_train_the_drafter_in_idle_time(tiny_chat: Pa
     assert [json.loads(line)["step"] for line in lines] == [0, 1, 2]
     assert json.loads((run_dir / "summary.json").read_text())["last_reward"] == steps[-1]["reward_mean"]
     assert (run_dir / "checkpoints" / "step-2" / "learner.pt").is_file()
+    # The per-bucket arm counts add up to the step's, draft depths accept a share, a push has a size.
+    for s in steps:
+        by_bucket: dict[str, int] = {}
+        for arms in s["arms_by_batch"].values():
+            for arm, n in arms.items():
+                by_bucket[arm] = by_bucket.get(arm, 0) + n
+        assert by_bucket == s["arms"]
+        assert all(0.0 <= a <= 1.0 for a in s["accept_by_position"]) and s["sync_bytes"] > 0
+    assert any(s["accept_by_position"] for s in steps) and any(s["drafter_loss"] for s in steps)
+    check_run_trace(run_dir, rollouts=2, steps=3)
+    # The last checkpoint, also as an HF model directory (tests/engine/test_hf_export.py: transformers loads
+    # such a directory to our logits).
+    assert json.loads((run_dir / "hf" / "SOURCE.json").read_text())["step"] == 3
+    assert summary["hf"] == str(run_dir / "hf") and (run_dir / "hf" / "model.safetensors").is_file()
+
+
+def check_run_trace(run_dir: Path, *, rollouts: int, steps: int) -> None:
+    """`slipstream trace` of a real run: valid Chrome trace JSON, spans from every role and the
+    coordinator, each weight push a flow from the learner to every rollout."""
+    out = run_dir / "trace.json"
+    assert trace_cli.run(argparse.Namespace(run=run_dir, out=out, steps=None)) == 0
+    trace = json.loads(out.read_text())
+    check_chrome_trace(trace)
+    events = trace["traceEvents"]
+    name_of = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    spans_of: dict[str, set[str]] = {}
+    for e in events:
+        if e["ph"] in ("X", "i"):
+            spans_of.setdefault(name_of[e["pid"]], set()).add(e["name"])
+    assert {"step", "rollout", "reward", "learn", "sync"} <= spans_of["coordinator"]
+    for r in range(rollouts):
+        assert {"iteration", "sample", "apply_weights", "warm_up"} <= spans_of[f"rollout-{r}"]
+    assert {"micro_batch", "optimizer", "push"} <= spans_of["learner-0"]
+    assert "reward" in spans_of["verifier-0"]
+    assert {"lease", "train_step"} <= spans_of["drafter-0"]
+    assert {"device_idle", "lease"} <= spans_of["devices"]
+    written = sum(len(p.read_text().splitlines()) for p in (run_dir / "samples").glob("step-*.jsonl"))
+    assert len([e for e in events if e.get("name") == "sample"]) == written  # one span per completion
+    flows = [e for e in events if e["ph"] in ("s", "f")]
+    ends = sorted(name_of[e["pid"]] for e in flows if e["ph"] == "f")
+    assert ends == sorted(f"rollout-{r}" for r in range(rollouts) for _ in range(steps))
+    assert {name_of[e["pid"]] for e in flows if e["ph"] == "s"} == {"learner-0"}
 
 
 def test_a_request_the_rollout_cannot_serve_is_recorded_invalid(tiny_chat: Path, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ The model runs in float64 so greedy outputs compare token for token (see `test_g
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
@@ -152,6 +153,26 @@ def test_self_method_replays_a_recorded_run(model: Transformer) -> None:
     assert [c.token_ids for c in second] == [c.token_ids for c in first]
     assert stats["accepted"] == stats["drafted"] > 0
     assert sum(c.target_passes for c in second) < sum(c.target_passes for c in first)
+    # Per draft depth: every offered token was accepted, deeper depths are reached no more often, and the
+    # depths' acceptances add up to the accepted draft tokens.
+    offered, accepted = gen.position_stats
+    assert offered == accepted and len(offered) == 5
+    assert all(a >= b for a, b in itertools.pairwise(offered))
+    assert sum(accepted) == stats["accepted"]
+
+
+def test_position_stats_count_a_tree_by_depth_not_by_node(model: Transformer) -> None:
+    requests = requests_with_repeats(4, seed=3)
+    gen = Generator(
+        model, num_slots=4, token_budget=64, eos_token_ids=(), spec=TREE, drafters={"ngram": Detour()}
+    )
+    for request in requests:
+        gen.add(request)
+    drive(gen)
+    offered, accepted = gen.position_stats
+    assert 0 < len(offered) <= TREE.depth  # two nodes a level: counted by depth, not by node
+    assert all(0 <= a <= o for o, a in zip(offered, accepted, strict=True))
+    assert sum(accepted) >= gen.stats["accepted"] > 0  # a stop or limit may cut accepted tokens afterwards
 
 
 def test_token_budget_is_derived_from_slots_and_draft_size(model: Transformer) -> None:

@@ -1,0 +1,597 @@
+"""The charts of `slipstream report`: one function a chart, from a loaded run to a figure or a reason.
+
+A chart function returns a matplotlib `Figure`, or a string saying why the run did not record its data;
+then nothing is drawn, because an empty axis reads as "measured, and zero". `draw_all` turns each into a
+`Chart` (PNG bytes, or the reason) under the name, title and caption of its `ChartSpec` in `CHARTS`.
+The non-obvious choices: figures are `matplotlib.figure.Figure` objects on an Agg canvas, never pyplot,
+so no global state or GUI backend is touched (this module imports matplotlib at the top; `cli/report.py`
+imports it only after checking matplotlib is installed); every metrics field is read with `.get`, so an
+older run's metrics.jsonl draws what it has. What each chart shows: docs/report.md.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+    from slipstream.cli.report import RunData
+    from slipstream.runtime.spans import Span
+
+PHASES = (("rollout_s", "rollout"), ("reward_s", "reward"), ("learn_s", "learn"), ("sync_s", "sync"))
+PHASE_COLORS = {"rollout": "tab:blue", "reward": "tab:orange", "learn": "tab:green", "sync": "tab:red"}
+BOX_STEPS = 40  # more steps than this: percentile lines instead of one box a step
+JITTER_SAMPLES = 256  # more samples in a step than this: no per-sample points over its box
+
+
+@dataclass(frozen=True)
+class ChartSpec:
+    """One chart of the report: its file stem, title, one-sentence caption, and the function drawing it."""
+
+    name: str
+    title: str
+    caption: str
+    draw: Callable[[RunData], Figure | str]
+
+
+@dataclass(frozen=True)
+class Chart:
+    """One drawn chart (`png`), or one the run did not record (`missing` says why)."""
+
+    name: str  # file stem: <name>.png
+    title: str
+    caption: str
+    png: bytes | None = None
+    missing: str | None = None
+
+
+def draw_all(run: RunData) -> list[Chart]:
+    """Every chart of `CHARTS` for `run`, in order."""
+    charts = []
+    for spec in CHARTS:
+        drawn = spec.draw(run)
+        if isinstance(drawn, str):
+            charts.append(Chart(spec.name, spec.title, spec.caption, missing=drawn))
+        else:
+            charts.append(Chart(spec.name, spec.title, spec.caption, png=_png(drawn)))
+    return charts
+
+
+def _figure(width: float = 8.0, height: float = 4.0) -> Figure:
+    return Figure(figsize=(width, height), dpi=100, layout="constrained")
+
+
+def _png(fig: Figure) -> bytes:
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def _steps_axis(ax: Axes) -> None:
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+
+
+def _series(run: RunData, key: str) -> tuple[list[int], list[Any]]:
+    """(steps, values) of the records that carry `key` with a non-null value."""
+    pairs = [(r["step"], r[key]) for r in run.records if r.get(key) is not None]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def _no_field(key: str) -> str:
+    return f"metrics.jsonl has no `{key}` field (a run recorded before it was)"
+
+
+def _bucket_key(bucket: str) -> int:
+    head = bucket.split("-")[0]
+    return int(head) if head.isdigit() else 1 << 30
+
+
+def _arm_colors(arms: Sequence[str]) -> dict[str, Any]:
+    import matplotlib
+
+    palette = matplotlib.colormaps["tab10"].colors
+    others = [a for a in arms if a != "off"]
+    colors: dict[str, Any] = {arm: palette[i % len(palette)] for i, arm in enumerate(others)}
+    colors["off"] = "lightgray"
+    return colors
+
+
+def _arm_order(arms: set[str]) -> list[str]:
+    return (["off"] if "off" in arms else []) + sorted(arms - {"off"})
+
+
+def reward(run: RunData) -> Figure | str:
+    steps, rewards = _series(run, "reward_mean")
+    if not steps:
+        return _no_field("reward_mean")
+    fig = _figure()
+    ax = fig.add_subplot()
+    ax.plot(steps, rewards, "o-", label="reward (mean)")
+    for key, style, label in (
+        ("correct_share", "s-", "correct share (reward ≥ 1)"),
+        ("nonzero_adv_share", "^:", "mixed groups (non-zero advantage)"),
+    ):
+        s, v = _series(run, key)
+        if s:
+            ax.plot(s, v, style, label=label, alpha=0.8 if key == "correct_share" else 0.6)
+    ax.set_ylim(bottom=min(0.0, *rewards))
+    ax.set_ylabel("reward / share of samples or groups")
+    ax.set_title(f"reward {rewards[0]:.3f} → {rewards[-1]:.3f} over {len(steps)} steps")
+    _steps_axis(ax)
+    ax.legend(loc="best", fontsize="small")
+    return fig
+
+
+def lengths(run: RunData) -> Figure | str:
+    if run.samples_missing:
+        return run.samples_missing
+    steps = sorted(run.lengths)
+    data = [run.lengths[s] for s in steps]
+    max_tokens = run.config.get("max_tokens")
+    fig = _figure()
+    ax = fig.add_subplot()
+    if len(steps) <= BOX_STEPS:
+        ax.boxplot(data, positions=steps, widths=0.6, showfliers=False, manage_ticks=False)
+        rng = random.Random(0)  # the same jitter every time the report is drawn
+        for step, lens in zip(steps, data, strict=True):
+            rewards = run.rewards.get(step, [])
+            if len(lens) > JITTER_SAMPLES:
+                continue
+            xs = [step + rng.uniform(-0.22, 0.22) for _ in lens]
+            colors = ["tab:green" if (r or 0) >= 1 else "tab:gray" for r in rewards] or "tab:gray"
+            ax.scatter(xs, lens, s=9, c=colors, alpha=0.6, linewidths=0, zorder=3)
+        ax.scatter([], [], s=9, c="tab:green", label="correct (reward ≥ 1)")
+        ax.scatter([], [], s=9, c="tab:gray", label="other")
+    else:
+        for q, style in ((0.1, ":"), (0.5, "-"), (0.9, "--")):
+            ax.plot(
+                steps, [_quantile(d, q) for d in data], style, color="tab:blue", label=f"p{round(q * 100)}"
+            )
+        ax.plot(steps, [max(d) for d in data], "-", color="tab:red", alpha=0.5, label="max")
+    counted = sum(len(d) for d in data)
+    if isinstance(max_tokens, int):
+        ax.axhline(
+            max_tokens, color="tab:red", linestyle="--", linewidth=1, label=f"max_tokens = {max_tokens}"
+        )
+        cut = sum(1 for d in data for n in d if n >= max_tokens)
+        ax.set_title(f"{counted} responses over {len(steps)} steps; {cut} reached max_tokens")
+    else:
+        ax.set_title(f"{counted} responses over {len(steps)} steps")
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("response tokens")
+    _steps_axis(ax)
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
+    return fig
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def speculation(run: RunData) -> Figure | str:
+    arm_sets = [set((r.get("arms") or {}).keys()) for r in run.records]
+    all_arms = set().union(*arm_sets)
+    if not all_arms:
+        return _no_field("arms")
+    by_bucket_accept = [r.get("accept_by_batch") or {} for r in run.records]
+    if all_arms == {"off"} and not any(by_bucket_accept):
+        return "the run did not speculate: every decode iteration ran the `off` arm (a baseline run)"
+    per_bucket = any(r.get("arms_by_batch") for r in run.records)
+    if per_bucket:
+        for r in run.records:
+            for arms in (r.get("arms_by_batch") or {}).values():
+                all_arms |= set(arms)
+    arms = _arm_order(all_arms)
+    colors = _arm_colors(arms)
+    arm_buckets = {b for r in run.records for b in (r.get("arms_by_batch") or {})}
+    buckets = sorted(arm_buckets | {b for d in by_bucket_accept for b in d}, key=_bucket_key)
+    panels = sorted(arm_buckets, key=_bucket_key) if per_bucket else ["all"]
+    fig = _figure(max(8.0, 2.0 * len(panels) + 1.5), 6.5)
+    grid = fig.add_gridspec(2, len(panels), height_ratios=[1.2, 1])
+    top = fig.add_subplot(grid[0, :])
+    palette = _bucket_colors(len(buckets))
+    all_steps = [r["step"] for r in run.records]
+    for color, bucket in zip(palette, buckets, strict=True):
+        values = [(r.get("accept_by_batch") or {}).get(bucket, math.nan) for r in run.records]
+        top.plot(all_steps, values, "o-", color=color, label=f"batch {bucket}", alpha=0.85)
+    steps, overall = _series(run, "accept_length")
+    if steps:
+        top.plot(steps, overall, "k-", linewidth=2.5, label="all iterations")
+    top.axhline(1.0, color="gray", linestyle=":", linewidth=1)
+    top.set_ylim(bottom=0.9)
+    top.set_ylabel("accept length\n(tokens / seq / target pass)")
+    top.set_title("accept length per batch-size bucket")
+    _steps_axis(top)
+    top.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
+    first: Axes | None = None
+    for i, panel in enumerate(panels):
+        ax = fig.add_subplot(grid[1, i], sharey=first) if first else fig.add_subplot(grid[1, i])
+        first = first or ax
+        counts = [
+            (
+                r["step"],
+                (r.get("arms_by_batch") or {}).get(panel, {}) if per_bucket else (r.get("arms") or {}),
+            )
+            for r in run.records
+        ]
+        bottom = [0.0] * len(counts)
+        for arm in arms:
+            shares = [c.get(arm, 0) / max(sum(c.values()), 1) for _, c in counts]
+            ax.bar(
+                [s for s, _ in counts],
+                shares,
+                bottom=bottom,
+                color=colors[arm],
+                width=0.8,
+                label=arm if i == 0 else None,
+            )
+            bottom = [b + s for b, s in zip(bottom, shares, strict=True)]
+        ax.set_title(f"batch {panel}" if per_bucket else "arm share, all batch sizes", fontsize="medium")
+        ax.set_ylim(0, 1)
+        _steps_axis(ax)
+        if i == 0:
+            ax.set_ylabel("share of iterations")
+        else:
+            ax.tick_params(labelleft=False)
+    handles, labels = first.get_legend_handles_labels() if first else ([], [])
+    fig.legend(
+        handles, labels, loc="outside lower center", ncols=len(arms), fontsize="small", title="tuner arm"
+    )
+    return fig
+
+
+def _bucket_colors(n: int) -> list[Any]:
+    import matplotlib
+
+    cmap = matplotlib.colormaps["viridis"]
+    return [cmap(0.1 + 0.8 * i / max(n - 1, 1)) for i in range(n)]
+
+
+def accept_position(run: RunData) -> Figure | str:
+    if not any("accept_by_position" in r for r in run.records):
+        return _no_field("accept_by_position")
+    steps, rows = _series(run, "accept_by_position")
+    rows_steps = [(s, row) for s, row in zip(steps, rows, strict=True) if row]
+    if not rows_steps:
+        return "accept_by_position is empty at every step: nothing was speculated"
+    depth = max(len(row) for _, row in rows_steps)
+    fig = _figure()
+    ax = fig.add_subplot()
+    rows_of = [r.get("accept_by_position") or [] for r in run.records]
+    for i, color in enumerate(_bucket_colors(depth)):
+        values = [row[i] if i < len(row) else math.nan for row in rows_of]
+        ax.plot([r["step"] for r in run.records], values, "o-", color=color, label=f"draft token {i + 1}")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_ylabel("share accepted")
+    ax.set_title(f"acceptance per draft position (k up to {depth})")
+    _steps_axis(ax)
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
+    return fig
+
+
+def drafter_loss(run: RunData) -> Figure | str:
+    if not any("drafter_loss" in r for r in run.records):
+        return _no_field("drafter_loss")
+    steps, losses = _series(run, "drafter_loss")
+    if not steps:
+        return "drafter_loss is null at every step: the drafter never trained (a baseline run, or no lease)"
+    fig = _figure()
+    ax = fig.add_subplot()
+    gapped = [math.nan if r.get("drafter_loss") is None else r["drafter_loss"] for r in run.records]
+    all_steps = [r["step"] for r in run.records]
+    ax.plot(all_steps, gapped, "o-", color="tab:purple")
+    ax.set_xlim(all_steps[0] - 0.5, all_steps[-1] + 0.5)  # steps it did not train on stay in view
+    ax.set_ylabel("drafter loss")
+    ax.set_title(
+        f"drafter loss {losses[0]:.3g} → {losses[-1]:.3g} "
+        f"(trained in {len(steps)} of {len(run.records)} steps)"
+    )
+    _steps_axis(ax)
+    return fig
+
+
+def idle(run: RunData) -> Figure | str:
+    steps, idle_s = _series(run, "idle_device_s")
+    if not steps:
+        return _no_field("idle_device_s")
+    reclaimed = [r.get("reclaimed_s") or 0.0 for r in run.records if r.get("idle_device_s") is not None]
+    fig = _figure()
+    ax = fig.add_subplot()
+    ax.bar([s - 0.2 for s in steps], idle_s, width=0.4, color="tab:gray", label="idle")
+    ax.bar([s + 0.2 for s in steps], reclaimed, width=0.4, color="tab:green", label="reclaimed (drafter)")
+    total_idle, total_back = sum(idle_s), sum(reclaimed)
+    share = f" ({100 * total_back / total_idle:.0f}%)" if total_idle > 0 else ""
+    ax.set_title(f"idle {total_idle:.1f} device-s, reclaimed {total_back:.1f}{share}")
+    ax.set_ylabel("device-seconds")
+    _steps_axis(ax)
+    ax.legend(loc="best", fontsize="small")
+    return fig
+
+
+def step_time(run: RunData) -> Figure | str:
+    recs = [r for r in run.records if r.get("step_s") is not None]
+    if not recs:
+        return _no_field("step_s")
+    steps = [r["step"] for r in recs]
+    fig = _figure()
+    ax = fig.add_subplot()
+    bottom = [0.0] * len(recs)
+    segments = [(label, [r.get(key) or 0.0 for r in recs], PHASE_COLORS[label]) for key, label in PHASES]
+    checkpoint = [r.get("checkpoint_s") or 0.0 for r in recs]
+    if any(checkpoint):
+        segments.append(("checkpoint", checkpoint, "tab:brown"))
+    accounted = [sum(seg[1][i] for seg in segments) for i in range(len(recs))]
+    other = [max(0.0, r["step_s"] - a) for r, a in zip(recs, accounted, strict=True)]
+    if any(o > 0.01 * r["step_s"] for o, r in zip(other, recs, strict=True)):
+        segments.append(("other", other, "lightgray"))
+    for label, values, color in segments:
+        ax.bar(steps, values, bottom=bottom, color=color, width=0.8, label=label)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    total = sum(r["step_s"] for r in recs)
+    roll = sum(r.get("rollout_s") or 0.0 for r in recs)
+    ax.set_title(
+        f"mean step {total / len(recs):.1f} s; rollout {100 * roll / total:.0f}% of the time"
+        if total
+        else "step time"
+    )
+    ax.set_ylabel("seconds")
+    _steps_axis(ax)
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
+    return fig
+
+
+def sync(run: RunData) -> Figure | str:
+    steps, secs = _series(run, "sync_s")
+    if not steps:
+        return _no_field("sync_s")
+    fig = _figure()
+    ax = fig.add_subplot()
+    ax.bar(steps, secs, width=0.6, color="tab:red", alpha=0.8, label="sync seconds")
+    ax.set_ylabel("seconds")
+    _steps_axis(ax)
+    text = f"weight sync: mean {sum(secs) / len(secs):.2f} s a step"
+    byte_steps, sizes = _series(run, "sync_bytes")
+    if any(sizes):  # 0: not measured
+        twin = ax.twinx()
+        twin.plot(byte_steps, [b / 2**20 for b in sizes], "ko-", label="MiB pushed")
+        twin.set_ylabel("MiB pushed")
+        twin.set_ylim(bottom=0)
+        mib = sum(sizes) / len(sizes) / 2**20
+        text += f", {mib:.1f} MiB"
+        handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+        fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize="small")
+    else:
+        text += " (bytes not recorded in this run)"
+    ax.set_title(text)
+    return fig
+
+
+def mismatch(run: RunData) -> Figure | str:
+    steps, values = _series(run, "mismatch_logp_abs_max")
+    if not steps:
+        return _no_field("mismatch_logp_abs_max")
+    fig = _figure()
+    ax = fig.add_subplot()
+    positive = [v for v in values if v > 0]
+    # Whole decades around the data, at least up to 1e-2: steady fp32 noise reads as a flat line, not
+    # as a swing magnified across one decade, and a jump towards 1 still fits.
+    lo = 10.0 ** (math.floor(math.log10(min(positive))) - 1) if positive else 1e-8
+    hi = max(10.0 ** (math.ceil(math.log10(max(positive))) + 1), 1e-2) if positive else 1e-2
+    ax.set_yscale("log")
+    ax.set_ylim(lo, hi)
+    gapped = [v if v > 0 else math.nan for v in values]
+    ax.plot(steps, gapped, "o-", color="tab:blue", label="max |Δ log-prob|")
+    zeros = [s for s, v in zip(steps, values, strict=True) if v <= 0]
+    if zeros:
+        ax.plot(zeros, [lo] * len(zeros), "v", color="tab:green", clip_on=False, label="exactly 0")
+    ax.set_ylabel("max |Δ log-prob| (nats)")
+    worst = max(values)
+    ax.set_title(f"train–rollout log-prob mismatch: worst {worst:.2e} nats")
+    _steps_axis(ax)
+    ax.legend(loc="best", fontsize="small")
+    return fig
+
+
+def long_tail(run: RunData) -> Figure | str:
+    if run.spans_missing:
+        return run.spans_missing
+    samples = [s for s in run.spans if s.name == "sample"]
+    if not samples:
+        return "RUN/spans has no `sample` spans: the rollout did not record them"
+    by_step = sample_steps(samples, run.spans)
+    if not by_step:
+        return "no `sample` span carries a step or falls inside a coordinator `rollout` span"
+    step = run.tail_step if run.tail_step is not None else longest_rollout(run, by_step)
+    if step not in by_step:
+        return f"no `sample` spans for step {step} (spans cover steps {', '.join(map(str, sorted(by_step)))})"
+    return _draw_tail(run.spans, by_step[step], step)
+
+
+def sample_steps(samples: list[Span], spans: list[Span]) -> dict[int, list[Span]]:
+    """`sample` spans by step: the coordinator's `rollout` span they start in, else their own `step` (the
+    policy version they decoded with, which is the step in the synchronous loop)."""
+    windows = [
+        (s.start_ns, s.end_ns, s.step)
+        for s in spans
+        if s.name == "rollout" and s.role == "coordinator" and s.step is not None
+    ]
+    out: dict[int, list[Span]] = {}
+    for span in samples:
+        step = next((w[2] for w in windows if w[0] <= span.start_ns <= w[1]), span.step)
+        if step is not None:
+            out.setdefault(step, []).append(span)
+    return out
+
+
+def longest_rollout(run: RunData, by_step: dict[int, list[Span]]) -> int:
+    """The traced step whose rollout took longest (metrics' rollout_s; then the samples' own extent)."""
+    rollout_s = {r["step"]: r.get("rollout_s") or 0.0 for r in run.records}
+
+    def extent(step: int) -> tuple[float, int]:
+        spans = by_step[step]
+        return rollout_s.get(step, 0.0), max(s.end_ns for s in spans) - min(s.start_ns for s in spans)
+
+    return max(by_step, key=extent)
+
+
+def _draw_tail(spans: list[Span], samples: list[Span], step: int) -> Figure:
+    import matplotlib
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+    from matplotlib.patches import Patch
+
+    phase = next(
+        (s for s in spans if s.name == "rollout" and s.role == "coordinator" and s.step == step), None
+    )
+    t0 = phase.start_ns if phase else min(s.start_ns for s in samples)
+    actors = sorted({s.actor for s in samples}, key=lambda a: (len(a), a))
+    tokens = [int(s.args.get("tokens", 0)) for s in samples]
+    norm = Normalize(vmin=min(tokens), vmax=max(max(tokens), min(tokens) + 1))
+    cmap = matplotlib.colormaps["viridis"]
+    rows = max(len([s for s in samples if s.actor == a]) for a in actors)
+    fig = _figure(9.0, min(2.0 + 0.09 * rows * len(actors) + 0.6 * len(actors), 14.0))
+    axes = fig.subplots(len(actors), 1, sharex=True, squeeze=False)[:, 0]
+    ends = sorted((s.end_ns - t0) / 1e9 for s in samples)
+    p90 = ends[math.ceil(0.9 * len(ends)) - 1]  # when 90% of the samples had finished
+    t_end = max(phase.end_ns if phase else 0, max(s.end_ns for s in samples))
+    shaded: set[bool] = set()  # which kinds of device_idle span were drawn (lent or not)
+    idle_windows = [s for s in spans if s.name == "device_idle"]
+    for ax, actor in zip(axes, actors, strict=True):
+        mine = sorted((s for s in samples if s.actor == actor), key=lambda s: (s.start_ns, s.end_ns))
+        rows_at = list(range(len(mine)))
+        starts = [(s.start_ns - t0) / 1e9 for s in mine]
+        finish = [(s.end_ns - t0) / 1e9 for s in mine]
+        colors = [cmap(norm(int(s.args.get("tokens", 0)))) for s in mine]
+        for gap in idle_windows:  # the coordinator's view of this device: idle, and lent to a drafter or not
+            if gap.args.get("device") == actor and gap.end_ns >= t0 and gap.start_ns <= t_end:
+                lent = gap.args.get("lent_to") is not None
+                color = "tab:green" if lent else "tab:gray"
+                ax.axvspan((gap.start_ns - t0) / 1e9, (gap.end_ns - t0) / 1e9, color=color, alpha=0.15, lw=0)
+                shaded.add(lent)
+        ax.hlines(rows_at, starts, finish, colors=colors, linewidth=2)
+        ax.scatter(finish, rows_at, c=colors, marker="|", s=30)
+        ax.axvline(p90, color="tab:orange", linestyle="--", linewidth=1)
+        ax.axvline(ends[-1], color="tab:red", linestyle="--", linewidth=1)
+        if phase:
+            ax.axvline((phase.end_ns - t0) / 1e9, color="black", linestyle=":", linewidth=1)
+        ax.set_ylabel(f"{actor}\nsamples by admission", fontsize="small")
+        ax.set_ylim(len(mine) - 0.5, -0.5)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1].set_xlabel("seconds since the rollout began" if phase else "seconds since the first admission")
+    half = ends[math.ceil(0.5 * len(ends)) - 1]
+    axes[0].set_title(
+        f"step {step}: {len(samples)} samples; half finished at {half:.2f} s, 90% at {p90:.2f} s, "
+        f"the last at {ends[-1]:.2f} s"
+    )
+    handles = [
+        axes[0].plot([], [], "--", color="tab:orange")[0],
+        axes[0].plot([], [], "--", color="tab:red")[0],
+    ]
+    labels = ["90% of samples done", "last sample done"]
+    if phase:
+        handles.append(axes[0].plot([], [], ":", color="black")[0])
+        labels.append("rollout phase ends")
+    for lent in sorted(shaded):
+        color = "tab:green" if lent else "tab:gray"
+        handles.append(Patch(color=color, alpha=0.15))
+        labels.append("device idle, lent to the drafter" if lent else "device idle")
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 3), fontsize="small")
+    fig.colorbar(
+        ScalarMappable(norm=norm, cmap=cmap), ax=list(axes), label="response tokens", shrink=0.6, aspect=40
+    )
+    return fig
+
+
+CHARTS: tuple[ChartSpec, ...] = (
+    ChartSpec(
+        "reward",
+        "Reward and correct share",
+        "Mean reward over valid samples, share of samples with reward ≥ 1, and share of groups whose "
+        "rewards differ (they carry the gradient).",
+        reward,
+    ),
+    ChartSpec(
+        "lengths",
+        "Response lengths",
+        "Response length in tokens of every sample of a step (boxes: quartiles, whiskers: 1.5 IQR); "
+        "points coloured by correctness; the dashed line is max_tokens, where responses are cut off.",
+        lengths,
+    ),
+    ChartSpec(
+        "speculation",
+        "Accept length and tuner arms per batch size",
+        "Top: tokens kept per sequence per target pass, per batch-size bucket over the iterations that "
+        "speculated there, and over all iterations (1.0 = no gain). Bottom: the share of decode "
+        "iterations each tuner arm ran.",
+        speculation,
+    ),
+    ChartSpec(
+        "accept_position",
+        "Acceptance per draft position",
+        "Share of speculated sequence-iterations whose draft token at position i was accepted. A stale or "
+        "broken drafter shows here first: every position falls towards 0 (accept length towards 1.0) with "
+        "no error anywhere.",
+        accept_position,
+    ),
+    ChartSpec(
+        "drafter_loss",
+        "Drafter loss",
+        "The drafter's online training loss per step; steps where it did not train are gaps.",
+        drafter_loss,
+    ),
+    ChartSpec(
+        "idle",
+        "Idle and reclaimed device-seconds",
+        "Device-seconds rollout devices sat idle in each step's rollout (waiting for the long tail), and "
+        "the part of it leased to drafter training.",
+        idle,
+    ),
+    ChartSpec(
+        "step_time",
+        "Step time split",
+        "Each step's wall time split into rollout, reward (last completion to last reward), learn and "
+        "weight sync, plus checkpoint writes and what no phase accounts for.",
+        step_time,
+    ),
+    ChartSpec(
+        "sync",
+        "Weight sync",
+        "Seconds from the learner's weight push until every rollout acknowledged the new version, and the "
+        "bytes pushed where the run recorded them.",
+        sync,
+    ),
+    ChartSpec(
+        "mismatch",
+        "Train–rollout log-prob mismatch",
+        "Largest |log-prob| difference over a step's tokens between the learner's forward pass and what "
+        "the rollout sampled with (log scale). A steady level is numerical noise (kernels, dtype); a jump "
+        "of orders of magnitude means the two policies differ (a missed or stale weight sync).",
+        mismatch,
+    ),
+    ChartSpec(
+        "long_tail",
+        "The long tail of one rollout",
+        "One step's rollout: every sample as a line from its admission to its finish, per rollout actor "
+        "(colour: response tokens). The gap between most samples finishing and the last one is the long "
+        "tail, when devices idle unless leased to the drafter.",
+        long_tail,
+    ),
+)
