@@ -245,8 +245,10 @@ def _generator(
     recorded: dict[str, list[int]],
     drafter_dir: Path | None = None,
 ) -> Generator:
+    # max_batch: every request at once. for_requests' default (32) would decode a larger batch in waves of
+    # 32, which `bench gpu`'s rows from batch 64 up did until 2026-11-26 (docs/gpu.md).
     if arm.spec == "off":
-        return Generator.for_requests(model, requests, eos_token_ids=())
+        return Generator.for_requests(model, requests, max_batch=len(requests), eos_token_ids=())
     spec = SpecConfig(method=arm.spec, depth=arm.depth, topk=arm.topk, verify=arm.verify, mode=arm.mode)  # type: ignore[arg-type]
     drafter: Drafter
     if arm.spec == "eagle":
@@ -256,7 +258,9 @@ def _generator(
         drafter = OracleDrafter(recorded, device=model.lm_head_weight.device)
     else:
         drafter = NGramDrafter(device=model.lm_head_weight.device)
-    return Generator.for_requests(model, requests, spec=spec, drafters={arm.spec: drafter}, eos_token_ids=())
+    return Generator.for_requests(
+        model, requests, max_batch=len(requests), spec=spec, drafters={arm.spec: drafter}, eos_token_ids=()
+    )
 
 
 def interleaved_round(
@@ -293,7 +297,7 @@ def interleaved_round(
 
 def record_outputs(model: Transformer, requests: list[Request]) -> dict[str, list[int]]:
     """Plain outputs (prompt + response) by request id, for the self-draft oracle; also the warm-up."""
-    gen = Generator.for_requests(model, requests, eos_token_ids=())
+    gen = Generator.for_requests(model, requests, max_batch=len(requests), eos_token_ids=())
     return {c.request_id: [*c.prompt_ids, *c.token_ids] for c in gen.generate(requests)}
 
 

@@ -71,7 +71,10 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     from slipstream.cli import train
 
     # The demo's config at 4 steps unless the command line says otherwise (a bad key fails here).
-    cfg = train.load_config(args.config or packaged_config("demo.yaml"), ["steps=4", *args.overrides])
+    # No HF copy of each run's last checkpoint: four runs a bench, ~0.5 GB each, and nothing reads them.
+    cfg = train.load_config(
+        args.config or packaged_config("demo.yaml"), ["steps=4", "checkpoint_hf=false", *args.overrides]
+    )
     root = Path(args.run_dir or f"runs/bench-e2e-{time.strftime('%Y%m%d-%H%M%S')}")
     root.mkdir(parents=True, exist_ok=True)
     resolved = root / "config.yaml"  # the resolved config both runs start from

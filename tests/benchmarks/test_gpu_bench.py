@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from slipstream.benchmarks import gpu
+from slipstream.benchmarks import decode, gpu
 
 TINY_QWEN = {
     **gpu.SHAPES["qwen2.5-1.5b"],
@@ -91,3 +91,16 @@ def test_random_model_is_reproducible_and_on_its_device(device: torch.device) ->
     assert all(p.device.type == device.type for p in a.parameters())
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
     assert torch.equal(a.final_norm.weight, torch.ones_like(a.final_norm.weight))
+
+
+def test_every_request_of_a_row_decodes_at_once() -> None:
+    """A row's batch is the batch decoded: not waves of Generator.for_requests' default 32 (the rows from
+    batch 64 up measured 32 at a time until 2026-11-26)."""
+    model = gpu.random_model(TINY_QWEN, torch.device("cpu"), torch.float32)
+    requests = decode.bench_requests([[1, 2, 3]] * 40, max_tokens=2)
+    for arm in decode.ARMS[:2]:
+        gen = decode._generator(model, requests, arm, {r.request_id: [1, 2, 3, 4, 5] for r in requests})
+        for request in requests:
+            gen.add(request)
+        gen.step()  # admits and prefills everyone that fits
+        assert gen.num_decoding == 40, arm
