@@ -444,18 +444,24 @@ class RolloutActor(Actor):
         accepted_at = [
             n - (accepted_before[d] if d < len(accepted_before) else 0) for d, n in enumerate(accepted_after)
         ]
+        ended_ns = time.monotonic_ns()
         self.spans.add(
             "iteration",
             started_ns,
-            time.monotonic_ns() - started_ns,
+            ended_ns - started_ns,
             self.policy_version,
             batch=batch,
             prefilling=prefilling,
+            prefill_tokens=generator.last_prefill_tokens,
             arm=decision.arm,
             drafted=drafted,
             accepted=accepted,
             committed=committed,
         )
+        if generator.last_draft_ns:  # a speculative iteration: drafting, then the verify pass and commit
+            drafted_at = started_ns + generator.last_draft_ns
+            self.spans.add("draft", started_ns, generator.last_draft_ns, self.policy_version)
+            self.spans.add("verify", drafted_at, ended_ns - drafted_at, self.policy_version, nodes=drafted)
         if clean:
             self.tuner.record(batch, decision.arm, committed, seconds)
         # Acceptance needs no clean clock: prefill rows draft nothing, so every iteration's decodes count.

@@ -20,6 +20,7 @@ Finish reasons: "stop" (a stop or EOS id, kept in token_ids: the policy must lea
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -161,6 +162,10 @@ class Generator:
         # token at that depth was accepted. Falling acceptance at depth 0 is a stale drafter's first sign.
         self._offered_at: list[int] = []
         self._accepted_at: list[int] = []
+        # The last step's make-up, for the caller's spans: nanoseconds spent drafting (0: a plain step)
+        # and prompt tokens prefilled in its pass.
+        self.last_draft_ns = 0
+        self.last_prefill_tokens = 0
         self.speculator = Speculator(model.config.vocab_size, drafters)
         self.speculator.set(spec)
 
@@ -250,9 +255,11 @@ class Generator:
         if not self._running:
             return []
         decodes, prefills = self._split()
+        self.last_draft_ns = 0
         if self.speculator.enabled and decodes:
             return self._speculative_step(decodes, prefills)
         plan = [(seq, 1) for seq in decodes] + self._prefill_plan(prefills, self.token_budget - len(decodes))
+        self.last_prefill_tokens = sum(n for seq, n in plan[len(decodes) :])
         input_ids: list[int] = []
         logit_rows: list[int] = []
         sampled: list[_Sequence] = []
@@ -304,8 +311,11 @@ class Generator:
                 0, self.model.config.hidden_size, dtype=self.cache.dtype, device=self.cache.device
             )
             states = [replace(state, hidden=none_new) for state in states]
+        drafting = time.perf_counter_ns()
         proposals = self.speculator.draft(states, depth_caps, node_caps, draft_budget)
+        self.last_draft_ns = time.perf_counter_ns() - drafting
         plan = self._prefill_plan(prefills, spare - sum(p.size for p in proposals))
+        self.last_prefill_tokens = sum(n for _, n in plan)
 
         input_ids: list[int] = []
         sizes: list[int] = []

@@ -121,7 +121,11 @@ def check_run_trace(run_dir: Path, *, rollouts: int, steps: int) -> None:
             spans_of.setdefault(name_of[e["pid"]], set()).add(e["name"])
     assert {"step", "rollout", "reward", "learn", "sync"} <= spans_of["coordinator"]
     for r in range(rollouts):
-        assert {"iteration", "sample", "apply_weights", "warm_up"} <= spans_of[f"rollout-{r}"]
+        assert {"iteration", "sample", "apply_weights", "warm_up", "draft", "verify"} <= spans_of[
+            f"rollout-{r}"
+        ]
+    iterations = [e for e in events if e.get("name") == "iteration"]
+    assert sum(e["args"]["prefill_tokens"] for e in iterations) > 0  # prompts prefilled inside iterations
     assert {"micro_batch", "optimizer", "push"} <= spans_of["learner-0"]
     assert "reward" in spans_of["verifier-0"]
     assert {"lease", "train_step"} <= spans_of["drafter-0"]

@@ -171,6 +171,7 @@ def test_position_stats_count_a_tree_by_depth_not_by_node(model: Transformer) ->
     drive(gen)
     offered, accepted = gen.position_stats
     assert 0 < len(offered) <= TREE.depth  # two nodes a level: counted by depth, not by node
+    assert gen.last_draft_ns > 0  # the last step drafted (what a rollout's "draft" span covers)
     assert all(0 <= a <= o for o, a in zip(offered, accepted, strict=True))
     assert sum(accepted) >= gen.stats["accepted"] > 0  # a stop or limit may cut accepted tokens afterwards
 
