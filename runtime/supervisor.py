@@ -44,6 +44,7 @@ from slipstream.runtime.actor import Actor
 from slipstream.runtime.codec import Codec, ProtocolError
 from slipstream.runtime.config import ConfigError, convert
 from slipstream.runtime.host import actor_path, import_actor
+from slipstream.runtime.launcher import Launcher, LocalLauncher, ProcessHandle
 from slipstream.runtime.shm import cleanup as cleanup_shm
 from slipstream.runtime.transport import CurveKeys, actor_name, ipc_endpoint, make_socket, run_tag
 
@@ -80,6 +81,9 @@ class ActorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     # A hang deadline: ready, heartbeats arriving, but its compute loop made no turn (and a long handler
     # no `tick()`) for this long -> killed and reported dead as hung. 0 = off.
     hang_s: float = 0.0
+    # The node of the run that starts it (0: this host). The supervisor's launcher must serve it: a local
+    # launcher serves node 0 alone, node agents (issue 20) the others.
+    node: int = 0
 
     @classmethod
     def of(
@@ -92,6 +96,7 @@ class ActorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
         cpus: Sequence[int] = (),
         env: Mapping[str, str] | None = None,
         hang_s: float = 0.0,
+        node: int = 0,
     ) -> ActorSpec:
         """The spec of Actor subclass `actor` with its typed `config` (default: `actor.Config()`)."""
         if not (isinstance(actor, type) and issubclass(actor, Actor)):
@@ -110,6 +115,7 @@ class ActorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
             threads=threads,
             cpus=list(cpus),
             env=dict(env or {}),
+            node=node,
             hang_s=hang_s,
         )
 
@@ -130,7 +136,7 @@ class ActorDied:
 class _Proc:
     spec: ActorSpec
     name: str
-    proc: asyncio.subprocess.Process
+    proc: ProcessHandle
     role: str = ""
     hello: Hello | None = None
     hello_recv_ns: int = 0  # our monotonic clock when the Hello arrived (span clock alignment)
@@ -158,6 +164,7 @@ class Supervisor:
         max_restarts: int = 3,
         restart_backoff_s: float = 0.5,
         trace: bool = False,
+        launcher: Launcher | None = None,
     ) -> None:
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
@@ -170,6 +177,7 @@ class Supervisor:
         self.curve = curve
         self.log = log
         self.trace = trace  # actors record spans into RUN/spans/ (runtime/spans.py)
+        self.launcher: Launcher = launcher or LocalLauncher()  # how (and on which nodes) actors start
         self.ctx = zmq.asyncio.Context()
         self.control_endpoint = ipc_endpoint(self.run_dir, "control")
         self.events_in = ipc_endpoint(self.run_dir, "events-in")
@@ -204,6 +212,13 @@ class Supervisor:
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="supervisor-heartbeat"))
         try:
             classes = [self._check(spec) for spec in specs]  # every config is valid before anything spawns
+            for spec, cls in zip(specs, classes, strict=True):
+                if spec.node not in self.launcher.nodes:  # nor is any spawned where nothing can start it
+                    raise SupervisorError(
+                        f"{actor_name(cls.role, spec.rank)}: ActorSpec.node is {spec.node}, but this "
+                        f"supervisor's launcher starts actors on node(s) {sorted(self.launcher.nodes)} "
+                        "(a run across nodes needs a node agent there)"
+                    )
             for spec, cls in zip(specs, classes, strict=True):
                 if (name := actor_name(cls.role, spec.rank)) in self._procs:
                     raise SupervisorError(f"{name}: two actors with the same role and rank")
@@ -250,14 +265,7 @@ class Supervisor:
             "--events", self.events_in, "--parent-pid", str(os.getpid()),
             "--handshake-timeout", str(self.handshake_timeout_s),
         ]  # fmt: skip
-        cpus = set(spec.cpus)
-        proc = await asyncio.create_subprocess_exec(
-            *cmd,
-            env=env,
-            start_new_session=True,  # Ctrl-C reaches the coordinator, which shuts actors down in order
-            stdin=asyncio.subprocess.DEVNULL,
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
-        )
+        proc = await self.launcher.launch(cmd, env=env, cpus=spec.cpus, node=spec.node)
         entry = _Proc(spec=spec, name=name, proc=proc, role=role, restarting=restarting)
         self._procs[name] = entry
         # The watcher holds its own entry: the old process's watcher can never mark a successor dead.
@@ -581,7 +589,7 @@ def _exit_text(code: int | None) -> str:
     return f"exit code {code}"
 
 
-async def _wait_all(procs: list[asyncio.subprocess.Process], timeout: float) -> bool:
+async def _wait_all(procs: list[ProcessHandle], timeout: float) -> bool:
     pending = [p.wait() for p in procs if p.returncode is None]
     if not pending:
         return True

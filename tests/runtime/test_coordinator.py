@@ -117,6 +117,9 @@ def test_rollout_deals_by_expected_work_leases_idle_devices_and_preempts_at_the_
             # Reclaimed = the drafter's 0.5 training seconds capped by its device's idle window (~0.05 s).
             assert 0 < metrics.reclaimed_s <= metrics.idle_device_s and metrics.reclaimed_s < 0.5
             assert metrics.preempt_ms == [5.0]
+            # Per bucket, the arms the rollouts ran; the drafter's loss from the steps it trained (0 -> 3).
+            assert metrics.arms_by_batch == {"3-4": {"ngram:d3": 1}, "2": {"off": 1}}
+            assert metrics.drafter_loss == 1.0
 
     run(main())
 
