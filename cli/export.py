@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "CHECKPOINT_FILE",
     "add_parser",
     "checkpoints",
     "export_checkpoint",
@@ -40,8 +39,6 @@ __all__ = [
     "run_model",
 ]
 
-CHECKPOINT_FILE = "learner.pt"
-"""The learner's file in each checkpoints/step-N directory (cli/train.py names it)."""
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 """The shard size past which weights are split, as `--max-shard-size` takes it (hf_export's default)."""
@@ -50,12 +47,10 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 def checkpoints(run_dir: Path) -> dict[int, Path]:
     """Every complete learner checkpoint of a run: step → checkpoints/step-N/learner.pt (the learner writes
     it atomically, so one that exists is whole)."""
-    found = {}
-    for path in (run_dir / "checkpoints").glob(f"step-*/{CHECKPOINT_FILE}"):
-        step = path.parent.name.removeprefix("step-")
-        if step.isdigit() and path.is_file():
-            found[int(step)] = path
-    return dict(sorted(found.items()))
+    from slipstream.cli.run_dir import CHECKPOINT_FILE, checkpoint_dirs  # torch: not with the parser
+
+    files = {step: path / CHECKPOINT_FILE for step, path in checkpoint_dirs(run_dir).items()}
+    return {step: path for step, path in files.items() if path.is_file()}
 
 
 def find_checkpoint(run_dir: Path, step: int | None = None) -> tuple[int, Path]:
@@ -66,7 +61,7 @@ def find_checkpoint(run_dir: Path, step: int | None = None) -> tuple[int, Path]:
     found = checkpoints(run_dir)
     if not found:
         raise ValueError(
-            f"{run_dir}: no checkpoint in this run directory (checkpoints/step-N/{CHECKPOINT_FILE}); "
+            f"{run_dir}: no checkpoint in this run directory (checkpoints/step-N/learner.pt); "
             "a run checkpoints every `checkpoint_every` steps"
         )
     if step is None:

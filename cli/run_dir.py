@@ -21,7 +21,9 @@ from slipstream.engine.tokenizer import Tokenizer
 from slipstream.protocols.learner import ScoredGroup
 
 __all__ = [
+    "CHECKPOINT_FILE",
     "StepRecord",
+    "checkpoint_dirs",
     "prune_checkpoints",
     "read_records",
     "read_state",
@@ -113,14 +115,23 @@ def recorded_groups(run_dir: Path, step: int, sampling: dict[str, Any]) -> list[
     return groups
 
 
-def prune_checkpoints(run_dir: Path, keep: int) -> None:
-    """Deletes all but the newest `keep` checkpoints/step-N directories (state.json names the newest)."""
+CHECKPOINT_FILE = "learner.pt"
+"""The learner's file in each checkpoints/step-N directory."""
+
+
+def checkpoint_dirs(run_dir: Path) -> dict[int, Path]:
+    """The run's checkpoints/step-N directories by step, oldest first."""
     steps = sorted(
         (int(p.name.removeprefix("step-")), p)
         for p in (run_dir / "checkpoints").glob("step-*")
         if p.is_dir() and p.name.removeprefix("step-").isdigit()
     )
-    for _, path in steps[:-keep]:
+    return dict(steps)
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> None:
+    """Deletes all but the newest `keep` checkpoints/step-N directories (state.json names the newest)."""
+    for path in list(checkpoint_dirs(run_dir).values())[:-keep]:
         shutil.rmtree(path, ignore_errors=True)
 
 

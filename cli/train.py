@@ -405,7 +405,8 @@ async def train(
                     learned = time.monotonic()
                     checkpoint = ""
                     if _checkpoint_due(cfg, step, time.monotonic() - last_checkpoint):
-                        checkpoint = f"checkpoints/step-{step + 1}/learner.pt"  # in the run directory
+                        # relative to the run directory
+                        checkpoint = f"checkpoints/step-{step + 1}/{run_dir_files.CHECKPOINT_FILE}"
                     # The line where weights are pushed: the learner trains, then sends every rollout v + 1.
                     while True:
                         try:

@@ -48,6 +48,17 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
     """llama3: the pre-training context length."""
 
+    def hf_dict(self) -> dict[str, Any]:
+        """As an HF config.json's `rope_scaling` (what the exports write)."""
+        out: dict[str, Any] = {"rope_type": self.rope_type, "factor": self.factor}
+        if self.rope_type == "llama3":
+            out |= {
+                "low_freq_factor": self.low_freq_factor,
+                "high_freq_factor": self.high_freq_factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings,
+            }
+        return out
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:

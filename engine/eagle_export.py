@@ -93,16 +93,7 @@ def config_dict(
     config = head.config
     if config.hidden_size != target_config.hidden_size or config.vocab_size != target_config.vocab_size:
         raise ValueError("the head's hidden_size and vocab_size must equal the target's")
-    rope_scaling = None
-    if config.rope_scaling is not None:
-        scaling = config.rope_scaling
-        rope_scaling = {"rope_type": scaling.rope_type, "factor": scaling.factor}
-        if scaling.rope_type == "llama3":
-            rope_scaling |= {
-                "low_freq_factor": scaling.low_freq_factor,
-                "high_freq_factor": scaling.high_freq_factor,
-                "original_max_position_embeddings": scaling.original_max_position_embeddings,
-            }
+    rope_scaling = None if config.rope_scaling is None else config.rope_scaling.hf_dict()
     torch_dtype = dtype_name(dtype or head.fc.weight.dtype)
     return {
         "architectures": list(_ARCHITECTURES[server]),

@@ -89,7 +89,7 @@ def config_dict(
         "hidden_act": "silu",
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
-        "rope_scaling": _rope_scaling(config),
+        "rope_scaling": None if config.rope_scaling is None else config.rope_scaling.hf_dict(),
         "max_position_embeddings": config.max_position_embeddings,
         "tie_word_embeddings": config.tie_word_embeddings,
         "torch_dtype": dtype_name(dtype or config.dtype),
@@ -104,20 +104,6 @@ def config_dict(
     for key in _TOKEN_ID_KEYS:
         if source is not None and source.get(key) is not None:
             out[key] = source[key]
-    return out
-
-
-def _rope_scaling(config: ModelConfig) -> dict[str, Any] | None:
-    scaling = config.rope_scaling
-    if scaling is None:
-        return None
-    out: dict[str, Any] = {"rope_type": scaling.rope_type, "factor": scaling.factor}
-    if scaling.rope_type == "llama3":
-        out |= {
-            "low_freq_factor": scaling.low_freq_factor,
-            "high_freq_factor": scaling.high_freq_factor,
-            "original_max_position_embeddings": scaling.original_max_position_embeddings,
-        }
     return out
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from slipstream.cli import export
+from slipstream.cli import run_dir as run_dir_files
 from slipstream.cli.train import TrainConfig
 from slipstream.engine import hf_export
 from slipstream.engine.model import Transformer
@@ -44,7 +45,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     weights = {}
     for step in (1, 2):
         moved(learner.model, seed=step)
-        path = run_dir / "checkpoints" / f"step-{step}" / export.CHECKPOINT_FILE
+        path = run_dir / "checkpoints" / f"step-{step}" / run_dir_files.CHECKPOINT_FILE
         learner.on_checkpoint(SaveCheckpoint(step=step, path=str(path)), "coordinator")
         weights[step] = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
     assert [s.topic for s in out.of(Status)] == ["checkpoint_saved"] * 2
@@ -120,8 +121,8 @@ def test_directories_without_a_checkpoint_are_refused(
     assert rc == 1 and "no such run directory" in err
     not_a_run = tmp_path / "not-a-run"
     (not_a_run / "checkpoints" / "step-1").mkdir(parents=True)
-    (not_a_run / "checkpoints" / "step-1" / export.CHECKPOINT_FILE).write_bytes(
-        (run_dir / "checkpoints" / "step-1" / export.CHECKPOINT_FILE).read_bytes()
+    (not_a_run / "checkpoints" / "step-1" / run_dir_files.CHECKPOINT_FILE).write_bytes(
+        (run_dir / "checkpoints" / "step-1" / run_dir_files.CHECKPOINT_FILE).read_bytes()
     )
     rc, _, err = cli(capsys, str(not_a_run), "--out", str(tmp_path / "hf"))
     assert rc == 1 and "no config.json" in err
