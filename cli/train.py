@@ -12,7 +12,7 @@ every rollout acknowledges the new version. Each step's record goes to metrics.j
 `metrics.sinks` names: runtime/sinks.py) and as one line to `step_lines` (stdout), the run's to
 summary.json. A dead actor is restarted and its work dealt again (the coordinator); a dead learner
 restarts from its newest checkpoint and replays the steps after it from their samples files (here).
-Configuration: `TrainConfig` (every field documented where it is declared).
+Configuration: `TrainConfig` and the actors it makes, in cli/train_config.py.
 """
 
 from __future__ import annotations
@@ -21,290 +21,40 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Annotated, Any, Literal, TextIO
+from typing import Any, TextIO
 
 import msgspec
 import torch
 
-from slipstream.actors.drafter import DrafterActor
 from slipstream.actors.learner import RENDEZVOUS_FILE, LearnerActor
-from slipstream.actors.rollout import RolloutActor
-from slipstream.actors.verifier import VerifierActor
 from slipstream.cli import run_dir as run_dir_files
 from slipstream.cli.export import export_checkpoint
 from slipstream.cli.run_dir import StepRecord, render
+from slipstream.cli.train_config import (
+    TrainConfig,
+    actor_names,
+    actor_specs,
+    data_stream,
+    lease_plan,
+    load_config,
+    sampling_of,
+)
 from slipstream.engine import hub
 from slipstream.engine.device import require_device
-from slipstream.engine.grpo import LossConfig
-from slipstream.engine.policy_train import OptimConfig
-from slipstream.engine.sampling import GROUP_BITS, MAX_SEED, group_seed
+from slipstream.engine.sampling import group_seed
 from slipstream.engine.tokenizer import Tokenizer
-from slipstream.engine.tuner import TunerConfig
 from slipstream.protocols.learner import ScoredGroup
 from slipstream.protocols.reward import ScoreRequest
 from slipstream.protocols.rollout import Completion, GenerateRequest, SamplingSpec
-from slipstream.runtime import config as run_config
 from slipstream.runtime.coordinator import ActorDiedError, Coordinator
 from slipstream.runtime.host import actor_path
-from slipstream.runtime.placement import Placement, place
 from slipstream.runtime.progress import ProgressFactory, silent
-from slipstream.runtime.sinks import MetricsConfig, open_sinks, require_sinks
+from slipstream.runtime.sinks import open_sinks, require_sinks
 from slipstream.runtime.spans import SpanRecorder, span_path
 from slipstream.runtime.step import rollout_step
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
 from slipstream.runtime.transport import actor_name
-from slipstream.tasks.datasets import DEFAULT_DATASET_SIZE, Row, chat_prompt_ids, load_rows
-from slipstream.tasks.stream import DataStream
-
-Positive = Annotated[int, msgspec.Meta(ge=1)]
-
-
-class RolloutSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    devices: Positive = 2  # rollout actors, one device (here: one pinned core) each
-    spec_mode: Literal["rejection", "reproducible"] = (
-        "reproducible"  # reproducible: tokens independent of speculation
-    )
-    tuner: TunerConfig = TunerConfig()  # buckets and speculation arms ("off" alone = plain decoding)
-    verify_weights: bool = False  # re-hash the applied weights (and drafters' heads): proves sync exact
-    # The rollouts' policy dtype: "" = bfloat16 on cuda, the checkpoint's own on cpu. The learner keeps fp32
-    # masters and pushes in this dtype.
-    dtype: Literal["", "float32", "bfloat16", "float16"] = ""
-
-
-class DrafterSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    enabled: bool = True  # train an EAGLE drafter in leased idle device time
-    # The head to start from: a shipped name (engine/hub.py DRAFTERS, e.g. smollm2-135m-chain-sum) or an
-    # exported head's directory; "" = untrained (the tuner keeps it off until it pays).
-    init_from: str = ""
-    batch_tokens: Positive = 512  # tokens per drafter step: bounds the preemption latency
-    lr: float = 1e-3
-    publish_every_steps: Positive = 10
-
-    def __post_init__(self) -> None:
-        if self.init_from:  # a misspelt name fails here, at start, not in every actor's on_start
-            try:
-                hub.drafter_dir(self.init_from)
-            except ValueError as e:
-                raise ValueError(f"init_from: {e}") from None
-
-
-class VerifierSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    actors: Positive = 1
-    workers: Positive = 1  # reward worker processes per verifier actor
-    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # per reward call; past it the sample is invalid
-
-
-class LearnerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    ranks: Positive = 1  # data-parallel learner ranks (gloo on CPU, NCCL on CUDA)
-    threads: Positive = 2  # torch threads per rank: the rollouts are idle while the learner trains
-    optim: OptimConfig = OptimConfig()
-    loss: LossConfig = LossConfig()
-
-
-class FaultsSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    # A dead rollout or verifier is restarted (same rank and config) and dealt again what it owed, up to
-    # this many times per actor per run; past it the run ends naming the actor and its last words.
-    max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 3
-    restart_backoff_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.5  # doubles with each restart of one actor
-    # Steps in a row whose every sample's reward failed before the run ends naming the reward's error (such a
-    # step changes nothing: no sample, no optimizer step).
-    max_invalid_steps: Annotated[int, msgspec.Meta(ge=1)] = 3
-    # An actor whose compute loop makes no progress for this long (no loop turn, no learner micro-batch)
-    # while its heartbeats still arrive is killed and handled as dead: restarted, its work dealt again.
-    # A stopped process (no heartbeats) is caught in ~3 s regardless. 0 = off. There is no fixed deadline
-    # for a learner step or a weight sync: a step takes what its batch takes while its actors progress.
-    hang_s: Annotated[float, msgspec.Meta(ge=0.0)] = 300.0
-
-
-class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    device: Literal["cpu", "cuda"] = "cpu"  # cuda: one GPU per rollout; placement in runtime/placement.py
-    model: str = "smollm2-135m"  # model directory or registry name
-    task: str = "chain_sum"  # reasoning-gym task name, or a JSONL file of {question, answer}
-    task_options: dict[str, Any] = {}  # the reasoning-gym task's own options (difficulty)
-    # Rows per epoch of a reasoning-gym task (generated as read); a file's epoch is its rows. Epochs are
-    # shuffled by the seed; the cursor is checkpointed, so a resume neither skips nor replays a prompt.
-    dataset_size: Positive = DEFAULT_DATASET_SIZE
-    reward: str = ""  # "pkg.mod:fn"; "" = the task's scorer (reasoning-gym) or math-verify (JSONL)
-    system_prompt: str = ""  # a system turn before every question ("" = none)
-    steps: Positive = 8
-    prompts_per_step: Positive = 8
-    group_size: Annotated[int, msgspec.Meta(ge=2)] = 4  # responses per prompt (G)
-    max_tokens: Positive = 128
-    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
-    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
-    seed: Annotated[int, msgspec.Meta(ge=0, lt=MAX_SEED >> GROUP_BITS)] = 0
-    checkpoint_every: Annotated[int, msgspec.Meta(ge=0)] = 10  # steps between checkpoints (0: by time alone)
-    # ... and at least this often, whatever the steps (0 = off): a crash loses at most this much work
-    checkpoint_minutes: Annotated[float, msgspec.Meta(ge=0.0)] = 30.0
-    keep_checkpoints: Annotated[int, msgspec.Meta(ge=1)] = 2  # the newest K are kept, older ones deleted
-    # The run's last checkpoint also as an HF model directory in RUN/hf (config.json, safetensors, tokenizer
-    # files: transformers and vLLM load it); `slipstream export RUN --step N` writes any other one.
-    checkpoint_hf: bool = True
-    rollout: RolloutSection = RolloutSection()
-    drafter: DrafterSection = DrafterSection()
-    verifier: VerifierSection = VerifierSection()
-    learner: LearnerSection = LearnerSection()
-    faults: FaultsSection = FaultsSection()
-    metrics: MetricsConfig = MetricsConfig()  # TensorBoard, wandb: where step records also go
-    # Every process records spans into RUN/spans/ (runtime/spans.py): `slipstream trace` and the report's
-    # long-tail view read them. A clock read and a list append per span (overhead: docs/tracing.md).
-    trace: bool = True
-
-
-def load_config(path: Path | str | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    return run_config.load(path, TrainConfig, overrides)
-
-
-def data_stream(cfg: TrainConfig, state: dict[str, Any], log: Any = None) -> DataStream:
-    """The run's prompts as a stream of epochs, at the cursor `state` saved (or at the start)."""
-    source, report = load_rows(cfg.task, seed=cfg.seed, size=cfg.dataset_size, options=cfg.task_options)
-    if report is not None and log is not None:
-        log.info("data", summary=report.summary(), rows=len(source), skipped=len(report.skipped))
-    if "data" in state:
-        return DataStream.from_state(source, cfg.seed, state["data"])
-    stream = DataStream(source, cfg.seed)
-    # A checkpoint from before the cursor was saved: the steps done read the rows in order.
-    stream.seek(*divmod(int(state.get("step", 0)) * cfg.prompts_per_step, stream.size))
-    return stream
-
-
-def sampling_of(cfg: TrainConfig) -> dict[str, Any]:
-    """How the run samples, as a ScoredGroup states it."""
-    return {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
-
-
-def default_reward(cfg: TrainConfig) -> str:
-    if cfg.reward:
-        return cfg.reward
-    name = "math_verify" if cfg.task.endswith((".jsonl", ".parquet")) else "reasoning_gym"
-    return f"slipstream.tasks.rewards:{name}"
-
-
-def placement(cfg: TrainConfig) -> Placement:
-    """Where the run's rollouts, drafters and learner ranks go on this host (runtime/placement.py)."""
-    return place(
-        cfg.device,
-        rollouts=cfg.rollout.devices,
-        learners=cfg.learner.ranks,
-        learner_threads=cfg.learner.threads,
-    )
-
-
-def actor_names(cfg: TrainConfig, *, baseline: bool) -> tuple[list[str], list[str], list[str], list[str]]:
-    """Rollout, drafter (none for --baseline or a disabled drafter), verifier and learner actor names."""
-    drafters = range(len(placement(cfg).drafters)) if cfg.drafter.enabled and not baseline else range(0)
-    return (
-        [actor_name(RolloutActor.role, r) for r in range(cfg.rollout.devices)],
-        [actor_name(DrafterActor.role, r) for r in drafters],
-        [actor_name(VerifierActor.role, r) for r in range(cfg.verifier.actors)],
-        [actor_name(LearnerActor.role, r) for r in range(cfg.learner.ranks)],
-    )
-
-
-def lease_plan(cfg: TrainConfig, *, baseline: bool) -> tuple[dict[str, str], dict[str, list[int]]]:
-    """Which drafter each rollout's idle device is lent to, and the cores a lease of it grants."""
-    where = placement(cfg)
-    rollouts, drafters = actor_names(cfg, baseline=baseline)[:2]
-    if not drafters:
-        return {}, {}
-    drafter_of = {rollout: drafters[where.drafter_of[r]] for r, rollout in enumerate(rollouts)}
-    return drafter_of, {rollout: where.rollouts[r].cpus for r, rollout in enumerate(rollouts)}
-
-
-def rollout_dtype(cfg: TrainConfig) -> str:
-    """The rollouts' policy dtype name ("" = the checkpoint's own)."""
-    if cfg.rollout.dtype:
-        return cfg.rollout.dtype
-    return "bfloat16" if cfg.device == "cuda" else ""
-
-
-def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from: str) -> list[ActorSpec]:
-    """Every process of the run, placed by runtime/placement.py (`lease_plan`: which drafter trains on which
-    idle rollout device)."""
-    devices = cfg.rollout.devices
-    where = placement(cfg)
-    rollouts, drafters = actor_names(cfg, baseline=baseline)[:2]
-    train_drafter = bool(drafters)
-    tuner = TunerConfig(buckets=cfg.rollout.tuner.buckets, arms=["off"]) if baseline else cfg.rollout.tuner
-    max_len = 1024 + cfg.max_tokens  # prompts of reasoning tasks are short; a longer one is refused, named
-    dtype = rollout_dtype(cfg)
-    specs = [
-        ActorSpec.of(
-            RolloutActor,
-            rank=r,
-            config=RolloutActor.Config(
-                model=cfg.model,
-                device=slot.device,
-                dtype=dtype,
-                max_batch=-(-cfg.prompts_per_step // devices) * cfg.group_size,
-                max_len=max_len,
-                spec_mode=cfg.rollout.spec_mode,
-                tuner=msgspec.structs.replace(tuner, seed=cfg.seed + r),
-                drafter=cfg.drafter.init_from if train_drafter else "",
-                hidden_to=drafters,
-                verify_applied_weights=cfg.rollout.verify_weights,
-            ),
-            threads=slot.threads,
-            hang_s=cfg.faults.hang_s,
-            cpus=slot.cpus,
-        )
-        for r, slot in enumerate(where.rollouts)
-    ]
-    if train_drafter:
-        specs += [
-            ActorSpec.of(
-                DrafterActor,
-                rank=r,
-                config=DrafterActor.Config(
-                    model=cfg.model,
-                    device=slot.device,
-                    batch_tokens=cfg.drafter.batch_tokens,
-                    lr=cfg.drafter.lr,
-                    publish_to=rollouts,
-                    publish_every_steps=cfg.drafter.publish_every_steps,
-                    world_size=len(drafters),
-                    init_from=cfg.drafter.init_from,
-                    seed=cfg.seed,
-                    verify_applied_head=cfg.rollout.verify_weights,
-                ),
-                threads=slot.threads,
-                hang_s=cfg.faults.hang_s,
-                cpus=slot.cpus,
-            )
-            for r, slot in enumerate(where.drafters)
-        ]
-    specs += [
-        ActorSpec.of(
-            VerifierActor,
-            rank=r,
-            config=VerifierActor.Config(
-                reward=default_reward(cfg), workers=cfg.verifier.workers, timeout_s=cfg.verifier.timeout_s
-            ),
-            hang_s=cfg.faults.hang_s,
-        )
-        for r in range(cfg.verifier.actors)
-    ]
-    specs += [
-        ActorSpec.of(
-            LearnerActor,
-            rank=r,
-            config=LearnerActor.Config(
-                model=cfg.model,
-                device=slot.device,
-                push_dtype=dtype,
-                optim=cfg.learner.optim,
-                loss=cfg.learner.loss,
-                world_size=cfg.learner.ranks,
-                resume_from=resume_from,
-                seed=cfg.seed,
-            ),
-            threads=slot.threads,
-            hang_s=cfg.faults.hang_s,
-        )
-        for r, slot in enumerate(where.learners)
-    ]
-    return specs
+from slipstream.tasks.datasets import Row, chat_prompt_ids
 
 
 async def train(
@@ -674,4 +424,15 @@ def _explain(errors: dict[str, int]) -> str:
     return text
 
 
-__all__ = ["StepRecord", "TrainConfig", "actor_specs", "load_config", "render", "train"]
+__all__ = [
+    "StepRecord",
+    "TrainConfig",
+    "actor_names",
+    "actor_specs",
+    "data_stream",
+    "lease_plan",
+    "load_config",
+    "render",
+    "sampling_of",
+    "train",
+]
