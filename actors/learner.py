@@ -69,9 +69,14 @@ class LearnerActor(Actor):
         device: str = "cpu"  # "cpu", "cuda" or "cuda:N": where the fp32 masters and optimizer state live
         push_dtype: Literal["", "float32", "bfloat16", "float16"] = ""  # pushed weights; "": the checkpoint's
         warm_up: bool = True  # one forward and backward of a full micro-batch before Ready (PolicyTrainer)
+        # Where the ranks meet (torch.distributed init_method): "tcp://HOST:PORT", derived from a multi-node
+        # run's head (rank 0 must run on HOST); "" = a file in the run directory (one host).
+        rendezvous: str = ""
 
         def __post_init__(self) -> None:
             parse_device(self.device)
+            if self.rendezvous and not self.rendezvous.startswith("tcp://"):
+                raise ValueError(f"rendezvous: {self.rendezvous!r} is not tcp://HOST:PORT (or '')")
 
     def on_start(self) -> None:
         cfg = self.config
@@ -82,10 +87,10 @@ class LearnerActor(Actor):
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # NCCL binds each rank to the current device
         if cfg.world_size > 1:
-            rendezvous = Path(self.run_dir or ".") / RENDEZVOUS_FILE
+            rendezvous = cfg.rendezvous or f"file://{(Path(self.run_dir or '.') / RENDEZVOUS_FILE).resolve()}"
             dist.init_process_group(
                 capabilities(device).dist_backend,
-                init_method=f"file://{rendezvous.resolve()}",
+                init_method=rendezvous,
                 rank=self.rank,
                 world_size=cfg.world_size,
             )

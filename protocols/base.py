@@ -5,7 +5,8 @@ from typing import Annotated, ClassVar
 import msgspec
 
 PROTOCOL_VERSION = (
-    4  # 3: Heartbeat.ticks, SaveCheckpoint; 4: clock stamps and trace in Hello/Init, draft-depth stats
+    5  # 3: Heartbeat.ticks, SaveCheckpoint; 4: clock stamps and trace in Hello/Init, draft-depth stats;
+    # 5: node agents (protocols/node.py), Hello.local_endpoint, weight deltas across hosts
 )
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
