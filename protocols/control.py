@@ -40,6 +40,9 @@ class Hello(Message, frozen=True, kw_only=True):
     data_endpoint: str
     protocol_version: int
     clock_ns: int = 0  # the actor's time.monotonic_ns() when it sent this (clock alignment of spans)
+    # Multi-node runs: the same data socket's ipc:// endpoint, for peers on its own node (`data_endpoint` is
+    # then its tcp:// one); "" on one host, where `data_endpoint` is ipc:// already.
+    local_endpoint: str = ""
 
 
 class Init(Message, frozen=True, kw_only=True):

@@ -30,10 +30,10 @@ from typing import Any
 import msgspec
 import torch
 
-from slipstream.protocols import Message, control, drafter, learner, reward, rollout
+from slipstream.protocols import Message, control, drafter, learner, node, reward, rollout
 from slipstream.runtime.shm import ShmArena, ShmReader, ShmRef
 
-CHANNELS: tuple[ModuleType, ...] = (control, rollout, reward, learner, drafter)
+CHANNELS: tuple[ModuleType, ...] = (control, rollout, reward, learner, drafter, node)
 
 # Names are the wire format for dtypes: append only.
 DTYPES: dict[str, torch.dtype] = {

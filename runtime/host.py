@@ -104,7 +104,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--events", default=None, help="the coordinator's event-stream endpoint (XSUB)")
     p.add_argument("--curve-key", default=None, help="the run's key file (tcp across hosts)")
-    p.add_argument("--data-host", default=None, help="bind data on tcp://HOST:* instead of ipc://")
+    p.add_argument("--data-host", default=None, help="also bind data on tcp://HOST (multi-node runs)")
+    p.add_argument("--data-port", type=int, default=0, help="with --data-host: the port (0: any)")
+    p.add_argument("--node", type=int, default=0, help="the node of the run this process is on")
     p.add_argument("--handshake-timeout", type=float, default=60.0)
     p.add_argument("--parent-pid", type=int, default=0)
     p.add_argument("--log-level", default="info")
@@ -118,23 +120,26 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
     cls = import_actor(args.actor)
     name = actor_name(cls.role, args.rank)
+    keys = CurveKeys.load(Path(args.curve_key)) if args.curve_key else None
     log = logs.configure(
         role=cls.role,
         rank=args.rank,
         run_dir=Path(args.run_dir),
         events_endpoint=args.events,
         level=args.log_level,
+        curve=keys,
     )
     ctx = zmq.Context()
-    keys = CurveKeys.load(Path(args.curve_key)) if args.curve_key else None
-    auth = start_authenticator(ctx, keys) if keys is not None and args.data_host else None
-    control_curve = keys if args.control.startswith("tcp://") else None
-    control = make_socket(ctx, zmq.DEALER, identity=name, connect=args.control, curve=control_curve)
-    if args.data_host:
-        data = make_socket(ctx, zmq.ROUTER, bind=f"tcp://{args.data_host}:*", curve=keys)
-    else:
-        data = make_socket(ctx, zmq.ROUTER, bind=ipc_endpoint(args.run_dir, f"data-{cls.role}-{args.rank}"))
-    data_endpoint = data.getsockopt(zmq.LAST_ENDPOINT).decode()
+    # With the run's key every socket is CURVE (a multi-node run); a refused peer is logged, nothing more.
+    refused = (lambda key: log.warning("peer_refused", client_key=key[:8])) if keys is not None else None
+    auth = start_authenticator(ctx, keys, refused) if keys is not None else None
+    control = make_socket(ctx, zmq.DEALER, identity=name, connect=args.control, curve=keys)
+    local = ipc_endpoint(args.run_dir, f"data-{cls.role}-{args.rank}", args.node)
+    data = make_socket(ctx, zmq.ROUTER, bind=local, curve=keys)
+    data_endpoint, local_endpoint = local, ""
+    if args.data_host:  # peers on other nodes reach it here; those on its own node at `local`
+        data.bind(f"tcp://{args.data_host}:{args.data_port or '*'}")
+        data_endpoint, local_endpoint = data.getsockopt(zmq.LAST_ENDPOINT).decode(), local
     codec = Codec()
     io: ActorIO | None = None
     arena: ShmArena | None = None
@@ -157,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             data_endpoint=data_endpoint,
             protocol_version=PROTOCOL_VERSION,
             clock_ns=time.monotonic_ns(),
+            local_endpoint=local_endpoint,
         )
         control.send_multipart(codec.encode(hello))
         init = _await_init(control, codec, args.handshake_timeout, log)
@@ -178,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             peers=init.peers, curve=keys,
         )  # fmt: skip
         outbox = io.outbox()
-        arena = ShmArena(run_tag(args.run_dir), slot_bytes_max=SHM_SLOT_MAX, capacity_bytes=SHM_CAPACITY)
+        arena = ShmArena(
+            run_tag(args.run_dir, args.node), slot_bytes_max=SHM_SLOT_MAX, capacity_bytes=SHM_CAPACITY
+        )
         actor = cls(
             config,
             rank=args.rank,

@@ -252,14 +252,13 @@ class ActorIO(threading.Thread):
             endpoint = self.peers.get(dest)
             if endpoint is None:
                 return None
-            curve = self.curve if endpoint.startswith("tcp://") else None
-            sock = make_socket(
+            sock = make_socket(  # with the run's keys (a multi-node run) every data socket is CURVE, ipc too
                 self.ctx,
                 zmq.DEALER,
                 identity=self.identity,
                 connect=endpoint,
                 options=self.options,
-                curve=curve,
+                curve=self.curve,
             )
             self._peer_socks[dest] = sock
         return sock

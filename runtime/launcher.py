@@ -1,23 +1,27 @@
 """Launchers: how the supervisor starts an actor's process, behind one small interface.
 
-`Supervisor._spawn` builds the command line and environment of an actor and hands them to its launcher,
-which returns a handle the supervisor watches (pid, wait, kill, returncode): `asyncio.subprocess.Process`
-is one. Today's only launcher, `LocalLauncher`, starts the process on this host (node 0), pinned to the
-spec's cores. The seam exists for multi-node runs (issue 20): a node agent's launcher will start the
-actors placed on its node and relay their exits, and the supervisor's watching code stays as it is. A spec
-placed on a node no launcher serves is refused before anything starts, naming `node`.
+`Supervisor._spawn` describes an actor's process as an `ActorLaunch` (what to run, on which node, with what
+environment and cores) and hands it to its launcher, which returns a handle the supervisor watches (pid,
+wait, kill, send_signal, returncode): `asyncio.subprocess.Process` is one. `LocalLauncher` starts the
+process on this host (node 0), pinned to the spec's cores; runtime/agent.py's `AgentLauncher` asks the
+node agent of another node to start it there, and its handle reports the exit the agent relays. Each side
+builds the command line itself with `actor_command` (its own interpreter, its own paths). A spec placed on a
+node no launcher serves is refused before anything starts, naming `node`.
 
-    sup = Supervisor(run_dir, launcher=LocalLauncher())   # the default
+    sup = Supervisor(run_dir)                                  # LocalLauncher: this host alone
+    sup = Supervisor(run_dir, cluster=c, curve=keys, remote=agents)   # and the agents' nodes
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Collection, Mapping, Sequence
+import sys
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["Launcher", "LocalLauncher", "ProcessHandle"]
+__all__ = ["ActorLaunch", "Launcher", "LocalLauncher", "ProcessHandle", "actor_command"]
 
 
 class ProcessHandle(Protocol):
@@ -33,15 +37,55 @@ class ProcessHandle(Protocol):
 
     def kill(self) -> None: ...
 
+    def send_signal(self, sig: int) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActorLaunch:
+    """One actor process to start: the parts of its command line and environment that do not depend on the
+    node it runs on, and where it goes."""
+
+    name: str  # "role:rank"
+    actor: str  # "pkg.mod:Class"
+    rank: int
+    node: int = 0
+    run_dir: str
+    env: dict[str, str] = field(default_factory=dict)  # set on top of the node's own environment
+    cpus: list[int] = field(default_factory=list)
+    handshake_timeout_s: float = 120.0
+    data_port: int = 0  # multi-node: the tcp port its data socket binds (0: ipc only, one host)
+    # Node 0's side of a run, as the supervisor has it (another node's agent uses its own):
+    control: str = ""
+    events: str = ""
+    curve_key: str = ""  # the run's key file ("" = plaintext)
+    data_host: str = ""  # the address its data socket binds on (multi-node)
+
+
+def actor_command(
+    a: ActorLaunch, *, control: str, events: str, curve_key: str, data_host: str, parent_pid: int
+) -> list[str]:
+    """The command line of actor process `a` on a node whose side of the run is the keyword arguments."""
+    cmd = [
+        sys.executable, "-m", "slipstream.runtime",
+        "--actor", a.actor, "--rank", str(a.rank), "--node", str(a.node),
+        "--control", control, "--run-dir", a.run_dir,
+        "--parent-pid", str(parent_pid), "--handshake-timeout", str(a.handshake_timeout_s),
+    ]  # fmt: skip
+    if events:
+        cmd += ["--events", events]
+    if curve_key:
+        cmd += ["--curve-key", curve_key]
+    if data_host:
+        cmd += ["--data-host", data_host, "--data-port", str(a.data_port)]
+    return cmd
+
 
 class Launcher(Protocol):
     """Starts actor processes on the nodes it serves."""
 
     nodes: Collection[int]  # the node indices whose actors this launcher can start
 
-    async def launch(
-        self, cmd: Sequence[str], *, env: Mapping[str, str], cpus: Collection[int], node: int
-    ) -> ProcessHandle: ...
+    async def launch(self, a: ActorLaunch) -> ProcessHandle: ...
 
 
 class LocalLauncher:
@@ -49,16 +93,30 @@ class LocalLauncher:
 
     nodes: Collection[int] = (0,)
 
-    async def launch(
-        self, cmd: Sequence[str], *, env: Mapping[str, str], cpus: Collection[int], node: int
-    ) -> ProcessHandle:
-        if node not in self.nodes:
-            raise ValueError(f"node {node}: a local launcher starts actors on node 0 only")
-        pinned = set(cpus)
-        return await asyncio.create_subprocess_exec(
-            *cmd,
-            env=dict(env),
-            start_new_session=True,  # Ctrl-C reaches the coordinator, which shuts actors down in order
-            stdin=asyncio.subprocess.DEVNULL,
-            preexec_fn=(lambda: os.sched_setaffinity(0, pinned)) if pinned else None,
+    async def launch(self, a: ActorLaunch) -> ProcessHandle:
+        if a.node not in self.nodes:
+            raise ValueError(f"node {a.node}: a local launcher starts actors on node 0 only")
+        return await spawn(
+            actor_command(
+                a,
+                control=a.control,
+                events=a.events,
+                curve_key=a.curve_key,
+                data_host=a.data_host,
+                parent_pid=os.getpid(),
+            ),
+            env=a.env,
+            cpus=a.cpus,
         )
+
+
+async def spawn(cmd: list[str], *, env: dict[str, str], cpus: Collection[int]) -> asyncio.subprocess.Process:
+    """A child process running `cmd` with this process's environment plus `env`, pinned to `cpus`."""
+    pinned = set(cpus)
+    return await asyncio.create_subprocess_exec(
+        *cmd,
+        env={**os.environ, **env},
+        start_new_session=True,  # Ctrl-C reaches the coordinator, which shuts actors down in order
+        stdin=asyncio.subprocess.DEVNULL,
+        preexec_fn=(lambda: os.sched_setaffinity(0, pinned)) if pinned else None,
+    )

@@ -22,7 +22,13 @@ import msgspec
 import structlog
 import zmq
 
-from slipstream.runtime.transport import SocketOptions, actor_name, make_socket
+from slipstream.runtime.transport import (
+    CurveKeys,
+    SocketOptions,
+    actor_name,
+    make_socket,
+    start_authenticator,
+)
 
 _json = msgspec.json.Encoder()
 
@@ -79,11 +85,13 @@ def configure(
     events_endpoint: str | None = None,
     level: str = "info",
     echo: bool = False,
+    curve: CurveKeys | None = None,
 ) -> structlog.stdlib.BoundLogger:
     """Configures this process's logging and returns a logger bound with role and rank.
 
     Writes to `run_dir/logs/{role}-{rank}.jsonl` when `run_dir` is given; publishes to
-    `events_endpoint` when given; echoes to stderr when `echo`.
+    `events_endpoint` when given (with `curve`, the run's keys, in a multi-node run); echoes to stderr
+    when `echo`.
     """
     global _sink
     if _sink is not None:
@@ -97,7 +105,11 @@ def configure(
     pub = None
     if events_endpoint is not None:
         pub = make_socket(
-            zmq.Context.instance(), zmq.PUB, connect=events_endpoint, options=SocketOptions(sndhwm=10_000)
+            zmq.Context.instance(),
+            zmq.PUB,
+            connect=events_endpoint,
+            options=SocketOptions(sndhwm=10_000),
+            curve=curve,
         )
     topic = (role if rank is None else actor_name(role, rank)).encode()
     _sink = _Sink(file, pub, topic, echo)
@@ -166,16 +178,20 @@ def log_tail(path: Path, n: int, max_chars: int = 400) -> list[str]:
 
 
 class EventProxy:
-    """XSUB (actors' log PUBs connect) → XPUB (log followers connect), on its own thread."""
+    """XSUB (actors' log PUBs connect) → XPUB (log followers connect), on its own thread. A multi-node run's
+    XSUB also listens on `tcp` (the head's events port), CURVE with the run's keys on both its endpoints."""
 
-    def __init__(self, inbound: str, outbound: str) -> None:
-        self.inbound, self.outbound = inbound, outbound
+    def __init__(self, inbound: str, outbound: str, *, tcp: str = "", curve: CurveKeys | None = None) -> None:
+        self.inbound, self.outbound, self.tcp, self.curve = inbound, outbound, tcp, curve
         self._ctx = zmq.Context()
+        self._auth = start_authenticator(self._ctx, curve) if curve is not None else None
         self._thread: threading.Thread | None = None
         self._ctrl_endpoint = f"inproc://events-ctrl-{id(self)}"
 
     def start(self) -> None:
-        xsub = make_socket(self._ctx, zmq.XSUB, bind=self.inbound)
+        xsub = make_socket(self._ctx, zmq.XSUB, bind=self.inbound, curve=self.curve)
+        if self.tcp:
+            xsub.bind(self.tcp)
         xpub = make_socket(self._ctx, zmq.XPUB, bind=self.outbound)
         ctrl = self._ctx.socket(zmq.PAIR)
         ctrl.bind(self._ctrl_endpoint)
@@ -200,4 +216,6 @@ class EventProxy:
             self._thread.join(5)
             self._ctrl.close(linger=0)
             self._thread = None
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()

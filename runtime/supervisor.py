@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,12 +40,21 @@ from slipstream.protocols import PROTOCOL_VERSION, Message
 from slipstream.protocols.control import Dead, Heartbeat, Hello, Init, Ready, Shutdown
 from slipstream.runtime import logs
 from slipstream.runtime.actor import Actor
+from slipstream.runtime.cluster import CONTROL, EVENTS, Cluster
 from slipstream.runtime.codec import Codec, ProtocolError
 from slipstream.runtime.config import ConfigError, convert
 from slipstream.runtime.host import actor_path, import_actor
-from slipstream.runtime.launcher import Launcher, LocalLauncher, ProcessHandle
+from slipstream.runtime.launcher import ActorLaunch, Launcher, LocalLauncher, ProcessHandle
 from slipstream.runtime.shm import cleanup as cleanup_shm
-from slipstream.runtime.transport import CurveKeys, actor_name, ipc_endpoint, make_socket, run_tag
+from slipstream.runtime.transport import (
+    CurveKeys,
+    actor_name,
+    ipc_endpoint,
+    make_socket,
+    run_tag,
+    start_authenticator,
+    watch_handshakes,
+)
 
 # Shape-keyed caches of oneDNN (primitives) and ideep (computations) in every actor process, 1024 entries
 # each by default, ~0.3-0.5 MB an entry: a rollout meets new shapes every step (prefill chunks, verify
@@ -159,12 +167,14 @@ class Supervisor:
         missed_beats: int = 3,
         handshake_timeout_s: float = 120.0,
         inbox_size: int = 10_000,
-        curve: CurveKeys | None = None,
+        curve_key: Path | None = None,
         log: Any = None,
         max_restarts: int = 3,
         restart_backoff_s: float = 0.5,
         trace: bool = False,
         launcher: Launcher | None = None,
+        cluster: Cluster | None = None,
+        remote: Launcher | None = None,
     ) -> None:
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
@@ -174,15 +184,27 @@ class Supervisor:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.heartbeat_s, self.missed_beats = heartbeat_s, missed_beats
         self.handshake_timeout_s = handshake_timeout_s
-        self.curve = curve
         self.log = log
         self.trace = trace  # actors record spans into RUN/spans/ (runtime/spans.py)
-        self.launcher: Launcher = launcher or LocalLauncher()  # how (and on which nodes) actors start
+        self.launcher: Launcher = launcher or LocalLauncher()  # starts node 0's actors (this host)
+        self.remote = remote  # starts the other nodes' actors (runtime/agent.py), in a multi-node run
+        self.cluster = cluster or Cluster()
+        # With the run's key every socket of the run is CURVE (multi-node runs); refused peers are logged.
+        self.curve_key = str(curve_key or "")
+        self.curve = CurveKeys.load(Path(curve_key)) if curve_key else None
+        if self.cluster.multi and remote is None:
+            raise ValueError("a multi-node supervisor needs a launcher for the other nodes (remote=)")
         self.ctx = zmq.asyncio.Context()
+        self._auth = None
+        if self.curve is not None:
+            self._auth = start_authenticator(self.ctx, self.curve, self._refused)
         self.control_endpoint = ipc_endpoint(self.run_dir, "control")
         self.events_in = ipc_endpoint(self.run_dir, "events-in")
         self.events_out = ipc_endpoint(self.run_dir, "events")
-        self._router = make_socket(self.ctx, zmq.ROUTER, bind=self.control_endpoint)
+        self._router = make_socket(self.ctx, zmq.ROUTER, bind=self.control_endpoint, curve=self.curve)
+        if self.cluster.multi:  # the other nodes' actors reach the head here
+            self._router.bind(f"tcp://{self.cluster.address}:{self.cluster.port(CONTROL)}")
+        self._ports: dict[str, int] = {}  # actor -> its index in the run: its data port, stable over restarts
         # A restarted actor connects with its predecessor's identity: it takes the name over at once.
         self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._codec = Codec()
@@ -196,7 +218,8 @@ class Supervisor:
         self._restarting: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
-        self._proxy = logs.EventProxy(self.events_in, self.events_out)
+        events_tcp = f"tcp://{self.cluster.address}:{self.cluster.port(EVENTS)}" if self.cluster.multi else ""
+        self._proxy = logs.EventProxy(self.events_in, self.events_out, tcp=events_tcp, curve=self.curve)
         (self.run_dir / "endpoints.json").write_bytes(
             msgspec.json.encode({"control": self.control_endpoint, "events": self.events_out})
         )
@@ -207,16 +230,19 @@ class Supervisor:
         """Spawns every actor and completes the handshake, or kills them all and raises."""
         self._proxy.start()
         self._tasks.append(asyncio.create_task(self._recv_loop(), name="supervisor-recv"))
+        if self.cluster.multi:  # who knocks on the head's TCP port and is turned away
+            watch = watch_handshakes(self._router, self._handshake_failed)
+            self._tasks.append(asyncio.create_task(watch, name="handshakes"))
         # Beat from the first Hello on: an actor that is ready early must not hear silence (and stop)
         # while a slower one is still loading its model.
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="supervisor-heartbeat"))
         try:
             classes = [self._check(spec) for spec in specs]  # every config is valid before anything spawns
             for spec, cls in zip(specs, classes, strict=True):
-                if spec.node not in self.launcher.nodes:  # nor is any spawned where nothing can start it
+                if self._launcher_of(spec.node) is None:  # nor is any spawned where nothing can start it
                     raise SupervisorError(
                         f"{actor_name(cls.role, spec.rank)}: ActorSpec.node is {spec.node}, but this "
-                        f"supervisor's launcher starts actors on node(s) {sorted(self.launcher.nodes)} "
+                        f"supervisor's launchers start actors on node(s) {sorted(self._nodes())} "
                         "(a run across nodes needs a node agent there)"
                     )
             for spec, cls in zip(specs, classes, strict=True):
@@ -249,23 +275,49 @@ class Supervisor:
             raise SupervisorError(str(e)) from None
         return cls
 
+    def _nodes(self) -> set[int]:
+        return {*self.launcher.nodes, *(self.remote.nodes if self.remote is not None else ())}
+
+    def _launcher_of(self, node: int) -> Launcher | None:
+        if node in self.launcher.nodes:
+            return self.launcher
+        if self.remote is not None and node in self.remote.nodes:
+            return self.remote
+        return None
+
+    def _refused(self, client_key: str) -> None:
+        self._emit("peer_refused", client_key=client_key[:8], level="warning")
+
+    def _handshake_failed(self, endpoint: str, why: str) -> None:
+        self._emit("handshake_failed", endpoint=endpoint, why=why, level="warning")
+
     async def _spawn(self, spec: ActorSpec, role: str, *, restarting: bool = False) -> _Proc:
         """Starts the process of `spec`; its entry replaces any earlier one of the same name."""
         name = actor_name(role, spec.rank)
-        env = dict(os.environ, **spec.env)
-        for var, value in ONEDNN_CACHES.items():
-            env.setdefault(var, value)  # the caller's environment (or the spec's) wins
+        # Set on top of the node's own environment; the caller's environment (or the spec's) wins the caches.
+        env = {var: value for var, value in ONEDNN_CACHES.items() if var not in os.environ}
+        env.update(spec.env)
         if spec.threads > 0:
             for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
                 env[var] = str(spec.threads)
-        cmd = [
-            sys.executable, "-m", "slipstream.runtime",
-            "--actor", spec.actor, "--rank", str(spec.rank),
-            "--control", self.control_endpoint, "--run-dir", str(self.run_dir),
-            "--events", self.events_in, "--parent-pid", str(os.getpid()),
-            "--handshake-timeout", str(self.handshake_timeout_s),
-        ]  # fmt: skip
-        proc = await self.launcher.launch(cmd, env=env, cpus=spec.cpus, node=spec.node)
+        launch = ActorLaunch(
+            name=name,
+            actor=spec.actor,
+            rank=spec.rank,
+            node=spec.node,
+            run_dir=str(self.run_dir),
+            env=env,
+            cpus=list(spec.cpus),
+            handshake_timeout_s=self.handshake_timeout_s,
+            data_port=self.cluster.data_port(self._ports.setdefault(name, len(self._ports))),
+            control=self.control_endpoint,
+            events=self.events_in,
+            curve_key=self.curve_key,
+            data_host=self.cluster.address if self.cluster.multi else "",
+        )
+        launcher = self._launcher_of(spec.node)
+        assert launcher is not None  # checked in start
+        proc = await launcher.launch(launch)
         entry = _Proc(spec=spec, name=name, proc=proc, role=role, restarting=restarting)
         self._procs[name] = entry
         # The watcher holds its own entry: the old process's watcher can never mark a successor dead.
@@ -292,13 +344,11 @@ class Supervisor:
                 await asyncio.sleep(0.01)
 
         await until(lambda p: p.hello is not None, "hello")
-        # Every actor that said Hello, newest endpoint: a dead peer's ipc endpoint is where its successor binds.
-        peers = self.endpoints()
         for p in entries:
             init = Init(
                 config=msgspec.Raw(msgspec.msgpack.encode(p.spec.plain_config())),
                 run_dir=str(self.run_dir),
-                peers=peers,
+                peers=self.endpoints(p.spec.node),
                 heartbeat_s=self.heartbeat_s,
                 threads=p.spec.threads,
                 trace=self.trace,
@@ -330,9 +380,16 @@ class Supervisor:
     def pid(self, name: str) -> int:
         return self._procs[name].proc.pid
 
-    def endpoints(self) -> dict[str, str]:
-        """Data endpoints of the actors that said Hello ("role:rank" → endpoint)."""
-        return {n: p.hello.data_endpoint for n, p in self._procs.items() if p.hello is not None}
+    def endpoints(self, node: int | None = None) -> dict[str, str]:
+        """Data endpoints of the actors that said Hello ("role:rank" → endpoint), as an actor on `node` reaches
+        them: ipc:// on its own node, tcp:// across nodes (None: as they were announced). A dead peer's
+        endpoint is where its successor binds (ipc path and tcp port are fixed per actor)."""
+        out = {}
+        for n, p in self._procs.items():
+            if p.hello is not None:
+                local = p.hello.local_endpoint and p.spec.node == node
+                out[n] = p.hello.local_endpoint if local else p.hello.data_endpoint
+        return out
 
     async def _recv_loop(self) -> None:
         while True:
@@ -391,7 +448,7 @@ class Supervisor:
     async def _watch_exit(self, entry: _Proc) -> None:
         code = await entry.proc.wait()
         if not self._closing and not entry.dead:
-            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            how = getattr(entry.proc, "exit_reason", "") or _exit_how(code)  # a remote one: "node 1 lost"
             self._mark_dead(entry, how, code)
         entry.dead = True
 
@@ -565,6 +622,8 @@ class Supervisor:
         self._router.close(linger=0)
         self._proxy.stop()
         cleanup_shm(run_tag(self.run_dir))  # segments of actors that died holding them
+        if self._auth is not None:
+            self._auth.stop()
         self.ctx.term()
 
     async def __aenter__(self) -> Supervisor:
@@ -576,6 +635,15 @@ class Supervisor:
     def _emit(self, event: str, level: str = "info", **fields: Any) -> None:
         if self.log is not None:
             getattr(self.log, level)(event, **fields)
+
+
+def _exit_how(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def _exit_text(code: int | None) -> str:

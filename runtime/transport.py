@@ -6,23 +6,30 @@ socket gets finite high-water marks (backpressure instead of unbounded memory), 
 never hangs on unsent data) and a receive-size limit (zmq disconnects a peer that sends more).
 
 Same host: ipc:// under a private 0700 directory — the file system is the access control. Across
-hosts: tcp:// with CURVE encryption and authentication; the launcher makes one key pair per run
-(`CurveKeys.generate`) and hands it to every actor; a ZAP handler refuses any peer that does not
+hosts (runtime/cluster.py): tcp:// with CURVE encryption and authentication on every socket of the run
+(ipc ones too: a socket is a CURVE server on all its endpoints or on none); node 0 makes one key pair
+per run (`CurveKeys.generate`) that every process loads; a ZAP handler refuses any peer that does not
 present the run's public key, so a peer without the run's key cannot connect.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import zmq
+import zmq.asyncio
 import zmq.auth
+from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.auth.base import Authenticator
 from zmq.auth.thread import ThreadAuthenticator
 
 S = TypeVar("S", bound=zmq.Socket)
@@ -118,40 +125,84 @@ def make_socket(
     return sock
 
 
-def start_authenticator(ctx: zmq.Context, keys: CurveKeys) -> ThreadAuthenticator:
-    """ZAP handler for `ctx`: CURVE clients must present the run's public key; others are refused."""
-    auth = ThreadAuthenticator(ctx)
-    auth.start()
+def start_authenticator(
+    ctx: zmq.Context, keys: CurveKeys, on_refused: Callable[[str], None] | None = None
+) -> Authenticator:
+    """ZAP handler for `ctx`: CURVE clients must present the run's public key; others are refused, and
+    `on_refused` hears of each (with the refused client's public key). An asyncio context gets the handler
+    in its event loop, a plain one on a thread."""
 
     class _RunKeyOnly:
         def callback(self, domain: str, z85_key: bytes) -> bool:
-            return hmac.compare_digest(z85_key, keys.public)
+            ok = hmac.compare_digest(z85_key, keys.public)
+            if not ok and on_refused is not None:
+                on_refused(z85_key.decode(errors="replace"))
+            return ok
 
+    auth: Authenticator
+    if isinstance(ctx, zmq.asyncio.Context):
+        auth = AsyncioAuthenticator(ctx)
+    else:
+        auth = ThreadAuthenticator(ctx)
+    auth.start()
     auth.configure_curve_callback(domain="*", credentials_provider=_RunKeyOnly())
     return auth
 
 
-def socket_dir(run_dir: Path | str) -> Path:
-    """A private (0700) directory for this run's ipc sockets, short enough for sun_path."""
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+async def watch_handshakes(
+    sock: zmq.asyncio.Socket, on_failed: Callable[[str, str], None], every_s: float = 60.0
+) -> None:
+    """Reports failed handshakes on `sock` (a plaintext client, a wrong server key, a refused key) to
+    `on_failed(endpoint, why)`, at most once per `every_s` (a refused client retries every 100 ms). Runs
+    until cancelled; the ZAP handler reports refused keys itself, with the key."""
+    from zmq.utils.monitor import parse_monitor_message
+
+    monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+    last = -every_s
+    try:
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            now = asyncio.get_running_loop().time()
+            if now - last >= every_s:
+                last = now
+                why = zmq.Event(event["event"]).name.lower()
+                on_failed(event["endpoint"].decode(errors="replace"), why)
+    finally:
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disable_monitor()
+        monitor.close(linger=0)
+
+
+def socket_dir(run_dir: Path | str, node: int = 0) -> Path:
+    """A private (0700) directory for this run's ipc sockets, short enough for sun_path. Node 0's is in the
+    run directory; another node's is under this host's temp directory (a unix socket on a shared
+    filesystem is not one every filesystem allows, and it serves only its own node anyway)."""
     run_dir = Path(run_dir).resolve()
     candidate = run_dir / "sock"
-    if len(str(candidate)) > _MAX_IPC_DIR:
-        digest = hashlib.sha1(str(run_dir).encode()).hexdigest()[:12]
-        candidate = Path(tempfile.gettempdir()) / f"slipstream-{os.getuid()}-{digest}"
+    if node or len(str(candidate)) > _MAX_IPC_DIR:
+        candidate = Path(tempfile.gettempdir()) / f"slipstream-{os.getuid()}-{run_tag(run_dir, node)}"
     candidate.mkdir(parents=True, exist_ok=True)
     os.chmod(candidate, 0o700)
     return candidate
 
 
-def run_tag(run_dir: Path | str) -> str:
-    """A short tag unique to a run directory (names its shared-memory segments)."""
-    return hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+def run_tag(run_dir: Path | str, node: int = 0) -> str:
+    """A short tag unique to a run directory and node (names its shared-memory segments and socket dirs)."""
+    tag = hashlib.sha1(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+    return f"{tag}n{node}" if node else tag
 
 
-def ipc_endpoint(run_dir: Path | str, name: str) -> str:
+def ipc_endpoint(run_dir: Path | str, name: str, node: int = 0) -> str:
     """ipc:// endpoint for `name` (e.g. "control", "data-rollout-0") inside the run's socket dir."""
     safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
-    return f"ipc://{socket_dir(run_dir) / safe}"
+    return f"ipc://{socket_dir(run_dir, node) / safe}"
 
 
 def actor_name(role: str, rank: int) -> str:

@@ -3,7 +3,7 @@
 import msgspec
 import torch
 
-from slipstream.protocols import Message, control, drafter, learner, reward, rollout
+from slipstream.protocols import Message, control, drafter, learner, node, reward, rollout
 
 
 def samples() -> dict[str, Message]:
@@ -140,6 +140,20 @@ def samples() -> dict[str, Message]:
             names=["fc"],
             tensors=[torch.full((2,), -0.5)],
         ),
+        node.AgentHello(node=1, host="node-b", address="10.0.0.2", pid=77, cores=16, gpus=8, protocol_version=5),
+        node.Launch(
+            name="rollout:3",
+            actor="slipstream.actors.rollout:RolloutActor",
+            rank=3,
+            env={"OMP_NUM_THREADS": "1"},
+            cpus=[3],
+            data_port=29519,
+            handshake_timeout_s=120.0,
+        ),
+        node.Launched(name="rollout:3", pid=4321, error=""),
+        node.Exited(name="rollout:3", pid=4321, code=-9),
+        node.Kill(name="rollout:3", signal=9),
+        node.StopAgent(reason="done"),
     ]
     return {m.kind: m for m in out}
 

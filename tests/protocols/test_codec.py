@@ -10,7 +10,7 @@ from tests.protocols.samples import equal, samples
 # The MessagePack body of each sample message. A change here is a wire-format change: bump
 # PROTOCOL_VERSION and update deliberately.
 GOLDEN = {
-    "control.hello": "97a7726f6c6c6f757401cd1092a66e6f64652d61ac6970633a2f2f2f746d702f780100",
+    "control.hello": "98a7726f6c6c6f757401cd1092a66e6f64652d61ac6970633a2f2f2f746d702f780100a0",
     "control.init": (
         "9881a26c72cb3eb0c6f7a0b5ed8da82f72756e732f723181a9726f6c6c6f75743a30ad6970633a2f2f2f746d702f7230"
         "cb3fe000000000000002c20000"
@@ -62,6 +62,15 @@ GOLDEN = {
     "drafter.update": "95010291a266639193a7666c6f617431369102c40400000000a164",
     "drafter.stats": "9600010acb3fe0000000000000cd03e8cb3ff0000000000000",
     "drafter.delta": "9901040203cd012ccb3fe0000000000000c291a266639193a7666c6f617433329102c408000000bf000000bf",
+    "node.hello": "9701a66e6f64652d62a831302e302e302e324d100805",
+    "node.launch": (
+        "97a9726f6c6c6f75743a33d926736c697073747265616d2e6163746f72732e726f6c6c6f75743a526f6c6c6f75744163746f72"
+        "0381af4f4d505f4e554d5f54485245414453a1319103cd734fcb405e000000000000"
+    ),
+    "node.launched": "93a9726f6c6c6f75743a33cd10e1a0",
+    "node.exited": "93a9726f6c6c6f75743a33cd10e1f7",
+    "node.kill": "92a9726f6c6c6f75743a3309",
+    "node.stop": "91a4646f6e65",
 }
 
 

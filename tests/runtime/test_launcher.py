@@ -3,28 +3,26 @@ start actors on other nodes (issue 20). Real processes through the local launche
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
 import uvloop
 
-from slipstream.runtime.launcher import LocalLauncher, ProcessHandle
+from slipstream.runtime.launcher import ActorLaunch, LocalLauncher, ProcessHandle
 from slipstream.runtime.supervisor import ActorSpec, Supervisor, SupervisorError
 
 
 class Recording(LocalLauncher):
-    """The local launcher, noting what it was asked to start (a stand-in for a node agent's launcher)."""
+    """The local launcher, noting what it was asked to start (as a node agent's launcher would be asked)."""
 
     def __init__(self, nodes: Collection[int] = (0,)) -> None:
         self.nodes = tuple(nodes)
-        self.launched: list[tuple[list[str], int, list[int]]] = []
+        self.launched: list[tuple[str, int, list[int]]] = []
 
-    async def launch(
-        self, cmd: Sequence[str], *, env: Mapping[str, str], cpus: Collection[int], node: int
-    ) -> ProcessHandle:
-        self.launched.append((list(cmd), node, sorted(cpus)))
-        return await super().launch(cmd, env=env, cpus=cpus, node=0)
+    async def launch(self, a: ActorLaunch) -> ProcessHandle:
+        self.launched.append((a.actor, a.node, sorted(a.cpus)))
+        return await super().launch(a)
 
 
 def test_every_actor_starts_through_the_supervisors_launcher(tmp_path: Path) -> None:
@@ -45,7 +43,7 @@ def test_every_actor_starts_through_the_supervisors_launcher(tmp_path: Path) -> 
 
     uvloop.run(main())
     assert [(node, cpus) for _, node, cpus in launcher.launched] == [(0, []), (0, [0])]
-    assert all("--actor" in cmd and "slipstream.cli.smoke:Sink" in cmd for cmd, _, _ in launcher.launched)
+    assert all(actor == "slipstream.cli.smoke:Sink" for actor, _, _ in launcher.launched)
 
 
 def test_an_actor_on_a_node_no_launcher_serves_is_refused_before_anything_starts(tmp_path: Path) -> None:
@@ -67,7 +65,8 @@ def test_an_actor_on_a_node_no_launcher_serves_is_refused_before_anything_starts
 
 def test_the_local_launcher_refuses_another_node() -> None:
     async def main() -> None:
+        a = ActorLaunch(name="sink:0", actor="slipstream.cli.smoke:Sink", rank=0, node=2, run_dir="/tmp")
         with pytest.raises(ValueError, match="node 2: a local launcher starts actors on node 0 only"):
-            await LocalLauncher().launch(["true"], env={}, cpus=(), node=2)
+            await LocalLauncher().launch(a)
 
     uvloop.run(main())
