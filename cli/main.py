@@ -130,8 +130,10 @@ def _run_training(
     resume: bool = False,
     echo: bool = False,
     step_lines: TextIO | None = None,
+    **multi_node: Any,
 ) -> dict[str, Any]:
-    """One `slipstream train` run: config.json (a fresh run), the coordinator's log, the loop; its summary."""
+    """One `slipstream train` run: config.json (a fresh run), the coordinator's log, the loop; its summary.
+    `multi_node`: train's cluster, keys_dir and join_timeout_s (node 0 of a run across nodes)."""
     import msgspec
     import uvloop
 
@@ -146,7 +148,14 @@ def _run_training(
     log.info("config", **msgspec.to_builtins(cfg))
     return uvloop.run(
         train.train(
-            cfg, run_dir, baseline=baseline, resume=resume, progress=bar, log=log, step_lines=step_lines
+            cfg,
+            run_dir,
+            baseline=baseline,
+            resume=resume,
+            progress=bar,
+            log=log,
+            step_lines=step_lines,
+            **multi_node,
         )
     )
 
@@ -162,7 +171,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     import msgspec
 
     from slipstream.cli import train
+    from slipstream.runtime.cluster import resolve_cluster
 
+    cluster = resolve_cluster(nnodes=args.nnodes, node_rank=args.node_rank, head=args.head)
+    if cluster.multi and args.run_dir is None and args.resume is None:
+        raise ValueError(
+            f"--run-dir: a run on {cluster.nnodes} nodes needs one run directory that every node sees "
+            "(a shared filesystem), the same on each node's command line"
+        )
     overrides = list(args.overrides)
     config_path = args.config
     if config_path is not None and "=" in config_path and not Path(config_path).exists():
@@ -182,6 +198,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         cfg = train.load_config(config_path or packaged_config("demo.yaml"), overrides)
         run_dir = args.run_dir or Path(f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
+    if cluster.node_rank > 0:  # a node agent: starts what the head places here, until the run ends
+        import uvloop
+
+        from slipstream.runtime import logs
+
+        log = logs.configure(role="agent", rank=cluster.node_rank, run_dir=run_dir, echo=args.verbose)
+        return uvloop.run(
+            train.serve_node(
+                cfg, run_dir, cluster, keys_dir=args.keys, log=log, join_timeout_s=args.join_timeout
+            )
+        )
     summary = _run_training(
         cfg,
         run_dir,
@@ -189,6 +216,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         resume=args.resume is not None,
         echo=args.verbose,
         step_lines=sys.stdout,  # a line per step as it finishes, on a terminal or not
+        cluster=cluster,
+        keys_dir=args.keys,
+        join_timeout_s=args.join_timeout,
     )
     print(train.render(summary))
     return 0
@@ -393,6 +423,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", type=Path, default=None, help="a run directory to continue from its checkpoint"
     )
     s.add_argument("--verbose", "-v", action="store_true", help="echo the coordinator's log to stderr")
+    g = s.add_argument_group(
+        "across nodes",
+        "the same command on every node (torchrun's convention; defaults from MASTER_ADDR, MASTER_PORT, NNODES, "
+        "NODE_RANK, or SLURM_NNODES, SLURM_NODEID and SLURM_JOB_NODELIST under srun); --run-dir on a shared "
+        "filesystem",
+    )
+    g.add_argument("--nnodes", type=int, default=None, help="nodes in the run (default 1: this host)")
+    g.add_argument("--node-rank", type=int, default=None, help="this node's rank; 0 is the head")
+    g.add_argument(
+        "--head", default=None, help="HOST:PORT of node 0 (every port of the run derives from PORT)"
+    )
+    g.add_argument("--keys", type=Path, default=None, help="a directory with the run's run.key on every node "
+                   "(default: node 0 makes one in RUN/keys)")  # fmt: skip
+    g.add_argument("--join-timeout", type=float, default=300.0, help="seconds to wait for the other nodes")
     s = sub.add_parser(
         "generate",
         help="complete a JSONL of prompts with the engine, speculation on or off",

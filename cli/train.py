@@ -17,8 +17,10 @@ Configuration: `TrainConfig` and the actors it makes, in cli/train_config.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -32,6 +34,7 @@ from slipstream.cli.export import export_checkpoint
 from slipstream.cli.run_dir import StepRecord, render
 from slipstream.cli.train_config import (
     TrainConfig,
+    TransportSection,
     actor_names,
     actor_specs,
     data_stream,
@@ -46,8 +49,12 @@ from slipstream.engine.tokenizer import Tokenizer
 from slipstream.protocols.learner import ScoredGroup
 from slipstream.protocols.reward import ScoreRequest
 from slipstream.protocols.rollout import Completion, GenerateRequest, SamplingSpec
+from slipstream.runtime.agent import AgentLauncher, run_agent
+from slipstream.runtime.cluster import KEY_DIR, RENDEZVOUS, Cluster, run_keys
+from slipstream.runtime.config import ConfigError
 from slipstream.runtime.coordinator import ActorDiedError, Coordinator
 from slipstream.runtime.host import actor_path
+from slipstream.runtime.placement import Host
 from slipstream.runtime.progress import ProgressFactory, silent
 from slipstream.runtime.sinks import open_sinks, require_sinks
 from slipstream.runtime.spans import SpanRecorder, span_path
@@ -66,11 +73,17 @@ async def train(
     progress: ProgressFactory = silent,
     log: Any = None,
     step_lines: TextIO | None = None,
+    cluster: Cluster | None = None,
+    keys_dir: Path | None = None,
+    join_timeout_s: float = 300.0,
 ) -> dict[str, Any]:
     """Runs the loop; returns the summary also written to run_dir/summary.json. `step_lines`: where each
-    step's line is printed as it finishes (None: nowhere)."""
+    step's line is printed as it finishes (None: nowhere). With a multi-node `cluster` this is node 0, the
+    head: it waits for the other nodes' agents (`join_timeout_s`), then places actors on every node."""
+    cluster = cluster or Cluster()
     require_device(cfg.device)  # refused before anything starts, naming the field
     require_sinks(cfg.metrics)  # so is a sink whose package is missing
+    require_transport(cfg, cluster)  # and plaintext TCP across hosts that the config does not allow
     run_dir.mkdir(parents=True, exist_ok=True)
     # The learner ranks' rendezvous file: one a crashed run left behind would hand a resumed run stale
     # addresses and counts.
@@ -87,15 +100,37 @@ async def train(
         temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_tokens,
         stop_token_ids=sorted(tokenizer.stop_ids),
     )  # fmt: skip
-    specs = actor_specs(cfg, run_dir, baseline=baseline, resume_from=str(state["checkpoint"]))
-    rollouts, drafters, verifiers, learners = actor_names(cfg, baseline=baseline)
-    drafter_of, lease_cpus = lease_plan(cfg, baseline=baseline)
+    agents: AgentLauncher | None = None
+    hosts: list[Host] | None = None
+    key_file: Path | None = None
+    if cluster.multi:
+        if cfg.transport.security == "curve":
+            keys, key_file = run_keys(run_dir, keys_dir=keys_dir, create=keys_dir is None)
+        else:
+            keys = None
+        agents = AgentLauncher(cluster, curve=keys, log=log)
+        try:
+            joined = await agents.wait_for_agents(join_timeout_s)
+        except BaseException:
+            await agents.close("the head gave up waiting")
+            raise
+        hosts = [Host(len(os.sched_getaffinity(0)), gpu_count(cfg.device))]
+        hosts += [Host(joined[n].cores, joined[n].gpus) for n in range(1, cluster.nnodes)]
+    specs = actor_specs(
+        cfg, run_dir, baseline=baseline, resume_from=str(state["checkpoint"]), hosts=hosts,
+        rendezvous=cluster.head_endpoint(RENDEZVOUS) if cluster.multi and cfg.learner.ranks > 1 else "",
+    )  # fmt: skip
+    rollouts, drafters, verifiers, learners = actor_names(cfg, baseline=baseline, hosts=hosts)
+    drafter_of, lease_cpus = lease_plan(cfg, baseline=baseline, hosts=hosts)
     sup = Supervisor(
         run_dir,
         max_restarts=cfg.faults.max_restarts,
         restart_backoff_s=cfg.faults.restart_backoff_s,
         log=log,
         trace=cfg.trace,
+        cluster=cluster,
+        curve_key=key_file,
+        remote=agents,
     )
     spans = SpanRecorder(
         span_path(run_dir, "coordinator") if cfg.trace else None, actor="coordinator", role="coordinator"
@@ -239,6 +274,8 @@ async def train(
     finally:
         metrics_file.close()
         await sup.shutdown(reason="training finished")
+        if agents is not None:  # after their actors are down: the agents stop and exit
+            await agents.close("training finished")
         sinks.close()  # after the actors are down: a failing sink cannot keep them running
         spans.close()
     summary = run_dir_files.summary(msgspec.to_builtins(cfg), records, run_dir, baseline=baseline)
@@ -252,6 +289,38 @@ async def train(
         )  # fmt: skip
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def require_transport(cfg: TrainConfig, cluster: Cluster) -> None:
+    """Refuses plaintext TCP between nodes unless the config says the network is trusted."""
+    if cluster.multi and cfg.transport.security == "plaintext" and not cfg.transport.insecure:
+        raise ConfigError(
+            "transport.insecure: plaintext TCP across hosts is refused; use transport.security: curve (the "
+            "default), or say transport.insecure: true for a network you trust"
+        )
+
+
+def gpu_count(device: str) -> int:
+    return torch.cuda.device_count() if device == "cuda" and torch.cuda.is_available() else 0
+
+
+async def serve_node(
+    cfg: TrainConfig, run_dir: Path, cluster: Cluster, *, keys_dir: Path | None, log: Any,
+    join_timeout_s: float = 300.0,
+) -> int:  # fmt: skip
+    """Node `cluster.node_rank` > 0 of a multi-node run: its agent starts the actors the head places here.
+    Returns 0 when the head ends the run, 1 when the head is lost or never answers."""
+    require_transport(cfg, cluster)
+    key_file = None
+    if cfg.transport.security == "curve":
+        # Node 0 writes the run's key when it starts (a shared filesystem), unless every node has --keys.
+        key_file = (keys_dir or run_dir / KEY_DIR) / "run.key"
+        deadline = time.monotonic() + join_timeout_s
+        while not key_file.is_file():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no run key at {key_file} after {join_timeout_s:g}s: is node 0 started?")
+            await asyncio.sleep(0.5)
+    return await run_agent(cluster, run_dir, key_file=key_file, log=log, join_timeout_s=join_timeout_s)
 
 
 async def _step(
@@ -425,14 +494,19 @@ def _explain(errors: dict[str, int]) -> str:
 
 
 __all__ = [
+    "Cluster",
+    "ConfigError",
     "StepRecord",
     "TrainConfig",
+    "TransportSection",
     "actor_names",
     "actor_specs",
     "data_stream",
     "lease_plan",
     "load_config",
     "render",
+    "require_transport",
     "sampling_of",
+    "serve_node",
     "train",
 ]

@@ -26,7 +26,7 @@ from slipstream.engine.policy_train import OptimConfig
 from slipstream.engine.sampling import GROUP_BITS, MAX_SEED
 from slipstream.engine.tuner import TunerConfig
 from slipstream.runtime import config as run_config
-from slipstream.runtime.placement import Placement, place
+from slipstream.runtime.placement import Host, NodeShare, Placement, default_shares, place, place_nodes
 from slipstream.runtime.sinks import MetricsConfig
 from slipstream.runtime.supervisor import ActorSpec
 from slipstream.runtime.transport import actor_name
@@ -93,6 +93,21 @@ class FaultsSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     hang_s: Annotated[float, msgspec.Meta(ge=0.0)] = 300.0
 
 
+class NodeSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """What one node of a multi-node run runs (ranks are numbered across the nodes in order)."""
+
+    rollouts: Annotated[int, msgspec.Meta(ge=0)] = 0  # rollout devices (each with its node's drafter)
+    verifiers: Annotated[int, msgspec.Meta(ge=0)] = 0
+    learners: Annotated[int, msgspec.Meta(ge=0)] = 0  # learner ranks: rank 0 must be on node 0 (the head)
+
+
+class TransportSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    # TCP between the nodes of a run: "curve" (encrypted; only holders of the run's key connect) or
+    # "plaintext", refused unless `insecure: true` says the network is trusted. One host: ipc, unaffected.
+    security: Literal["curve", "plaintext"] = "curve"
+    insecure: bool = False
+
+
 class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     device: Literal["cpu", "cuda"] = "cpu"  # cuda: one GPU per rollout; placement in runtime/placement.py
     model: str = "smollm2-135m"  # model directory or registry name
@@ -127,6 +142,10 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     # Every process records spans into RUN/spans/ (runtime/spans.py): `slipstream trace` and the report's
     # long-tail view read them. A clock read and a list append per span (overhead: docs/tracing.md).
     trace: bool = True
+    # A run across nodes (`--nnodes`): what each node runs, one entry per node; [] = rollouts and verifiers
+    # spread evenly over the nodes, every learner rank on node 0 (runtime/placement.py).
+    nodes: list[NodeSection] = []
+    transport: TransportSection = TransportSection()
 
 
 def load_config(path: Path | str | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
@@ -158,19 +177,46 @@ def default_reward(cfg: TrainConfig) -> str:
     return f"slipstream.tasks.rewards:{name}"
 
 
-def placement(cfg: TrainConfig) -> Placement:
-    """Where the run's rollouts, drafters and learner ranks go on this host (runtime/placement.py)."""
-    return place(
-        cfg.device,
-        rollouts=cfg.rollout.devices,
-        learners=cfg.learner.ranks,
-        learner_threads=cfg.learner.threads,
-    )
+def node_shares(cfg: TrainConfig, nnodes: int) -> list[NodeShare]:
+    """What each of `nnodes` nodes runs: `nodes` as configured (checked against the run's counts, naming the
+    field), or the default spread."""
+    if not cfg.nodes:
+        return default_shares(
+            nnodes, rollouts=cfg.rollout.devices, verifiers=cfg.verifier.actors, learners=cfg.learner.ranks
+        )
+    if len(cfg.nodes) != nnodes:
+        raise run_config.ConfigError(f"nodes: {len(cfg.nodes)} entries for a run on {nnodes} node(s)")
+    for what, want, field in (
+        ("rollouts", cfg.rollout.devices, "rollout.devices"),
+        ("verifiers", cfg.verifier.actors, "verifier.actors"),
+        ("learners", cfg.learner.ranks, "learner.ranks"),
+    ):
+        if (got := sum(getattr(n, what) for n in cfg.nodes)) != want:
+            raise run_config.ConfigError(f"nodes: {got} {what} over the nodes, but {field} is {want}")
+    if cfg.nodes[0].learners < 1:
+        raise run_config.ConfigError("nodes: node 0 must run learner rank 0 (the ranks meet at the head)")
+    return [NodeShare(rollouts=n.rollouts, verifiers=n.verifiers, learners=n.learners) for n in cfg.nodes]
 
 
-def actor_names(cfg: TrainConfig, *, baseline: bool) -> tuple[list[str], list[str], list[str], list[str]]:
+def placement(cfg: TrainConfig, hosts: list[Host] | None = None) -> Placement:
+    """Where the run's rollouts, drafters, verifiers and learner ranks go (runtime/placement.py): on this
+    host, or (`hosts`: what each node has, node 0 first) across the nodes of a multi-node run."""
+    if hosts is None:
+        return place(
+            cfg.device,
+            rollouts=cfg.rollout.devices,
+            learners=cfg.learner.ranks,
+            learner_threads=cfg.learner.threads,
+        )
+    return place_nodes(cfg.device, node_shares(cfg, len(hosts)), hosts, cfg.learner.threads)
+
+
+def actor_names(
+    cfg: TrainConfig, *, baseline: bool, hosts: list[Host] | None = None
+) -> tuple[list[str], list[str], list[str], list[str]]:
     """Rollout, drafter (none for --baseline or a disabled drafter), verifier and learner actor names."""
-    drafters = range(len(placement(cfg).drafters)) if cfg.drafter.enabled and not baseline else range(0)
+    on = cfg.drafter.enabled and not baseline
+    drafters = range(len(placement(cfg, hosts).drafters)) if on else range(0)
     return (
         [actor_name(RolloutActor.role, r) for r in range(cfg.rollout.devices)],
         [actor_name(DrafterActor.role, r) for r in drafters],
@@ -179,10 +225,12 @@ def actor_names(cfg: TrainConfig, *, baseline: bool) -> tuple[list[str], list[st
     )
 
 
-def lease_plan(cfg: TrainConfig, *, baseline: bool) -> tuple[dict[str, str], dict[str, list[int]]]:
+def lease_plan(
+    cfg: TrainConfig, *, baseline: bool, hosts: list[Host] | None = None
+) -> tuple[dict[str, str], dict[str, list[int]]]:
     """Which drafter each rollout's idle device is lent to, and the cores a lease of it grants."""
-    where = placement(cfg)
-    rollouts, drafters = actor_names(cfg, baseline=baseline)[:2]
+    where = placement(cfg, hosts)
+    rollouts, drafters = actor_names(cfg, baseline=baseline, hosts=hosts)[:2]
     if not drafters:
         return {}, {}
     drafter_of = {rollout: drafters[where.drafter_of[r]] for r, rollout in enumerate(rollouts)}
@@ -196,12 +244,21 @@ def rollout_dtype(cfg: TrainConfig) -> str:
     return "bfloat16" if cfg.device == "cuda" else ""
 
 
-def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from: str) -> list[ActorSpec]:
+def actor_specs(
+    cfg: TrainConfig,
+    run_dir: Path,
+    *,
+    baseline: bool,
+    resume_from: str,
+    hosts: list[Host] | None = None,
+    rendezvous: str = "",
+) -> list[ActorSpec]:
     """Every process of the run, placed by runtime/placement.py (`lease_plan`: which drafter trains on which
-    idle rollout device)."""
+    idle rollout device); `hosts` and `rendezvous` (the learner ranks' tcp:// meeting point at the head) for
+    a run across nodes."""
     devices = cfg.rollout.devices
-    where = placement(cfg)
-    rollouts, drafters = actor_names(cfg, baseline=baseline)[:2]
+    where = placement(cfg, hosts)
+    rollouts, drafters = actor_names(cfg, baseline=baseline, hosts=hosts)[:2]
     train_drafter = bool(drafters)
     tuner = TunerConfig(buckets=cfg.rollout.tuner.buckets, arms=["off"]) if baseline else cfg.rollout.tuner
     max_len = 1024 + cfg.max_tokens  # prompts of reasoning tasks are short; a longer one is refused, named
@@ -225,6 +282,7 @@ def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from:
             threads=slot.threads,
             hang_s=cfg.faults.hang_s,
             cpus=slot.cpus,
+            node=slot.node,
         )
         for r, slot in enumerate(where.rollouts)
     ]
@@ -248,6 +306,7 @@ def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from:
                 threads=slot.threads,
                 hang_s=cfg.faults.hang_s,
                 cpus=slot.cpus,
+                node=slot.node,
             )
             for r, slot in enumerate(where.drafters)
         ]
@@ -259,6 +318,7 @@ def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from:
                 reward=default_reward(cfg), workers=cfg.verifier.workers, timeout_s=cfg.verifier.timeout_s
             ),
             hang_s=cfg.faults.hang_s,
+            node=where.verifier_nodes[r] if where.verifier_nodes else 0,
         )
         for r in range(cfg.verifier.actors)
     ]
@@ -275,9 +335,11 @@ def actor_specs(cfg: TrainConfig, run_dir: Path, *, baseline: bool, resume_from:
                 world_size=cfg.learner.ranks,
                 resume_from=resume_from,
                 seed=cfg.seed,
+                rendezvous=rendezvous,
             ),
             threads=slot.threads,
             hang_s=cfg.faults.hang_s,
+            node=slot.node,
         )
         for r, slot in enumerate(where.learners)
     ]
