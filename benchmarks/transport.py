@@ -6,8 +6,11 @@ Two real processes over ipc:// with the production socket factory and codec: thi
 DEALER, a child process (`python -m slipstream.benchmarks.transport --serve ENDPOINT`) binds a ROUTER
 and decodes everything it receives. Large tensors are timed sender to decoded-at-receiver on the
 same-host production path (the shared-memory lane), against an in-process memcpy of the same buffer
-with the same count and warm-up, and again as plain ZeroMQ frames (the cross-host path). The result is
-`TransportResult` (fields documented there); measured figures: docs/benchmarks.md.
+with the same count and warm-up, and again as plain ZeroMQ frames (the cross-host path). Then the paths
+between the nodes of a multi-node run, side by side in the same run: tcp:// on loopback, plaintext and
+with CURVE (what every socket of such a run uses), round trip and tensor frames (`across`). A node agent
+relays nothing (runtime/agent.py), so these are the whole cost of crossing nodes, less the wire. The
+result is `TransportResult` (fields documented there); measured figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import msgspec
 import torch
@@ -27,9 +31,17 @@ from slipstream.protocols.control import Heartbeat, Ping, Pong, Status
 from slipstream.protocols.learner import WeightUpdate
 from slipstream.runtime.codec import Codec
 from slipstream.runtime.shm import ShmArena, ShmReader, cleanup
-from slipstream.runtime.transport import make_socket
+from slipstream.runtime.transport import CurveKeys, make_socket, start_authenticator
 
 TENSOR_MIB = 64
+
+
+class PathResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One path between nodes: the same messages as above, without the shared-memory lane."""
+
+    rtt_us_p50: float
+    rtt_us_p99: float
+    zmq_frames_gbps: float  # 64 MiB WeightUpdates as frames, sent -> decoded at the receiver
 
 
 class TransportResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -47,15 +59,21 @@ class TransportResult(msgspec.Struct, frozen=True, kw_only=True):
     rtt_rounds: int  # round trips timed
     transport: str  # "ipc"
     torch_threads: int  # torch threads of the sending process
+    # Across nodes, on loopback: "tcp" (plaintext) and "tcp+curve" (the run's keys) -> their PathResult
+    across: dict[str, PathResult] = {}
 
 
-def serve(endpoint: str) -> None:
+def serve(endpoint: str, key_file: str = "") -> None:
     """The receiving process: echo pings, count heartbeats and tensors, ack on request."""
     ctx = zmq.Context()
-    sock = make_socket(ctx, zmq.ROUTER, bind=endpoint)
+    keys = CurveKeys.load(Path(key_file)) if key_file else None
+    auth = start_authenticator(ctx, keys) if keys is not None else None
+    sock = make_socket(ctx, zmq.ROUTER, bind=endpoint, curve=keys)
+    if endpoint.endswith(":*"):
+        endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    print(f"ready {endpoint}", flush=True)
     codec = Codec(shm_reader=ShmReader())
     counts = {"control.heartbeat": 0, "learner.weights": 0}
-    print("ready", flush=True)
     while True:
         frames = sock.recv_multipart(copy=False)
         peer, msg = frames[0], codec.decode(frames[1:])
@@ -69,6 +87,8 @@ def serve(endpoint: str) -> None:
             counts[msg.kind] = counts.get(msg.kind, 0) + 1
             del msg  # tensors alias their frames: drop them as a consumer that is done would
     sock.close(0)
+    if auth is not None:
+        auth.stop()
     ctx.term()
 
 
@@ -95,31 +115,76 @@ def _tensor_rate(
     return got * nbytes / elapsed / 1e9
 
 
-def run(*, rtt_rounds: int = 5000, stream_msgs: int = 50_000, tensor_msgs: int = 8) -> TransportResult:
-    tmp = tempfile.mkdtemp(prefix="ssbench-")
-    endpoint = f"ipc://{tmp}/transport"
+def _serve(endpoint: str, key_file: str = "") -> tuple[subprocess.Popen, str]:
+    """A receiving child process at `endpoint` ("tcp://127.0.0.1:*": a free port); its bound endpoint."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    child = subprocess.Popen(
-        [sys.executable, "-m", "slipstream.benchmarks.transport", "--serve", endpoint],
-        stdout=subprocess.PIPE, env=env,
-    )  # fmt: skip
+    cmd = [sys.executable, "-m", "slipstream.benchmarks.transport", "--serve", endpoint]
+    child = subprocess.Popen(cmd + (["--key", key_file] if key_file else []), stdout=subprocess.PIPE, env=env)
+    assert child.stdout is not None
+    ready, _, bound = child.stdout.readline().decode().strip().partition(" ")
+    assert ready == "ready", ready
+    return child, bound
+
+
+def _rtt(sock: zmq.Socket, codec: Codec, rounds: int) -> tuple[float, float]:
+    """Ping -> Pong round trips, encode and decode included: (p50, p99) in microseconds."""
+    samples = []
+    for i in range(rounds + 200):
+        t0 = time.perf_counter_ns()
+        sock.send_multipart(codec.encode(Ping(seq=i, sent_ns=t0)))
+        codec.decode(sock.recv_multipart(copy=False))
+        if i >= 200:
+            samples.append(time.perf_counter_ns() - t0)
+    samples.sort()
+    return samples[len(samples) // 2] / 1000, samples[int(len(samples) * 0.99)] / 1000
+
+
+def _stop(sock: zmq.Socket, codec: Codec, child: subprocess.Popen) -> None:
+    sock.send_multipart(codec.encode(Status(topic="stop", fields={})))
+    sock.close(linger=1000)
+    try:
+        child.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        child.kill()
+
+
+def _across(rtt_rounds: int, tensor_msgs: int, msg: WeightUpdate, nbytes: int) -> dict[str, PathResult]:
+    """The node-to-node paths on loopback: plaintext tcp and tcp with CURVE, as a multi-node run has it."""
+    out = {}
+    tmp = Path(tempfile.mkdtemp(prefix="ssbench-"))
+    keys = CurveKeys.generate()
+    key_file = keys.save(tmp)
+    for path, curve in (("tcp", None), ("tcp+curve", keys)):
+        child, endpoint = _serve("tcp://127.0.0.1:*", str(key_file) if curve else "")
+        ctx = zmq.Context()
+        try:
+            sock = make_socket(ctx, zmq.DEALER, identity="bench:0", connect=endpoint, curve=curve)
+            codec = Codec()
+            p50, p99 = _rtt(sock, codec, rtt_rounds)
+            gbps = _tensor_rate(sock, codec, codec, msg, tensor_msgs, nbytes)
+            _stop(sock, codec, child)
+        finally:
+            if child.poll() is None:
+                child.kill()
+            ctx.destroy(linger=0)
+        out[path] = PathResult(
+            rtt_us_p50=round(p50, 1), rtt_us_p99=round(p99, 1), zmq_frames_gbps=round(gbps, 3)
+        )
+    return out
+
+
+def run(
+    *, rtt_rounds: int = 5000, stream_msgs: int = 50_000, tensor_msgs: int = 8, across: bool = True
+) -> TransportResult:
+    tmp = tempfile.mkdtemp(prefix="ssbench-")
+    child, endpoint = _serve(f"ipc://{tmp}/transport")
     ctx = zmq.Context()
     try:
-        assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
         sock = make_socket(ctx, zmq.DEALER, identity="bench:0", connect=endpoint)
         codec = Codec()
 
         # Round trips of small control messages.
-        samples = []
-        for i in range(rtt_rounds + 200):
-            t0 = time.perf_counter_ns()
-            sock.send_multipart(codec.encode(Ping(seq=i, sent_ns=t0)))
-            codec.decode(sock.recv_multipart(copy=False))
-            if i >= 200:
-                samples.append(time.perf_counter_ns() - t0)
-        samples.sort()
-        p50 = samples[len(samples) // 2] / 1000
-        p99 = samples[int(len(samples) * 0.99)] / 1000
+        p50, p99 = _rtt(sock, codec, rtt_rounds)
 
         # One-way stream of small messages.
         t0 = time.perf_counter()
@@ -148,14 +213,12 @@ def run(*, rtt_rounds: int = 5000, stream_msgs: int = 50_000, tensor_msgs: int =
             dst.copy_(tensor)
         memcpy_gbps = tensor_msgs * nbytes / (time.perf_counter() - c0) / 1e9
 
-        sock.send_multipart(codec.encode(Status(topic="stop", fields={})))
-        sock.close(linger=1000)
+        _stop(sock, codec, child)
     finally:
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
+        if child.poll() is None:
             child.kill()
         ctx.destroy(linger=0)
+    paths = _across(rtt_rounds, tensor_msgs, msg, nbytes) if across else {}
     return TransportResult(
         tensor_msg_gbps=round(tensor_gbps, 3),
         memcpy_gbps=round(memcpy_gbps, 3),
@@ -169,15 +232,17 @@ def run(*, rtt_rounds: int = 5000, stream_msgs: int = 50_000, tensor_msgs: int =
         rtt_rounds=rtt_rounds,
         transport="ipc",
         torch_threads=torch.get_num_threads(),
+        across=paths,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--serve", default=None)
+    p.add_argument("--key", default="")
     args = p.parse_args(argv)
     if args.serve:
-        serve(args.serve)
+        serve(args.serve, args.key)
         return 0
     print(msgspec.json.encode(run()).decode())
     return 0

@@ -1,6 +1,7 @@
 """The `slipstream` command line.
 
     slipstream train [CONFIG] [key=value …] [--baseline] [--resume RUN]   # GRPO; no CONFIG = the demo
+    slipstream train CONFIG --nnodes 2 --node-rank R --head HOST:PORT --run-dir SHARED   # on each node
     slipstream smoke                       # real actor processes exchanging tensors: checks the wiring
     slipstream bench transport --json      # transport figures as one JSON object
     slipstream models pull smollm2-135m    # convert the embedded model offline, print its directory
@@ -11,8 +12,8 @@
     slipstream bench soak --steps 30 --json                      # train under random SIGKILLs vs without
     slipstream logs RUN [--follow] [--role R] [--level L] [--event E]
 
-Every subcommand is named here from the start; one whose feature has not landed yet says so plainly
-and exits with status 2, so scripts never mistake it for success.
+A run across nodes is `train` with --nnodes/--node-rank/--head on every node (runtime/cluster.py);
+deploy/slurm/train.sbatch and deploy/ssh/launch.sh start it there.
 """
 
 from __future__ import annotations
@@ -31,15 +32,6 @@ from slipstream.cli import trace as trace_cli
 
 if TYPE_CHECKING:
     from slipstream.cli.train import TrainConfig
-
-NOT_YET = {
-    "launch": "multi-node launch from a topology file (deploy)",
-}
-
-
-def _not_yet(what: str, lands_with: str) -> int:
-    print(f"slipstream {what}: not available yet — it lands with {lands_with}.", file=sys.stderr)
-    return 2
 
 
 def _cmd_smoke(args: argparse.Namespace) -> int:
@@ -598,9 +590,6 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", required=True)
     e.add_argument("--out", type=Path, required=True)
     e.add_argument("--server", choices=["vllm", "sglang"], default="vllm")
-    s = sub.add_parser("launch", help="start a run across nodes from a topology file (not yet)")
-    s.add_argument("rest", nargs=argparse.REMAINDER)
-
     s = sub.add_parser("smoke", help="smoke-test the actor runtime with real processes and sockets")
     s.add_argument("--sinks", type=int, default=2)
     s.add_argument("--messages", type=int, default=64, help="tensor messages per sink")
@@ -642,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         except (TimeoutError, ValueError, RuntimeError, OSError) as e:
             print(f"slipstream {args.command}: {e}", file=sys.stderr)
             return 1
-    return _not_yet(args.command, NOT_YET[args.command])
+    raise AssertionError(f"no handler for {args.command}")  # every parser has one
 
 
 if __name__ == "__main__":

@@ -1,19 +1,18 @@
 """The supervisor: spawns actor processes, shakes hands, watches them, restarts on request, stops all.
 
 It lives in the coordinator's asyncio loop and owns the control ROUTER. Start-up is all or nothing:
-every actor sends Hello, then (once all data endpoints are known) gets Init with its config and the
-peer directory, and must answer Ready within the handshake timeout — otherwise every process is killed
-and `SupervisorError` names the actor and its reason (a bad config names its field).
+every actor sends Hello, then gets Init with its config and its peer directory, and must answer Ready
+within the handshake timeout — otherwise every process is killed and `SupervisorError` names the actor
+and its reason (a bad config names its field). A multi-node run (runtime/cluster.py) also listens on the
+head's TCP port, CURVE on every socket; the other nodes' actors start through `remote` (node agents).
 
 Death is seen as a process exit (awaited, so SIGKILL is seen at once), as `missed_beats` silent
 heartbeat intervals (a stopped process), or, with a spec's `hang_s`, as a compute loop whose ticks froze
 while its IO thread still beats (a hang); a silent or hung process is killed. The owner gets an
-`ActorDied` on `deaths` and decides. Nothing restarts by itself: `await restart(name)` is the owner's verb. It respawns the actor
-from its original `ActorSpec` after a backoff (`restart_backoff_s * 2**(k-1)` before the k-th, ≤ 30 s)
-and shakes hands with it alone. Its data endpoint is ipc:// and fixed per role and rank, so peers
-reconnect by themselves. Each actor gets `max_restarts` tries per run, failed ones included. Past the
-budget, `SupervisorError` quotes the death and the tail of the actor's log. A restart that fails its
-handshake is killed and raised, and is not put on `deaths`.
+`ActorDied` on `deaths` and decides: `await restart(name)` respawns the actor from its `ActorSpec` after
+a backoff (`restart_backoff_s * 2**(k-1)`, ≤ 30 s) and shakes hands with it alone. Its data endpoints
+(ipc path, tcp port) are fixed per actor, so peers reconnect by themselves. Each actor gets
+`max_restarts` tries per run; past them, `SupervisorError` quotes the death and the tail of its log.
 
 Shutdown goes from the top: Shutdown to everyone, a grace period, then SIGTERM, then SIGKILL; no
 process is left behind. Also runs the live event proxy: actors' log PUBs → XSUB here → XPUB that
@@ -27,7 +26,6 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,9 +41,10 @@ from slipstream.runtime.actor import Actor
 from slipstream.runtime.cluster import CONTROL, EVENTS, Cluster
 from slipstream.runtime.codec import Codec, ProtocolError
 from slipstream.runtime.config import ConfigError, convert
-from slipstream.runtime.host import actor_path, import_actor
+from slipstream.runtime.host import import_actor
 from slipstream.runtime.launcher import ActorLaunch, Launcher, LocalLauncher, ProcessHandle
 from slipstream.runtime.shm import cleanup as cleanup_shm
+from slipstream.runtime.spec import ActorDied, ActorSpec
 from slipstream.runtime.transport import (
     CurveKeys,
     actor_name,
@@ -56,12 +55,13 @@ from slipstream.runtime.transport import (
     watch_handshakes,
 )
 
-# Shape-keyed caches of oneDNN (primitives) and ideep (computations) in every actor process, 1024 entries
-# each by default, ~0.3-0.5 MB an entry: a rollout meets new shapes every step (prefill chunks, verify
-# passes of batch x draft nodes, a drafter's candidate vocabularies), so both grow for hundreds of steps.
-# At 256: a rollout's heap after 10 steps of the demo's decode 929 MB against 1089, decode time equal
-# (75.8 / 79.0 s against 75.2 / 80.0, two runs each, 2026-11-26); a miss costs ~1.2 ms.
+# oneDNN's primitive and ideep's computation caches, 1024 entries each by default at ~0.3-0.5 MB an entry,
+# grow for hundreds of steps (new shapes every step). At 256: a rollout's heap after 10 demo steps 929 MB
+# against 1089, decode time equal (2026-11-26, docs/training.md); a miss costs ~1.2 ms.
 ONEDNN_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "256"}
+
+
+__all__ = ["ActorDied", "ActorSpec", "Supervisor", "SupervisorError"]
 
 
 class SupervisorError(RuntimeError):
@@ -70,74 +70,6 @@ class SupervisorError(RuntimeError):
 
 MAX_BACKOFF_S = 30.0  # the longest wait before one restart
 _LOG_TAIL_LINES = 10
-
-
-class ActorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """One actor process to start: `ActorSpec.of(RolloutActor, rank=0, config=RolloutActor.Config(…))`.
-
-    The config travels to the process as plain values and is converted back, strictly, to the actor's
-    `Config` there. Plain values (a dict) are accepted too, for configs read from files and for tests of
-    bad configs; either way `Supervisor.start` checks every config before it spawns anything.
-    """
-
-    actor: str  # import path "pkg.module:Class": what the spawned process imports
-    rank: int = 0  # rank within its role
-    config: msgspec.Struct | dict[str, Any] = {}  # an instance of the actor's Config, or its plain values
-    threads: int = 1  # torch/OpenMP threads: the actor's share of this host's cores
-    cpus: list[int] = []  # cores to pin to (empty: no pinning)
-    env: dict[str, str] = {}
-    # A hang deadline: ready, heartbeats arriving, but its compute loop made no turn (and a long handler
-    # no `tick()`) for this long -> killed and reported dead as hung. 0 = off.
-    hang_s: float = 0.0
-    # The node of the run that starts it (0: this host). The supervisor's launcher must serve it: a local
-    # launcher serves node 0 alone, node agents (issue 20) the others.
-    node: int = 0
-
-    @classmethod
-    def of(
-        cls,
-        actor: type[Actor],
-        *,
-        rank: int = 0,
-        config: msgspec.Struct | None = None,
-        threads: int = 1,
-        cpus: Sequence[int] = (),
-        env: Mapping[str, str] | None = None,
-        hang_s: float = 0.0,
-        node: int = 0,
-    ) -> ActorSpec:
-        """The spec of Actor subclass `actor` with its typed `config` (default: `actor.Config()`)."""
-        if not (isinstance(actor, type) and issubclass(actor, Actor)):
-            raise TypeError(f"{actor!r} is not an Actor subclass")
-        if config is None:
-            config = actor.Config()
-        if not isinstance(config, actor.Config):
-            raise TypeError(
-                f"{actor.__qualname__}: config is a {type(config).__qualname__}, "
-                f"expected {actor.__qualname__}.Config"
-            )
-        return cls(
-            actor=actor_path(actor),
-            rank=rank,
-            config=config,
-            threads=threads,
-            cpus=list(cpus),
-            env=dict(env or {}),
-            node=node,
-            hang_s=hang_s,
-        )
-
-    def plain_config(self) -> dict[str, Any]:
-        """The config as plain values: what Init carries (`msgspec.to_builtins`)."""
-        return msgspec.to_builtins(self.config)
-
-
-@dataclass(frozen=True)
-class ActorDied:
-    name: str
-    reason: str
-    exit_code: int | None  # negative: killed by that signal; None: unknown (it stopped beating)
-    detected_after_s: float  # from the last sign of life to detection
 
 
 @dataclass
@@ -201,6 +133,7 @@ class Supervisor:
         self.control_endpoint = ipc_endpoint(self.run_dir, "control")
         self.events_in = ipc_endpoint(self.run_dir, "events-in")
         self.events_out = ipc_endpoint(self.run_dir, "events")
+        cleanup_shm(run_tag(self.run_dir))  # segments a crashed earlier start of this run left behind
         self._router = make_socket(self.ctx, zmq.ROUTER, bind=self.control_endpoint, curve=self.curve)
         if self.cluster.multi:  # the other nodes' actors reach the head here
             self._router.bind(f"tcp://{self.cluster.address}:{self.cluster.port(CONTROL)}")

@@ -40,7 +40,13 @@ def test_transport_json_carries_every_documented_field() -> None:
     printed = json.loads(msgspec.json.encode(transport.run(rtt_rounds=20, stream_msgs=50, tensor_msgs=1)))
     assert set(printed) == {
         "tensor_msg_gbps", "memcpy_gbps", "ratio", "zmq_frames_gbps", "rtt_us_p50", "rtt_us_p99",
-        "msgs_per_s", "tensor_mib", "tensor_msgs", "rtt_rounds", "transport", "torch_threads",
+        "msgs_per_s", "tensor_mib", "tensor_msgs", "rtt_rounds", "transport", "torch_threads", "across",
     }  # fmt: skip
     assert printed["transport"] == "ipc" and printed["tensor_msgs"] == 1
     assert all(printed[k] > 0 for k in ("tensor_msg_gbps", "memcpy_gbps", "zmq_frames_gbps", "msgs_per_s"))
+    # The paths between nodes, side by side: plaintext tcp and CURVE, each with its round trip and frames.
+    assert set(printed["across"]) == {"tcp", "tcp+curve"}
+    for path in printed["across"].values():
+        assert set(path) == {"rtt_us_p50", "rtt_us_p99", "zmq_frames_gbps"} and all(
+            v > 0 for v in path.values()
+        )
