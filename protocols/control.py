@@ -27,6 +27,7 @@ class ControlKind(StrEnum):
     SHUTDOWN = "control.shutdown"
     DEAD = "control.dead"
     CHECKPOINT = "control.checkpoint"
+    PEERS = "control.peers"
 
 
 class Hello(Message, frozen=True, kw_only=True):
@@ -165,6 +166,14 @@ class SaveCheckpoint(Message, frozen=True, kw_only=True):
     path: str = ""
 
 
+class Peers(Message, frozen=True, kw_only=True):
+    """Supervisor → actor: these peers are now reached here (an actor restarted on another node, after its
+    node was lost). The actor's IO thread reconnects to each, dropping what was queued for the old address."""
+
+    kind = ControlKind.PEERS
+    peers: dict[str, str]  # "role:rank" -> data endpoint, as this actor reaches it
+
+
 MESSAGES: tuple[type[Message], ...] = (
     Hello,
     Init,
@@ -180,6 +189,7 @@ MESSAGES: tuple[type[Message], ...] = (
     Shutdown,
     SaveCheckpoint,
     Dead,
+    Peers,
 )
 
 __all__ = [m.__name__ for m in MESSAGES] + ["MESSAGES", "ControlKind"]

@@ -33,7 +33,7 @@ import structlog
 import zmq
 
 from slipstream.protocols.base import Message
-from slipstream.protocols.control import Shutdown
+from slipstream.protocols.control import Peers, Shutdown
 from slipstream.runtime.codec import Codec
 from slipstream.runtime.inbox import Inbox
 from slipstream.runtime.shm import MAX_READERS
@@ -174,6 +174,9 @@ class Actor:
     def dispatch(self, msg: Message, sender: str) -> None:
         name = self._handlers.get(type(msg))
         if name is None:
+            if isinstance(msg, Peers):  # the IO thread reconnected; `send` picks the lane by these
+                self.peers.update(msg.peers)
+                return
             if isinstance(msg, Shutdown):
                 self.log.info("shutdown", reason=msg.reason)
                 self.stop()

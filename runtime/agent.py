@@ -34,7 +34,7 @@ from slipstream.protocols.control import Heartbeat
 from slipstream.protocols.node import AgentHello, Exited, Kill, Launch, Launched, StopAgent
 from slipstream.runtime.cluster import AGENTS, CONTROL, EVENTS, Cluster
 from slipstream.runtime.codec import Codec, ProtocolError
-from slipstream.runtime.launcher import ActorLaunch, actor_command, spawn
+from slipstream.runtime.launcher import ActorLaunch, NodeLost, actor_command, spawn
 from slipstream.runtime.shm import cleanup as cleanup_shm
 from slipstream.runtime.transport import CurveKeys, make_socket, run_tag, start_authenticator
 
@@ -117,8 +117,8 @@ class AgentLauncher:
         return dict(self.agents)
 
     async def launch(self, a: ActorLaunch) -> RemoteProcess:
-        if a.node not in self.agents:  # OSError: a restart that cannot spawn fails naming the node
-            raise OSError(f"node {a.node} has no agent (lost, or never joined)")
+        if a.node not in self.agents:  # the supervisor restarts it on the head's node instead
+            raise NodeLost(a.node, "has no agent (lost, or never joined)")
         proc = RemoteProcess(self, a.name, a.node)
         self._procs[a.name] = proc
         reply: asyncio.Future[Launched] = asyncio.get_running_loop().create_future()
@@ -217,7 +217,7 @@ class AgentLauncher:
         self.agents.pop(node, None)
         for where, reply in self._launched.values():
             if where == node and not reply.done():
-                reply.set_exception(OSError(f"node {node} lost while starting an actor there"))
+                reply.set_exception(NodeLost(node, "lost while starting an actor there"))
         for proc in self._procs.values():
             if proc.node == node:
                 proc._exit(-signal.SIGKILL, f"node {node} lost (its agent silent for {silent_s:.0f}s)")

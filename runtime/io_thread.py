@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from slipstream.protocols.control import Heartbeat, Ping, Pong, Shutdown
+from slipstream.protocols.control import Heartbeat, Peers, Ping, Pong, Shutdown
 from slipstream.runtime.actor import COORDINATOR
 from slipstream.runtime.codec import Codec, ProtocolError
 from slipstream.runtime.inbox import Inbox
@@ -187,6 +187,10 @@ class ActorIO(threading.Thread):
                 continue
             if isinstance(msg, Heartbeat):
                 continue
+            if isinstance(
+                msg, Peers
+            ):  # the IO thread owns the peer sockets: reconnect here, then tell the actor
+                self._repoint(msg.peers)
             if isinstance(msg, Ping):  # answered here: measures the transport, not the compute loop
                 self._send(self.control, self._codec.encode(Pong(seq=msg.seq, sent_ns=msg.sent_ns)))
                 continue
@@ -262,6 +266,19 @@ class ActorIO(threading.Thread):
             )
             self._peer_socks[dest] = sock
         return sock
+
+    def _repoint(self, peers: dict[str, str]) -> None:
+        """Peers that moved (restarted on another node) are reached at their new endpoints; what was parked
+        for an old address is dropped (it was for a process that is gone: its owner deals the work again)."""
+        for dest, endpoint in peers.items():
+            if self.peers.get(dest) == endpoint:
+                continue
+            self.peers[dest] = endpoint
+            sock = self._peer_socks.pop(dest, None)
+            if sock is not None:
+                self._pending.pop(sock, None)
+                sock.close(linger=0)
+            self.log.info("peer_moved", peer=dest, endpoint=endpoint)
 
     def _close(self) -> None:
         for sock in [self._pull, *self._peer_socks.values(), self.data]:

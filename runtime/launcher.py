@@ -21,7 +21,15 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["ActorLaunch", "Launcher", "LocalLauncher", "ProcessHandle", "actor_command"]
+__all__ = ["ActorLaunch", "Launcher", "LocalLauncher", "NodeLost", "ProcessHandle", "actor_command"]
+
+
+class NodeLost(OSError):
+    """A launch on a node that was lost (its agent fell silent): the supervisor restarts the actor elsewhere."""
+
+    def __init__(self, node: int, why: str) -> None:
+        super().__init__(f"node {node} {why}")
+        self.node = node
 
 
 class ProcessHandle(Protocol):

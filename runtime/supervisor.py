@@ -35,14 +35,14 @@ import zmq
 import zmq.asyncio
 
 from slipstream.protocols import PROTOCOL_VERSION, Message
-from slipstream.protocols.control import Dead, Heartbeat, Hello, Init, Ready, Shutdown
+from slipstream.protocols.control import Dead, Heartbeat, Hello, Init, Peers, Ready, Shutdown
 from slipstream.runtime import logs
 from slipstream.runtime.actor import Actor
 from slipstream.runtime.cluster import CONTROL, EVENTS, Cluster
 from slipstream.runtime.codec import Codec, ProtocolError
 from slipstream.runtime.config import ConfigError, convert
 from slipstream.runtime.host import import_actor
-from slipstream.runtime.launcher import ActorLaunch, Launcher, LocalLauncher, ProcessHandle
+from slipstream.runtime.launcher import ActorLaunch, Launcher, LocalLauncher, NodeLost, ProcessHandle
 from slipstream.runtime.shm import cleanup as cleanup_shm
 from slipstream.runtime.spec import ActorDied, ActorSpec
 from slipstream.runtime.transport import (
@@ -486,8 +486,17 @@ class Supervisor:
             old.watcher.cancel()
         if self._closing:
             raise SupervisorError(f"{name}: restart {attempt} abandoned, the supervisor shut down")
+        moved = False
         try:
-            entry = await self._spawn(old.spec, old.role, restarting=True)
+            try:
+                entry = await self._spawn(old.spec, old.role, restarting=True)
+            except NodeLost as e:
+                moved = True  # its node is gone: node 0 takes its work, unpinned
+                self._emit(
+                    "relocated", actor=name, from_node=e.node, to_node=0, reason=str(e), level="warning"
+                )
+                old.spec = msgspec.structs.replace(old.spec, node=0, cpus=[])
+                entry = await self._spawn(old.spec, old.role, restarting=True)
         except OSError as e:
             raise SupervisorError(f"{name}: restart {attempt} failed to spawn: {e}") from None
         try:
@@ -511,6 +520,9 @@ class Supervisor:
             ) from None
         entry.restarting = False
         self._emit("restarted", actor=name, attempt=attempt, pid=entry.proc.pid)
+        if moved:  # every peer reaches it somewhere else now (ipc on node 0, the head's address elsewhere)
+            for p in [p for p in self._procs.values() if p.ready and not p.dead and p is not entry]:
+                await self.send(p.name, Peers(peers={name: self.endpoints(p.spec.node)[name]}))
 
     def _last_words(self, entry: _Proc) -> str:
         """How `entry` died and the tail of its log (errors and Dead first), for an error message."""

@@ -34,6 +34,7 @@ def samples() -> dict[str, Message]:
         control.Shutdown(reason="done"),
         control.SaveCheckpoint(step=4, path="run/checkpoints/step-4/learner.pt"),
         control.Dead(role="drafter", rank=0, reason="OOM", exit_code=137),
+        control.Peers(peers={"rollout:1": "ipc:///tmp/r1"}),
         sampling,
         rollout.GenerateRequest(
             group_id=3,

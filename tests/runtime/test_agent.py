@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import msgspec
-import pytest
 import uvloop
 import zmq
 
@@ -22,7 +21,7 @@ from slipstream.protocols.control import Status
 from slipstream.runtime import logs
 from slipstream.runtime.agent import AgentLauncher
 from slipstream.runtime.cluster import CONTROL, Cluster, run_keys
-from slipstream.runtime.supervisor import ActorSpec, Supervisor, SupervisorError
+from slipstream.runtime.supervisor import ActorSpec, Supervisor
 
 AGENT = """
 import asyncio, sys
@@ -154,12 +153,13 @@ def test_a_second_nodes_actors_start_through_its_agent_and_exchange_tensors_over
     assert "handshake_failed" in logged  # the plaintext client, by the socket monitor
 
 
-def test_a_lost_node_ends_its_actors_and_a_restart_there_fails_naming_the_node(tmp_path: Path) -> None:
+def test_a_lost_nodes_actors_restart_on_node_0_and_their_peers_follow(tmp_path: Path) -> None:
     port = free_port()
     cluster = Cluster(nnodes=2, node_rank=0, head_host="127.0.0.1", head_port=port, address="127.0.0.1")
     keys, key_file = run_keys(tmp_path, keys_dir=None, create=True)
     agent = start_agent(port, tmp_path, key_file)
     log = logs.configure(role="coordinator", run_dir=tmp_path)
+    seen: dict = {}
 
     async def main() -> None:
         agents = AgentLauncher(cluster, curve=keys, log=log, lost_after_s=3.0)
@@ -167,19 +167,33 @@ def test_a_lost_node_ends_its_actors_and_a_restart_there_fails_naming_the_node(t
         sup = Supervisor(tmp_path, heartbeat_s=0.5, log=log, cluster=cluster, curve_key=key_file, remote=agents,
                          restart_backoff_s=0.1)  # fmt: skip
         try:
-            await sup.start([ActorSpec.of(smoke.Sink, rank=0), ActorSpec.of(smoke.Sink, rank=1, node=1)])
-            pid = sup.pid("sink:1")
+            await sup.start([
+                ActorSpec.of(smoke.Source, config=smoke.Source.Config(sinks=["sink:0", "sink:1"], messages=4)),
+                ActorSpec.of(smoke.Sink, rank=0),
+                ActorSpec.of(smoke.Sink, rank=1, node=1),
+            ])  # fmt: skip
+            pid, before = sup.pid("sink:1"), sup.endpoints(0)["sink:1"]
             os.kill(agent.pid, signal.SIGKILL)  # the node's agent dies; its actors die with it (PDEATHSIG)
             died = await asyncio.wait_for(sup.deaths.get(), timeout=30)
-            assert died.name == "sink:1"
-            assert gone(pid)
-            await asyncio.sleep(3.5)  # past lost_after_s: the head has declared node 1 lost
-            with pytest.raises(SupervisorError, match="node 1"):
-                await sup.restart("sink:1")
-            assert "sink:0" in sup.alive()  # node 0's actor is untouched
+            assert died.name == "sink:1" and gone(pid)
+            await sup.restart("sink:1")  # node 1 is lost meanwhile: it starts on node 0
+            seen["moved"] = (before, sup.endpoints(0)["sink:1"])
+            # The source on node 0 was told where sink:1 is now: its tensors reach it, checksums intact.
+            await sup.send("source:0", Status(topic="go", fields={}))
+            while True:
+                _, msg = await asyncio.wait_for(sup.inbox.get(), timeout=60)
+                if isinstance(msg, Status) and msg.topic == "smoke_done":
+                    seen["done"] = msg.fields
+                    break
         finally:
             await sup.shutdown(reason="test")
             await agents.close("test")
 
     uvloop.run(main())
-    assert any(e["event"] == "node_lost" and e["node"] == 1 for e in events(tmp_path, "coordinator"))
+    before, after = seen["moved"]
+    assert before.startswith("tcp://") and after.startswith("ipc://")  # node 0's peers reach it over ipc now
+    assert seen["done"]["acked"] == 8 and seen["done"]["bad"] == 0
+    logged = events(tmp_path, "coordinator")
+    assert any(e["event"] == "node_lost" and e["node"] == 1 for e in logged)
+    assert any(e["event"] == "relocated" and e["actor"] == "sink:1" and e["from_node"] == 1 for e in logged)
+    assert any(e["event"] == "peer_moved" and e["peer"] == "sink:1" for e in events(tmp_path, "source-0"))
