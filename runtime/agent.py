@@ -32,7 +32,7 @@ import zmq.asyncio
 from slipstream.protocols import PROTOCOL_VERSION, Message
 from slipstream.protocols.control import Heartbeat
 from slipstream.protocols.node import AgentHello, Exited, Kill, Launch, Launched, StopAgent
-from slipstream.runtime.cluster import AGENTS, CONTROL, EVENTS, Cluster
+from slipstream.runtime.cluster import AGENTS, CONTROL, EVENTS, Cluster, node_env
 from slipstream.runtime.codec import Codec, ProtocolError
 from slipstream.runtime.launcher import ActorLaunch, NodeLost, actor_command, spawn
 from slipstream.runtime.shm import cleanup as cleanup_shm
@@ -288,7 +288,8 @@ async def run_agent(
             curve_key=str(key_file or ""), data_host=cluster.address, parent_pid=os.getpid(),
         )  # fmt: skip
         try:
-            proc = await spawn(cmd, env=msg.env, cpus=[c for c in msg.cpus if c in os.sched_getaffinity(0)])
+            env = {**node_env(cluster.address), **msg.env}
+            proc = await spawn(cmd, env=env, cpus=[c for c in msg.cpus if c in os.sched_getaffinity(0)])
         except OSError as e:
             await send(Launched(name=msg.name, pid=0, error=str(e)))
             return

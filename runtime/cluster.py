@@ -17,10 +17,12 @@ to RUN/keys/run.key (0600; a shared filesystem is the SLURM norm) or every node 
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import os
 import re
 import socket
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +31,20 @@ import zmq
 
 from slipstream.runtime.transport import CurveKeys
 
-__all__ = ["Cluster", "first_host", "resolve_cluster", "routable_address", "run_keys"]
+__all__ = [
+    "Cluster",
+    "first_host",
+    "interface_of",
+    "node_env",
+    "resolve_cluster",
+    "routable_address",
+    "run_keys",
+]
 
 DEFAULT_PORT = 29500  # torchrun's MASTER_PORT default
 CONTROL, AGENTS, EVENTS, RENDEZVOUS, DATA = 0, 1, 2, 3, 16  # offsets from the head's port
 KEY_DIR = "keys"
+SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,29 @@ def routable_address(head_host: str, head_port: int = DEFAULT_PORT) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((head_host, head_port))
         return s.getsockname()[0]
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this host's network interface holding IPv4 `address` (None if none does)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on it
+                continue
+            if socket.inet_ntoa(packed[20:24]) == address:
+                return name
+    return None
+
+
+def node_env(address: str) -> dict[str, str]:
+    """What an actor process of a multi-node run needs in its environment on the node at `address`: gloo
+    (the CPU learner ranks' all-reduce) otherwise binds the interface its hostname resolves to, often
+    loopback, and the other nodes' ranks cannot reach it. A value the node's environment sets wins."""
+    iface = interface_of(address) if address else None
+    if iface is None or "GLOO_SOCKET_IFNAME" in os.environ:
+        return {}
+    return {"GLOO_SOCKET_IFNAME": iface}
 
 
 def _int(value: str | None, what: str) -> int | None:

@@ -21,6 +21,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from slipstream.runtime.cluster import node_env
+
 __all__ = ["ActorLaunch", "Launcher", "LocalLauncher", "NodeLost", "ProcessHandle", "actor_command"]
 
 
@@ -113,7 +115,7 @@ class LocalLauncher:
                 data_host=a.data_host,
                 parent_pid=os.getpid(),
             ),
-            env=a.env,
+            env={**node_env(a.data_host), **a.env},
             cpus=a.cpus,
         )
 
