@@ -7,8 +7,9 @@ stream to it (as copies: received tensors alias zmq frames or shared-memory slot
 the latency from the coordinator's send.
 
 Of the target it holds only what the head uses, the embedding, final norm and LM head (`load_head_parts`),
-on `device` with the drafter. The learner pushes them after each RL step (`WeightUpdate`); a complete,
-checked version is copied in place between two steps, so the drafter trains against the moving policy.
+on `device` with the drafter. The learner pushes them after each RL step (`WeightUpdate`, from another
+host maybe as deltas against the head version held); a complete, checked version is copied in place
+between two steps, so the drafter trains against the moving policy.
 
 Several ranks (`world_size`) train one drafter by periodic averaging, never diverging copies. Rank 0 owns
 it and alone versions, checkpoints and publishes it; the other ranks send it `DrafterDelta`s (local −
@@ -34,10 +35,11 @@ from slipstream.engine.buffer import OnlineBuffer
 from slipstream.engine.device import parse_device, require_device
 from slipstream.engine.drafter_train import DrafterTrainer
 from slipstream.engine.eagle import EagleHead
+from slipstream.engine.weight_delta import apply_xor_delta
 from slipstream.engine.weights import load_head_parts
 from slipstream.protocols.control import Lease, Preempt, Released, SaveCheckpoint, Status
 from slipstream.protocols.drafter import DrafterDelta, DrafterStats, DrafterUpdate, HiddenStates
-from slipstream.protocols.learner import WeightUpdate
+from slipstream.protocols.learner import XOR_ZSTD, WeightUpdate
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
 from slipstream.runtime.process import memory_now, pin_threads, release_freed_memory
@@ -317,7 +319,11 @@ class DrafterActor(Actor):
             # the learner's socket) and the coordinator's re-push both arrive; it applied one already.
             self.log.info("head_duplicate", version=msg.version, bucket=msg.bucket)
             return
-        why = self._check_head_bucket(msg)
+        why = None
+        if msg.encoding:
+            # A refused delta is not pushed again: the coordinator saw no ack, so the next push comes in full.
+            msg, why = self._decoded_head(msg)
+        why = why or self._check_head_bucket(msg)
         if why is not None:
             self._head_staged.pop(msg.version, None)  # that version can no longer complete
             self._head_refused(msg.version, f"bucket {msg.bucket}: {why}")
@@ -347,6 +353,24 @@ class DrafterActor(Actor):
             fields["checksum"] = checksum(sorted(received), [self._head_params[n] for n in sorted(received)])
         self.log.info("head_synced", version=msg.version, buckets=msg.num_buckets)
         self.send(COORDINATOR, Status(topic="head_synced", fields=fields))
+
+    def _decoded_head(self, msg: WeightUpdate) -> tuple[WeightUpdate, str | None]:
+        """A delta bucket of head parts as the full bucket it encodes (decoded against the parts held, which
+        must be its base), or the bucket as it came and why it cannot be."""
+        if msg.encoding != XOR_ZSTD:
+            return msg, f"unknown weight encoding {msg.encoding!r}"
+        if msg.base_version != self.head_version:
+            return msg, f"delta base mismatch: against v{msg.base_version}, the head is v{self.head_version}"
+        if unknown := [n for n in msg.names if n not in self._head_params]:
+            return msg, f"{unknown[0]!r} is not one of {sorted(self._head_params)}"
+        try:
+            tensors = [
+                apply_xor_delta(self._head_params[name], blob)
+                for name, blob in zip(msg.names, msg.tensors, strict=True)
+            ]
+        except ValueError as exc:
+            return msg, f"undecodable delta: {exc}"
+        return msgspec.structs.replace(msg, tensors=tensors, encoding="", base_version=0), None
 
     def _check_head_bucket(self, msg: WeightUpdate) -> str | None:
         """None if the bucket is newer than the head parts held and holds some of them, exactly typed."""

@@ -16,6 +16,11 @@ Non-obvious choices:
   in their all-reduces); only `push_only` (alone, num_groups=0 too) skips training. On stop the ranks meet
   at a store barrier before destroying the group: none closes its connections while a peer is still in a
   collective.
+- Across hosts (a destination whose endpoint is tcp://), a step's push sends each bucket as XOR deltas
+  against the version that destination acknowledged (`TrainStep.delta_base`), zstd-compressed
+  (engine/weight_delta.py), when it is the version rank 0 kept a copy of; anything else gets full buckets
+  (and `PushWeights` always does). Each push reports `weights_pushed` / `head_pushed` with the bytes that
+  crossed hosts (`wire_bytes`) against what full buckets would have been (`full_bytes`).
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ from slipstream.engine.config import ModelConfig, dtype_from_name
 from slipstream.engine.device import capabilities, parse_device, require_device
 from slipstream.engine.grpo import LossConfig, group_advantages
 from slipstream.engine.policy_train import OptimConfig, PolicySample, PolicyTrainer
+from slipstream.engine.weight_delta import blob_tensor, xor_delta
 from slipstream.engine.weights import HEAD_PARTS, load_model
 from slipstream.protocols.control import SaveCheckpoint, Status
 from slipstream.protocols.learner import (
+    XOR_ZSTD,
     PushWeights,
     ScoredGroup,
     StepStats,
@@ -72,6 +79,10 @@ class LearnerActor(Actor):
         # Where the ranks meet (torch.distributed init_method): "tcp://HOST:PORT", derived from a multi-node
         # run's head (rank 0 must run on HOST); "" = a file in the run directory (one host).
         rendezvous: str = ""
+        # Cross-host (tcp://) pushes as XOR deltas against what each destination acknowledged; False: full
+        # buckets everywhere (for a network faster than the encode: `bench sync` measures encode_mb_s).
+        push_deltas: bool = True
+        delta_threads: Annotated[int, msgspec.Meta(ge=0)] = 0  # zstd threads per delta (0: this one alone)
 
         def __post_init__(self) -> None:
             parse_device(self.device)
@@ -111,6 +122,10 @@ class LearnerActor(Actor):
             self.trainer.warm_up()  # step 0 then costs what every step does, and an OOM shows at start
         self._groups: dict[int, list[ScoredGroup]] = {}  # step -> groups received
         self._pending: TrainStep | None = None
+        # name -> (version, tensor) as last pushed to a cross-host destination: the base of its next delta.
+        # Memory: one model copy in the push dtype on the CPU (the cast copies a push makes anyway, kept),
+        # held only once a push has had a tcp:// destination, so never in a one-host run.
+        self._pushed: dict[str, tuple[int, torch.Tensor]] = {}
 
     def on_stop(self) -> None:
         if dist.is_available() and dist.is_initialized():
@@ -175,6 +190,7 @@ class LearnerActor(Actor):
                 WeightAck(version=msg.version, role=self.role, rank=self.rank, ok=False, error=error),
             )
             return
+        # Full buckets: its destinations are ones that lost what they held (restarted, or a resumed run's).
         if msg.to:
             self.push(msg.to, msg.version)
         if msg.head_to:
@@ -239,35 +255,52 @@ class LearnerActor(Actor):
             if msg.checkpoint:
                 self._save(msg.checkpoint)
             if msg.push_to:
-                self.push(msg.push_to, msg.version)
+                self.push(msg.push_to, msg.version, delta_base=msg.delta_base)
             if msg.push_head_to:
-                self.push_head(msg.push_head_to, msg.version)
+                self.push_head(msg.push_head_to, msg.version, delta_base=msg.delta_base)
         return True
 
-    def push(self, dests: list[str], version: int) -> None:
-        """Sends every parameter to each of `dests`, cast to `push_dtype`, as checksummed buckets."""
-        self._push(list(self.model.named_parameters()), dests, version, span="push")
-        self.log.info("weights_pushed", dests=dests, version=version)
+    def push(self, dests: list[str], version: int, *, delta_base: dict[str, int] | None = None) -> None:
+        """Sends every parameter to each of `dests`, cast to `push_dtype`, as checksummed buckets: deltas
+        to a cross-host destination whose `delta_base` entry is the version last pushed, else full."""
+        self._push(list(self.model.named_parameters()), dests, version, delta_base or {}, "weights_pushed")
 
-    def push_head(self, dests: list[str], version: int) -> None:
+    def push_head(self, dests: list[str], version: int, *, delta_base: dict[str, int] | None = None) -> None:
         """Sends the parameters an EAGLE drafter reads of its target (embedding, final norm, and LM head when
         untied) to each of `dests`: the same kind of buckets, numbered over this subset alone."""
         head = [(n, p) for n, p in self.model.named_parameters() if n in HEAD_PARTS]
-        self._push(head, dests, version, span="push_head")
-        self.log.info("head_pushed", dests=dests, version=version)
+        self._push(head, dests, version, delta_base or {}, "head_pushed")
 
     def _push(
-        self, params: list[tuple[str, torch.nn.Parameter]], dests: list[str], version: int, *, span: str
+        self,
+        params: list[tuple[str, torch.nn.Parameter]],
+        dests: list[str],
+        version: int,
+        delta_base: dict[str, int],
+        event: str,
     ) -> None:
+        span = "push" if event == "weights_pushed" else "push_head"
         with self.spans.span(span, version - 1, version=version, dests=list(dests)) as fields:
-            fields["bytes"] = self._push_buckets(params, dests, version)
+            moved = self._push_buckets(params, dests, version, delta_base)
+            fields.update(moved)
+        # Said to the coordinator too: what crossed hosts is the run's to report (StepStats leave before this).
+        self.send(COORDINATOR, Status(topic=event, fields={"version": version, **moved}))
+        self.log.info(event, dests=dests, version=version, **moved)
 
     def _push_buckets(
-        self, params: list[tuple[str, torch.nn.Parameter]], dests: list[str], version: int
-    ) -> int:
-        """Sends the buckets; returns the bytes of one copy of them."""
+        self,
+        params: list[tuple[str, torch.nn.Parameter]],
+        dests: list[str],
+        version: int,
+        delta_base: dict[str, int],
+    ) -> dict[str, int | float]:
+        """Sends the buckets. Returns `bytes` (one copy of them) and, over the cross-host destinations,
+        `full_bytes` (what full buckets would have moved), `wire_bytes` (what did), `deltas` (how many got
+        deltas) and `encode_s`."""
         itemsize = self.push_dtype.itemsize
-        sent = 0
+        remote = [d for d in dests if self.peers.get(d, "").startswith("tcp://")]
+        moved: dict[str, int | float] = {"bytes": 0, "full_bytes": 0, "wire_bytes": 0, "encode_s": 0.0}
+        delta_dests: set[str] = set()
         buckets: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
         size = 0
         for name, param in params:
@@ -291,10 +324,32 @@ class LearnerActor(Actor):
                 tensors=tensors,
                 checksum=checksum(names, tensors),
             )
-            self.broadcast(dests, update)  # one shared-memory copy for every destination on this host
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            kept = {self._pushed[n][0] if n in self._pushed else -1 for n in names}
+            base = kept.pop() if len(kept) == 1 and self.config.push_deltas else -1  # one version: a base
+            deltas = [d for d in remote if 0 <= base < version and delta_base.get(d) == base]
+            self.broadcast([d for d in dests if d not in deltas], update)  # same-host: one shared copy
+            if deltas:
+                started = time.perf_counter()
+                blobs = [
+                    blob_tensor(xor_delta(self._pushed[n][1], t, threads=self.config.delta_threads))
+                    for n, t in zip(names, tensors, strict=True)
+                ]
+                moved["encode_s"] += time.perf_counter() - started
+                delta = msgspec.structs.replace(update, tensors=blobs, encoding=XOR_ZSTD, base_version=base)
+                for dest in deltas:
+                    self.send(dest, delta)
+                moved["wire_bytes"] += len(deltas) * sum(b.numel() for b in blobs)
+            moved["wire_bytes"] += nbytes * (len(remote) - len(deltas))
+            moved["full_bytes"] += nbytes * len(remote)
+            moved["bytes"] += nbytes
+            delta_dests.update(deltas)
+            if remote:
+                # The next delta's base. Kept, never written: a tensor still in flight as a frame stays valid.
+                for name, tensor in zip(names, tensors, strict=True):
+                    self._pushed[name] = (version, tensor)
             self.tick()  # a push of many buckets is progress, not a hang
-            sent += sum(t.numel() * t.element_size() for t in tensors)
-        return sent
+        return {**moved, "encode_s": round(moved["encode_s"], 3), "deltas": len(delta_dests)}
 
     def _save(self, path: str) -> None:
         with self.spans.span("checkpoint", self.version - 1, path=path):

@@ -14,8 +14,10 @@ Non-obvious: sample i of a group samples with `sample_seed(request.seed, i)` (en
 `generate` seeds request i), so in the default reproducible mode its tokens depend on its seed alone;
 tuner rewards skip iterations with prefill in them. An EAGLE head whose acceptance collapses (say, after a
 policy update) is benched by the tuner until a newer head arrives (event "drafter_stale"). A request it
-cannot serve is answered with error completions naming the problem. The update rules and the other choices
-in full: docs/actors.md.
+cannot serve is answered with error completions naming the problem. A bucket from another host may be a
+delta (`WeightUpdate.encoding`): decoded against the weights held, only if they are its `base_version`, and
+checksummed like a full one; otherwise refused once per version with `want_full`, and the coordinator
+sends the version in full. The update rules and the other choices in full: docs/actors.md.
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ from slipstream.engine.eagle import EagleHead
 from slipstream.engine.generator import Completion, Generator, Request
 from slipstream.engine.sampling import SamplingParams, sample_seed
 from slipstream.engine.tuner import STALE_METHODS, Tuner, TunerConfig
+from slipstream.engine.weight_delta import apply_xor_delta
 from slipstream.engine.weights import load_model
 from slipstream.protocols.control import Idle
 from slipstream.protocols.drafter import DrafterUpdate, HiddenStates
-from slipstream.protocols.learner import WeightAck, WeightUpdate
+from slipstream.protocols.learner import XOR_ZSTD, WeightAck, WeightUpdate
 from slipstream.protocols.rollout import Completion as CompletionMsg
 from slipstream.protocols.rollout import GenerateRequest, IterationStats
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
@@ -139,6 +142,7 @@ class RolloutActor(Actor):
         self._staged: dict[int, dict[int, WeightUpdate]] = {}  # version -> bucket -> update (cloned)
         self._ready_version: int | None = None  # a complete, verified version waiting for a drained queue
         self._in_place_version: int | None = None  # a version being written into the parameters: no decoding
+        self._delta_refused: set[int] = set()  # versions whose deltas were refused (want_full said once)
         self._hidden_dtype = dtype_from_name(cfg.hidden_dtype)
         if cfg.warm_up:
             self._warm_up()
@@ -302,14 +306,14 @@ class RolloutActor(Actor):
             # the learner's socket) and the coordinator's re-push arrive. It applied and acked one already.
             self.log.info("weights_duplicate", version=msg.version, bucket=msg.bucket)
             return
-        error = self._check_weights(msg)
-        if error is not None:
-            self.log.error("weights_refused", version=msg.version, bucket=msg.bucket, error=error)
-            # Acks go to the coordinator, which waits for every rollout before the next step starts.
-            self.send(
-                COORDINATOR,
-                WeightAck(version=msg.version, role=self.role, rank=self.rank, ok=False, error=error),
-            )
+        decoded = bool(msg.encoding)
+        if decoded:
+            full = self._decode_delta(msg)
+            if full is None:
+                return  # refused, or dropped after a refusal of its version: said already
+            msg = full
+        elif (error := self._check_weights(msg)) is not None:
+            self._refuse(msg, error)
             return
         if self._in_place_version is not None and msg.version < self._in_place_version:
             # A newer version is already being written over it (a re-push after a learner restart).
@@ -326,8 +330,9 @@ class RolloutActor(Actor):
                 self.model.write_parameter(name, tensor)
             kept: list[torch.Tensor] = []  # applied: only the names and checksum stay, to verify
         else:
-            # Clone: received tensors alias a frame or shared-memory slot that is recycled after this handler.
-            kept = [t.clone() for t in msg.tensors]
+            # Clone: received tensors alias a frame or shared-memory slot that is recycled after this handler
+            # (decoded ones are this actor's own already).
+            kept = list(msg.tensors) if decoded else [t.clone() for t in msg.tensors]
         buckets[msg.bucket] = WeightUpdate(
             version=msg.version,
             bucket=msg.bucket,
@@ -342,6 +347,65 @@ class RolloutActor(Actor):
             self._ready_version = msg.version
             if self._in_place_version == msg.version or not self.generator.has_unfinished():
                 self._apply_weights()
+
+    def _refuse(self, msg: WeightUpdate, error: str, *, want_full: bool = False) -> None:
+        self.log.error("weights_refused", version=msg.version, bucket=msg.bucket, error=error)
+        # Acks go to the coordinator, which waits for every rollout before the next step starts.
+        ack = WeightAck(
+            version=msg.version, role=self.role, rank=self.rank, ok=False, error=error, want_full=want_full
+        )
+        self.send(COORDINATOR, ack)
+
+    def _decode_delta(self, msg: WeightUpdate) -> WeightUpdate | None:
+        """The full bucket a delta encodes, checked as one (`_check_weights`), or None: refused (`want_full`,
+        once per version: the coordinator then sends the version in full) or dropped."""
+        if msg.version in self._delta_refused:
+            self.log.info("delta_dropped", version=msg.version, bucket=msg.bucket, why="version refused")
+            return None
+        if msg.version <= self.policy_version:
+            self._refuse(
+                msg, f"version {msg.version} is not newer than the loaded version {self.policy_version}"
+            )
+            return None
+        if msg.bucket in self._staged.get(msg.version, {}):
+            # Decoding it again would XOR a base it may have overwritten (in place): once is all it needs.
+            self.log.info("delta_duplicate", version=msg.version, bucket=msg.bucket)
+            return None
+        error = None
+        if msg.encoding != XOR_ZSTD:
+            error = f"unknown weight encoding {msg.encoding!r}"
+        elif msg.base_version != self.policy_version:
+            error = (
+                f"delta base mismatch: against v{msg.base_version}, this rollout holds v{self.policy_version}"
+            )
+        else:
+            params = dict(self.model.named_parameters())
+            try:
+                tensors = [
+                    apply_xor_delta(self._held_weight(name, params), blob)
+                    for name, blob in zip(msg.names, msg.tensors, strict=True)
+                ]
+            except ValueError as exc:
+                error = f"bucket {msg.bucket}: undecodable delta: {exc}"
+            else:
+                full = msgspec.structs.replace(msg, tensors=tensors, encoding="", base_version=0)
+                error = self._check_weights(full)  # a checksum mismatch here: the bases differed
+                if error is None:
+                    return full
+        self._delta_refused.add(msg.version)
+        self._refuse(msg, f"{error}; full weights wanted", want_full=True)
+        return None
+
+    def _held_weight(self, name: str, params: dict[str, torch.nn.Parameter]) -> torch.Tensor:
+        """Parameter `name` as decoding uses it: a packed-only projection's value is unpacked (exact)."""
+        if name not in params:
+            raise ValueError(f"unknown parameter {name!r}")
+        param = params[name]
+        if not param.is_meta:
+            return param.detach()
+        # As `Transformer.named_weights` reads it, for one name (that unpacks every projection).
+        module = self.model.get_submodule(name.rpartition(".")[0])
+        return module._pack.packed.to_dense()
 
     def _check_weights(self, msg: WeightUpdate) -> str | None:
         if msg.version <= self.policy_version:
@@ -373,6 +437,7 @@ class RolloutActor(Actor):
         self.policy_version = version
         self._ready_version = None
         self._in_place_version = None
+        self._delta_refused = {v for v in self._delta_refused if v > version}
         error = None
         if self.config.verify_applied_weights:
             held = dict(self.model.named_weights())  # packed-only projections unpacked: what decoding uses

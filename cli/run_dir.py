@@ -61,6 +61,10 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     accept_by_position: list[float] = []
     drafter_loss: float | None = None  # the drafter's newest training loss in the step (None: none trained)
     sync_bytes: int = 0  # one copy of the pushed policy (push dtype); same-host rollouts share it
+    # Across nodes: bytes the step's pushes sent to other hosts (deltas where a base was held), and what full
+    # buckets would have been; 0 and 0 on one host
+    wire_bytes: int = 0
+    wire_full_bytes: int = 0
     idle_device_s: float
     reclaimed_s: float
     loss: float

@@ -221,6 +221,11 @@ async def train(
                     sync_s = synced - learned - learn_s
                     checkpoint_s = time.monotonic() - synced
                     lead = stats[0]
+                    moved = coord.pushed.pop(version, {})  # what the push of this version sent across hosts
+                    for late in [
+                        v for v in coord.pushed if v < version
+                    ]:  # a head push reported after its step
+                        del coord.pushed[late]
                     finished = time.monotonic()
                     spans.add("learn", _ns(learned), _ns(learn_s), step)
                     spans.add("sync", _ns(learned + learn_s), _ns(sync_s), step, version=version)
@@ -238,6 +243,8 @@ async def train(
                         grad_norm=lead.grad_norm,
                         mismatch_logp_abs_max=lead.metrics.get("mismatch_logp_abs_max", 0.0),
                         sync_bytes=int(lead.metrics.get("push_bytes", 0.0)),
+                        wire_bytes=moved.get("wire_bytes", 0),
+                        wire_full_bytes=moved.get("full_bytes", 0),
                         policy_version=version,
                         restarts=coord.restarted[restarts_before:],
                     )

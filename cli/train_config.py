@@ -74,6 +74,12 @@ class VerifierSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
 class LearnerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     ranks: Positive = 1  # data-parallel learner ranks (gloo on CPU, NCCL on CUDA)
     threads: Positive = 2  # torch threads per rank: the rollouts are idle while the learner trains
+    # Pushes to other hosts as XOR deltas against the version each acknowledged (zstd); false: full buckets
+    # (for a network faster than the encode, ~0.5 GB/s a core in fp32: docs/cluster.md)
+    push_deltas: bool = True
+    delta_threads: Annotated[int, msgspec.Meta(ge=0)] = (
+        0  # zstd threads encoding a delta (0: the pusher's own)
+    )
     optim: OptimConfig = OptimConfig()
     loss: LossConfig = LossConfig()
 
@@ -336,6 +342,8 @@ def actor_specs(
                 resume_from=resume_from,
                 seed=cfg.seed,
                 rendezvous=rendezvous,
+                push_deltas=cfg.learner.push_deltas,
+                delta_threads=cfg.learner.delta_threads,
             ),
             threads=slot.threads,
             hang_s=cfg.faults.hang_s,

@@ -1,7 +1,9 @@
 """Learner channel: scored GRPO groups in, versioned exact weight updates out.
 
 A weight update is bucketed (a large model does not travel as one message) and every bucket carries
-a checksum of its raw tensor bytes, which the receiver checks before applying anything.
+a checksum of its raw tensor bytes, which the receiver checks before applying anything. Across hosts a
+bucket may travel as a delta against the version its receiver acknowledged (`encoding`: engine/weight_delta.py);
+the checksum is still over the new tensors, checked after decoding.
 """
 
 from enum import StrEnum
@@ -55,6 +57,9 @@ class TrainStep(Message, frozen=True, kw_only=True):
     checkpoint: str = ""
     push_head_to: list[str] = []  # drafters: the head parts only, as buckets numbered over that subset
     push_only: bool = False  # no training, only the pushes (with one rank, num_groups=0 also means this)
+    # Destination -> the newest version it acknowledged. A cross-host destination whose entry is the version
+    # the learner kept a copy of gets deltas against it; any other gets full buckets.
+    delta_base: dict[str, NonNeg] = {}
 
 
 class PushWeights(Message, frozen=True, kw_only=True):
@@ -68,6 +73,11 @@ class PushWeights(Message, frozen=True, kw_only=True):
     head_to: list[str] = []
 
 
+XOR_ZSTD = "xor-zstd"
+"""`WeightUpdate.encoding` of a delta: each tensor is a 1-D uint8 tensor, `engine.weight_delta.xor_delta` of
+the parameter at `base_version` and at `version` (zstd of the XOR's byte planes)."""
+
+
 class WeightUpdate(Message, frozen=True, kw_only=True):
     """Learner → rollout: bucket `bucket` of `num_buckets` of policy version `version`."""
 
@@ -77,7 +87,9 @@ class WeightUpdate(Message, frozen=True, kw_only=True):
     num_buckets: Annotated[int, msgspec.Meta(ge=1)]
     names: list[str]
     tensors: list[torch.Tensor]
-    checksum: str  # hex digest over the raw bytes of `tensors`, in order
+    checksum: str  # hex digest over the raw bytes of the new tensors, in order (after decoding a delta)
+    encoding: str = ""  # "": `tensors` are the parameters; XOR_ZSTD: deltas against `base_version`
+    base_version: NonNeg = 0  # the version a delta is against: the receiver must hold exactly it
 
 
 class WeightAck(Message, frozen=True, kw_only=True):
@@ -89,6 +101,8 @@ class WeightAck(Message, frozen=True, kw_only=True):
     rank: NonNeg
     ok: bool
     error: str | None = None
+    # Refused a delta whose base it does not hold (restarted, or another version): full weights will do.
+    want_full: bool = False
 
 
 class StepStats(Message, frozen=True, kw_only=True):
@@ -113,4 +127,4 @@ MESSAGES: tuple[type[Message], ...] = (
     StepStats,
 )
 
-__all__ = [m.__name__ for m in MESSAGES] + ["MESSAGES", "LearnerKind"]
+__all__ = [m.__name__ for m in MESSAGES] + ["MESSAGES", "XOR_ZSTD", "LearnerKind"]

@@ -19,6 +19,10 @@ Non-obvious choices:
   one: a drafter or rollout that does not settle within `finish_step`'s timeout is killed and restarted.
 - Leases: a rollout that reports Idle while others still decode lends its device to its drafter at once;
   the last completion of the step preempts every lease (bounded latency, measured from `Released`).
+- Weight deltas: `train` tells the learner the version each destination last acked (`delta_base`); a
+  rollout on another host then gets XOR deltas against it. One that refuses a delta (`want_full`: it lost
+  that base) is sent the version in full by `weights_applied`; a drafter's refused head heals at the next
+  push (its ack is missing, so that push is full).
 """
 
 from __future__ import annotations
@@ -106,6 +110,9 @@ class Coordinator:
         self._head_acks: dict[int, dict[str, bool]] = defaultdict(dict)  # version -> drafter -> applied
         # Newest version each rollout (weights) or drafter (head) acked: a re-push of it gets no answer.
         self._holds: dict[str, int] = {}
+        # Version -> what the learner's pushes of it moved across hosts ("full_bytes": as full buckets,
+        # "wire_bytes": as sent), its "weights_pushed" and "head_pushed" reports summed: for the loop to record.
+        self.pushed: dict[int, dict[str, int]] = defaultdict(dict)
         self._stats: dict[int, dict[str, StepStats]] = defaultdict(dict)
         self._saved: dict[int, str] = {}  # step -> "" once the learner's checkpoint is on disk, else why not
         self._changed = asyncio.Event()  # set on every routed message or death: waiters re-check
@@ -185,6 +192,10 @@ class Coordinator:
                     self._holds[sender] = max(self._holds.get(sender, 0), version)
             elif msg.topic in ("checkpoint_saved", "checkpoint_failed"):  # the answers to save_checkpoint
                 self._saved[int(msg.fields.get("step", -1))] = str(msg.fields.get("error", ""))
+            elif msg.topic in ("weights_pushed", "head_pushed"):
+                moved = self.pushed[int(msg.fields.get("version", -1))]
+                for key in ("full_bytes", "wire_bytes"):
+                    moved[key] = moved.get(key, 0) + int(msg.fields.get(key, 0))
             self._emit("status", sender=sender, topic=msg.topic, **msg.fields)
         else:
             self._emit("unrouted", sender=sender, kind=msg.kind, level="warning")
@@ -465,6 +476,9 @@ class Coordinator:
             rank = self.learners[i % len(self.learners)]
             shares[rank] += 1
             await self.sup.send(rank, group)
+        # What each destination holds: the base the learner may send a delta against (a stale entry, say of
+        # a restarted actor whose death is not seen yet, is refused by it and answered in full).
+        bases = {d: self._holds[d] for d in [*push_to, *push_head_to] if d in self._holds}
         for i, rank in enumerate(self.learners):
             lead = i == 0
             msg = TrainStep(
@@ -473,6 +487,7 @@ class Coordinator:
                 version=version,
                 push_to=list(push_to) if lead else [],
                 push_head_to=list(push_head_to) if lead else [],
+                delta_base=bases if lead else {},
             )
             await self.sup.send(rank, msg)
         # No fixed deadline: a step takes what its batch takes. A rank that stops making progress is killed
@@ -514,17 +529,21 @@ class Coordinator:
         await self.sup.send(
             self.learners[0], PushWeights(version=version, to=list(to), head_to=list(head_to))
         )
-        await self._wait_acks(version, list(to), timeout_s)
+        if wanted := await self._wait_acks(version, list(to), timeout_s):  # never for full buckets: a bug
+            raise RuntimeError(f"{wanted[0]} answered the full push of v{version} with want_full")
 
     async def weights_applied(
         self, version: int, *, heads: Sequence[str] = (), timeout_s: float | None = None
     ) -> None:
         """Waits until every rollout acknowledged `version` (raises if one refused it), then `heads_applied`
-        for `heads`. A rollout that dies meanwhile is restarted (with `restart`) and sent `version` alone."""
+        for `heads`. A rollout that dies meanwhile is restarted (with `restart`) and sent `version` alone;
+        one that refused a delta for want of its base is sent `version` in full."""
         pending = list(self.rollouts)
         while True:
             try:
-                await self._wait_acks(version, pending, timeout_s)
+                if wanted := await self._wait_acks(version, pending, timeout_s):
+                    self._emit("delta_refused", actors=wanted, version=version, level="warning")
+                    await self.push_weights(version, to=wanted, timeout_s=timeout_s)
                 break
             except ActorDiedError:
                 dead = [r for r in pending if r in self.dead]
@@ -560,11 +579,12 @@ class Coordinator:
         if not answers:
             self._head_acks.pop(version, None)
 
-    async def _wait_acks(self, version: int, names: list[str], timeout_s: float | None) -> None:
+    async def _wait_acks(self, version: int, names: list[str], timeout_s: float | None) -> list[str]:
+        """Waits until each of `names` answered `version`; returns those that refused a delta (`want_full`)."""
         acks = self._acks[version]
 
         def done() -> bool:
-            refused = [a for a in acks.values() if not a.ok]
+            refused = [a for a in acks.values() if not a.ok and not a.want_full]
             if refused:
                 raise RuntimeError(
                     f"{refused[0].role}:{refused[0].rank} refused weights v{version}: {refused[0].error}"
@@ -572,10 +592,12 @@ class Coordinator:
             return all(name in acks or self._holds.get(name, -1) >= version for name in names)
 
         await self._until(done, [*names, *self.learners[:1]], f"acks of weights v{version}", timeout_s)
+        wanted = [name for name in names if (ack := acks.get(name)) is not None and ack.want_full]
         for name in names:
             acks.pop(name, None)
         if not acks:
             del self._acks[version]
+        return wanted
 
     # -- waiting ----------------------------------------------------------------------------------------
 

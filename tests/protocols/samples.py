@@ -141,7 +141,9 @@ def samples() -> dict[str, Message]:
             names=["fc"],
             tensors=[torch.full((2,), -0.5)],
         ),
-        node.AgentHello(node=1, host="node-b", address="10.0.0.2", pid=77, cores=16, gpus=8, protocol_version=5),
+        node.AgentHello(
+            node=1, host="node-b", address="10.0.0.2", pid=77, cores=16, gpus=8, protocol_version=5
+        ),
         node.Launch(
             name="rollout:3",
             actor="slipstream.actors.rollout:RolloutActor",
