@@ -10,6 +10,7 @@
     slipstream bench rollout [--config F] [key=value …] --json   # deploy/configs/bench-rollout.yaml
     slipstream bench e2e [--config F] [key=value …] --json       # train vs --baseline, learner cost
     slipstream bench soak --steps 30 --json                      # train under random SIGKILLs vs without
+    slipstream bench sync [--dtype bfloat16] --json             # a cross-host push: full vs XOR delta bytes
     slipstream logs RUN [--follow] [--role R] [--level L] [--event E]
 
 A run across nodes is `train` with --nnodes/--node-rank/--head on every node (runtime/cluster.py);
@@ -19,12 +20,15 @@ deploy/slurm/train.sbatch and deploy/ssh/launch.sh start it there.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from slipstream.cli import export as export_cli
 from slipstream.cli import report as report_cli
@@ -32,6 +36,8 @@ from slipstream.cli import trace as trace_cli
 
 if TYPE_CHECKING:
     from slipstream.cli.train import TrainConfig
+
+T = TypeVar("T")
 
 
 def _cmd_smoke(args: argparse.Namespace) -> int:
@@ -139,17 +145,36 @@ def _run_training(
     log = logs.configure(role="coordinator", run_dir=run_dir, echo=echo)
     log.info("config", **msgspec.to_builtins(cfg))
     return uvloop.run(
-        train.train(
-            cfg,
-            run_dir,
-            baseline=baseline,
-            resume=resume,
-            progress=bar,
-            log=log,
-            step_lines=step_lines,
-            **multi_node,
+        until_sigterm(
+            train.train(
+                cfg,
+                run_dir,
+                baseline=baseline,
+                resume=resume,
+                progress=bar,
+                log=log,
+                step_lines=step_lines,
+                **multi_node,
+            )
         )
     )
+
+
+async def until_sigterm(coro: Coroutine[Any, Any, T]) -> T:
+    """Runs `coro`; SIGTERM (scancel, a launcher stopping its nodes) cancels it, so its `finally` blocks shut
+    the actors down in order (Shutdown, grace, SIGTERM, SIGKILL), then raises naming the signal."""
+    task = asyncio.ensure_future(coro)
+    loop = asyncio.get_running_loop()
+    stopped: list[bool] = []
+    loop.add_signal_handler(signal.SIGTERM, lambda: (stopped.append(True), task.cancel()))
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if stopped:
+            raise RuntimeError("stopped by SIGTERM; every actor was shut down") from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
 
 
 def packaged_config(name: str) -> Path:
@@ -197,8 +222,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         log = logs.configure(role="agent", rank=cluster.node_rank, run_dir=run_dir, echo=args.verbose)
         return uvloop.run(
-            train.serve_node(
-                cfg, run_dir, cluster, keys_dir=args.keys, log=log, join_timeout_s=args.join_timeout
+            until_sigterm(
+                train.serve_node(
+                    cfg, run_dir, cluster, keys_dir=args.keys, log=log, join_timeout_s=args.join_timeout
+                )
             )
         )
     summary = _run_training(
@@ -227,6 +254,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _bench_e2e(args)
     if args.what == "soak":
         return _bench_soak(args)
+    if args.what == "sync":  # its own flags (--lr, --dtype), and bench's --model, --steps, --threads
+        from slipstream.benchmarks import sync
+
+        shared = [(flag, value) for flag, value in
+                  (("--model", args.model), ("--steps", args.steps), ("--threads", args.threads)) if value is not None]  # fmt: skip
+        return sync.main(
+            [*(str(x) for pair in shared for x in pair), *args.gpu_args] + (["--json"] if args.json else [])
+        )
     if args.what == "gpu":
         from slipstream.benchmarks import gpu
 
@@ -453,9 +488,10 @@ def build_parser() -> argparse.ArgumentParser:
         "KEY=VALUE overrides), then times the learner against a forward pass on the run's samples. bench soak "
         "trains a tiny random model (or --model) under random SIGKILLs of rollout, verifier and drafter actors, "
         "then without, and compares the samples (exit 1 if any was lost or differs). bench gpu "
-        "is the GPU runbook (docs/gpu.md); it exits at once where there is no CUDA device.",
+        "is the GPU runbook (docs/gpu.md); it exits at once where there is no CUDA device. bench sync measures "
+        "a cross-host weight push, full vs XOR delta, after real optimizer steps (--dtype, --lr, --steps).",
     )
-    s.add_argument("what", choices=["transport", "decode", "rollout", "e2e", "soak", "gpu"])
+    s.add_argument("what", choices=["transport", "decode", "rollout", "e2e", "soak", "gpu", "sync"])
     s.add_argument("--device", default="cpu", help="decode: cpu, cuda or cuda:N")
     s.add_argument(
         "overrides",
@@ -602,11 +638,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # bench's KEY=VALUE overrides may come after options too, which argparse leaves over.
     args, rest = parser.parse_known_args(argv)
-    if args.command == "bench" and args.what == "gpu":
+    if args.command == "bench" and args.what in ("gpu", "sync"):
         args.gpu_args, rest = (
             [*args.overrides, *rest],
             [],
-        )  # bench gpu parses its own flags (benchmarks/gpu.py)
+        )  # bench gpu and bench sync parse their own flags (benchmarks/gpu.py, sync.py)
     elif (
         rest and args.command in ("bench", "train") and all("=" in a and not a.startswith("-") for a in rest)
     ):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import msgspec
 import pytest
 
 from slipstream.cli import train
+from tests import netns
 from tests.cli.conftest import config
 
 pytestmark = pytest.mark.timeout(600)
@@ -28,34 +28,11 @@ pytestmark = pytest.mark.timeout(600)
 PORT = 29500
 
 
-def sh(*cmd: str) -> None:
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.fail(f"`{' '.join(cmd)}` failed ({done.returncode}): {done.stderr.strip()}")
-
-
 @pytest.fixture
 def two_nodes() -> Iterator[tuple[str, str, str, str]]:
     """Two namespaces joined by a veth pair: (netns 0, its address, netns 1, its address)."""
-    if os.geteuid() != 0:
-        pytest.fail("making network namespaces needs root (ip netns add); this test does not skip")
-    tag = secrets.token_hex(3)
-    ns0, ns1, a, b = f"ss{tag}a", f"ss{tag}b", f"vs{tag}a", f"vs{tag}b"
-    subnet = f"10.{secrets.randbelow(200) + 20}.{secrets.randbelow(250)}"
-    sh("ip", "netns", "add", ns0)
-    try:
-        sh("ip", "netns", "add", ns1)
-        sh("ip", "link", "add", a, "type", "veth", "peer", "name", b)
-        sh("ip", "link", "set", a, "netns", ns0)
-        sh("ip", "link", "set", b, "netns", ns1)
-        for ns, dev, ip in ((ns0, a, f"{subnet}.1"), (ns1, b, f"{subnet}.2")):
-            sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
-            sh("ip", "-n", ns, "link", "set", dev, "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-        yield ns0, f"{subnet}.1", ns1, f"{subnet}.2"
-    finally:
-        for ns in (ns0, ns1):  # deleting a namespace deletes its end of the veth pair, and so the pair
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    with netns.two_nodes() as nodes:
+        yield nodes
 
 
 def node(ns: str, rank: int, cfg_file: Path, run_dir: Path, head: str, log: Path) -> subprocess.Popen:
@@ -93,9 +70,10 @@ def test_two_nodes_train_over_curve_and_node_1_holds_the_learners_weights(
     ns0, ip0, ns1, _ = two_nodes
     cfg = config(
         tiny_chat,
-        steps=2,
+        steps=3,
         rollout={"devices": 1, "verify_weights": True},  # each rollout re-hashes what it applied
-        nodes=[{"learners": 1, "verifiers": 1}, {"rollouts": 1}],
+        learner={"ranks": 2, "threads": 1, "optim": {"lr": 1e-3}},  # one gloo group across the two nodes
+        nodes=[{"learners": 1, "verifiers": 1}, {"rollouts": 1, "learners": 1}],
     )
     cfg_file = tmp_path / "cfg.json"
     cfg_file.write_text(json.dumps(msgspec.to_builtins(cfg)))
@@ -119,16 +97,25 @@ def test_two_nodes_train_over_curve_and_node_1_holds_the_learners_weights(
             if p.poll() is None:
                 p.kill()
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert len(summary["steps"]) == 2
+    assert len(summary["steps"]) == 3
     assert (key_file.stat().st_mode & 0o777) == 0o600
     # Node 1's processes ran in node 1's namespace, reached only over TCP.
     hello = {e["actor"]: e for e in events(run_dir, "agent-1") if e["event"] == "actor_started"}
-    assert sorted(hello) == ["drafter:0", "rollout:0"]
+    assert sorted(hello) == ["drafter:0", "learner:1", "rollout:0"]
     ready = next(e for e in events(run_dir, "rollout-0") if e["event"] == "ready")
     assert ready["data"].startswith("tcp://") and not ready["data"].startswith(f"tcp://{ip0}:")
     # Every version node 1's rollout acknowledged was re-hashed there and matched the learner's checksums.
     applied = [e for e in events(run_dir, "rollout-0") if e["event"] == "weights_applied"]
-    assert [e["version"] for e in applied] == [1, 2] and all(e["verified"] for e in applied)
+    assert [e["version"] for e in applied] == [1, 2, 3] and all(e["verified"] for e in applied)
+    # The first push crossed in full; later ones as deltas against what node 1 acknowledged, smaller.
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps[0]["wire_bytes"] == steps[0]["wire_full_bytes"] > 0
+    assert all(0 < r["wire_bytes"] < r["wire_full_bytes"] for r in steps[1:])
+    # Node 1's spans are on the head's clock: the handshake's estimate of the offset (here one kernel clock,
+    # so the truth is 0) is within a round trip of the control socket.
+    clock = [json.loads(line) for line in (run_dir / "spans" / "rollout-0.jsonl").read_text().splitlines()]
+    offsets = [r["offset_ns"] for r in clock if r.get("kind") == "clock"]
+    assert len(offsets) == 1 and abs(offsets[0]) < 50_000_000
     # The intruder (its own key pair, posing as learner:0) was refused and logged; the run went on.
     assert any(e["event"] == "peer_refused" for e in events(run_dir, "coordinator"))
     assert not any(e["event"] == "actor_dead" for e in events(run_dir, "coordinator"))

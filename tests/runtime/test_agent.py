@@ -197,3 +197,34 @@ def test_a_lost_nodes_actors_restart_on_node_0_and_their_peers_follow(tmp_path: 
     assert any(e["event"] == "node_lost" and e["node"] == 1 for e in logged)
     assert any(e["event"] == "relocated" and e["actor"] == "sink:1" and e["from_node"] == 1 for e in logged)
     assert any(e["event"] == "peer_moved" and e["peer"] == "sink:1" for e in events(tmp_path, "source-0"))
+
+
+def test_an_agent_whose_head_falls_silent_stops_its_actors_and_exits(tmp_path: Path) -> None:
+    port = free_port()
+    cluster = Cluster(nnodes=2, node_rank=0, head_host="127.0.0.1", head_port=port, address="127.0.0.1")
+    keys, key_file = run_keys(tmp_path, keys_dir=None, create=True)
+    agent = start_agent(port, tmp_path, key_file)
+    log = logs.configure(role="coordinator", run_dir=tmp_path)
+    seen: dict = {}
+
+    async def main() -> None:
+        agents = AgentLauncher(cluster, curve=keys, log=log)
+        await agents.wait_for_agents(60)
+        sup = Supervisor(
+            tmp_path, heartbeat_s=0.5, log=log, cluster=cluster, curve_key=key_file, remote=agents
+        )
+        await sup.start([ActorSpec.of(smoke.Sink, rank=1, node=1)])
+        seen["pid"] = sup.pid("sink:1")
+        # The head falls silent without a word (as if its host hung): no StopAgent, no heartbeats to anyone.
+        for task in agents._tasks + sup._tasks[1:]:  # every loop but the supervisor's receive loop
+            task.cancel()
+        started = time.monotonic()
+        seen["code"] = await asyncio.get_running_loop().run_in_executor(None, agent.wait, 60)
+        seen["after_s"] = time.monotonic() - started
+        await sup.shutdown(reason="test", grace_s=0.5)
+        await agents.close("test")
+
+    uvloop.run(main())
+    assert seen["code"] == 1 and seen["after_s"] < 20  # LOST_AFTER_S (10 s) and a 2 s grace
+    assert gone(seen["pid"])
+    assert any(e["event"] == "head_lost" for e in events(tmp_path, "agent-1"))
