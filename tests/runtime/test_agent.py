@@ -29,10 +29,11 @@ from pathlib import Path
 from slipstream.runtime import logs
 from slipstream.runtime.agent import run_agent
 from slipstream.runtime.cluster import Cluster
-port, run_dir, key = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+port, run_dir, key, head_timeout = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], float(sys.argv[4])
 cluster = Cluster(nnodes=2, node_rank=1, head_host="127.0.0.1", head_port=port, address="127.0.0.1")
 log = logs.configure(role="agent", rank=1, run_dir=run_dir)
-sys.exit(asyncio.run(run_agent(cluster, run_dir, key_file=Path(key) if key else None, log=log)))
+key_file = Path(key) if key else None
+sys.exit(asyncio.run(run_agent(cluster, run_dir, key_file=key_file, log=log, head_timeout_s=head_timeout)))
 """
 
 
@@ -56,8 +57,9 @@ def _free(port: int) -> bool:
     return True
 
 
-def start_agent(port: int, run_dir: Path, key: Path | None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", AGENT, str(port), str(run_dir), str(key or "")])
+def start_agent(port: int, run_dir: Path, key: Path | None, head_timeout_s: float = 10.0) -> subprocess.Popen:
+    args = [str(port), str(run_dir), str(key or ""), str(head_timeout_s)]
+    return subprocess.Popen([sys.executable, "-c", AGENT, *args])
 
 
 def gone(pid: int, within_s: float = 5.0) -> bool:
@@ -203,7 +205,7 @@ def test_an_agent_whose_head_falls_silent_stops_its_actors_and_exits(tmp_path: P
     port = free_port()
     cluster = Cluster(nnodes=2, node_rank=0, head_host="127.0.0.1", head_port=port, address="127.0.0.1")
     keys, key_file = run_keys(tmp_path, keys_dir=None, create=True)
-    agent = start_agent(port, tmp_path, key_file)
+    agent = start_agent(port, tmp_path, key_file, head_timeout_s=3.0)
     log = logs.configure(role="coordinator", run_dir=tmp_path)
     seen: dict = {}
 
@@ -225,6 +227,6 @@ def test_an_agent_whose_head_falls_silent_stops_its_actors_and_exits(tmp_path: P
         await agents.close("test")
 
     uvloop.run(main())
-    assert seen["code"] == 1 and seen["after_s"] < 20  # LOST_AFTER_S (10 s) and a 2 s grace
+    assert seen["code"] == 1 and seen["after_s"] < 10  # its head timeout (3 s here) and a 2 s grace
     assert gone(seen["pid"])
     assert any(e["event"] == "head_lost" for e in events(tmp_path, "agent-1"))
