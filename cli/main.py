@@ -20,24 +20,17 @@ deploy/slurm/train.sbatch and deploy/ssh/launch.sh start it there.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO, TypeVar
+from typing import Any
 
+from slipstream.cli import bench as bench_cli
 from slipstream.cli import export as export_cli
 from slipstream.cli import report as report_cli
 from slipstream.cli import trace as trace_cli
-
-if TYPE_CHECKING:
-    from slipstream.cli.train import TrainConfig
-
-T = TypeVar("T")
+from slipstream.cli.common import packaged_config, run_training, until_sigterm
 
 
 def _cmd_smoke(args: argparse.Namespace) -> int:
@@ -59,129 +52,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from slipstream.cli import generate
 
     return generate.run(args)
-
-
-def _bench_e2e(args: argparse.Namespace) -> int:
-    import msgspec
-    import yaml
-
-    from slipstream.benchmarks import e2e
-    from slipstream.cli import train
-
-    # The demo's config at 4 steps unless the command line says otherwise (a bad key fails here).
-    # No HF copy of each run's last checkpoint: four runs a bench, ~0.5 GB each, and nothing reads them.
-    cfg = train.load_config(
-        args.config or packaged_config("demo.yaml"), ["steps=4", "checkpoint_hf=false", *args.overrides]
-    )
-    root = Path(args.run_dir or f"runs/bench-e2e-{time.strftime('%Y%m%d-%H%M%S')}")
-    root.mkdir(parents=True, exist_ok=True)
-    resolved = root / "config.yaml"  # the resolved config both runs start from
-    resolved.write_text(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False))
-
-    def run_train(run_dir: Path, baseline: bool) -> dict[str, Any]:
-        # A child process, as a user runs it: what this process holds is not the run's memory.
-        cmd = [sys.executable, "-m", "slipstream.cli.main", "train", str(resolved), "--run-dir", str(run_dir)]
-        with (root / f"{run_dir.name}.out").open("w") as out:
-            done = subprocess.run([*cmd, *(["--baseline"] if baseline else [])], stdout=out, stderr=out)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} exited with {done.returncode}: see {out.name}")
-        return json.loads((run_dir / "summary.json").read_text())
-
-    result = e2e.run(
-        run_train, root, threads=args.threads or cfg.learner.threads, rounds=args.rounds, isolated=True
-    )
-    print(msgspec.json.encode(result).decode() if args.json else e2e.render(result))
-    return 0
-
-
-def _bench_soak(args: argparse.Namespace) -> int:
-    import msgspec
-
-    from slipstream.benchmarks import soak
-    from slipstream.cli import train
-
-    root = Path(args.run_dir or f"runs/bench-soak-{time.strftime('%Y%m%d-%H%M%S')}")
-    model = args.model or str(soak.tiny_model(root / "model"))
-    overrides = [*soak.OVERRIDES, f"model={model}", f"steps={args.steps or 30}", *args.overrides]
-    cfg = train.load_config(args.config or packaged_config("demo.yaml"), overrides)
-    plan = soak.SoakPlan(
-        actors=[a for names in train.actor_names(cfg, baseline=False) for a in names],
-        steps=cfg.steps,
-        prompts_per_step=cfg.prompts_per_step,
-        group_size=cfg.group_size,
-        max_tokens=cfg.max_tokens,
-        max_restarts=cfg.faults.max_restarts,
-        kill_every_s=args.kill_every,
-        kills=args.kills,
-        seed=args.seed or 0,
-    )
-    result = soak.run(lambda run_dir: _run_training(cfg, run_dir, baseline=False), root, plan)
-    print(msgspec.json.encode(result).decode() if args.json else soak.render(result))
-    return 0 if result.ok else 1
-
-
-def _run_training(
-    cfg: TrainConfig,
-    run_dir: Path,
-    *,
-    baseline: bool,
-    resume: bool = False,
-    echo: bool = False,
-    step_lines: TextIO | None = None,
-    **multi_node: Any,
-) -> dict[str, Any]:
-    """One `slipstream train` run: config.json (a fresh run), the coordinator's log, the loop; its summary.
-    `multi_node`: train's cluster, keys_dir and join_timeout_s (node 0 of a run across nodes)."""
-    import msgspec
-    import uvloop
-
-    from slipstream.cli import train
-    from slipstream.runtime import logs
-    from slipstream.runtime.progress import bar
-
-    if not resume:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(msgspec.to_builtins(cfg)))
-    log = logs.configure(role="coordinator", run_dir=run_dir, echo=echo)
-    log.info("config", **msgspec.to_builtins(cfg))
-    return uvloop.run(
-        until_sigterm(
-            train.train(
-                cfg,
-                run_dir,
-                baseline=baseline,
-                resume=resume,
-                progress=bar,
-                log=log,
-                step_lines=step_lines,
-                **multi_node,
-            )
-        )
-    )
-
-
-async def until_sigterm(coro: Coroutine[Any, Any, T]) -> T:
-    """Runs `coro`; SIGTERM (scancel, a launcher stopping its nodes) cancels it, so its `finally` blocks shut
-    the actors down in order (Shutdown, grace, SIGTERM, SIGKILL), then raises naming the signal."""
-    task = asyncio.ensure_future(coro)
-    loop = asyncio.get_running_loop()
-    stopped: list[bool] = []
-    loop.add_signal_handler(signal.SIGTERM, lambda: (stopped.append(True), task.cancel()))
-    try:
-        return await task
-    except asyncio.CancelledError:
-        if stopped:
-            raise RuntimeError("stopped by SIGTERM; every actor was shut down") from None
-        raise
-    finally:
-        loop.remove_signal_handler(signal.SIGTERM)
-
-
-def packaged_config(name: str) -> Path:
-    """A config shipped in deploy/configs/ (package data of slipstream.deploy)."""
-    from importlib.resources import files
-
-    return Path(str(files("slipstream.deploy").joinpath("configs", name)))
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -228,7 +98,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 )
             )
         )
-    summary = _run_training(
+    summary = run_training(
         cfg,
         run_dir,
         baseline=args.baseline,
@@ -240,66 +110,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
         join_timeout_s=args.join_timeout,
     )
     print(train.render(summary))
-    return 0
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    if args.what not in ("rollout", "e2e", "soak") and (args.config is not None or args.overrides):
-        raise ValueError(
-            f"--config and key=value overrides are for bench rollout, e2e and soak, not {args.what}"
-        )
-    import msgspec
-
-    if args.what == "e2e":
-        return _bench_e2e(args)
-    if args.what == "soak":
-        return _bench_soak(args)
-    if args.what == "sync":  # its own flags (--lr, --dtype), and bench's --model, --steps, --threads
-        from slipstream.benchmarks import sync
-
-        shared = [(flag, value) for flag, value in
-                  (("--model", args.model), ("--steps", args.steps), ("--threads", args.threads)) if value is not None]  # fmt: skip
-        return sync.main(
-            [*(str(x) for pair in shared for x in pair), *args.gpu_args] + (["--json"] if args.json else [])
-        )
-    if args.what == "gpu":
-        from slipstream.benchmarks import gpu
-
-        # Exits 2 at once, naming the missing device, on a host without CUDA.
-        return gpu.main(args.gpu_args + (["--json"] if args.json else []))
-
-    if args.what == "rollout":
-        from slipstream.benchmarks import rollout
-
-        if args.config is None:
-            args.config = packaged_config("bench-rollout.yaml")
-        config = rollout.config_from_args(args)  # a bad key or value fails here, before any process starts
-        result = rollout.run(config, trace=args.trace)
-        print(msgspec.json.encode(result).decode() if args.json else rollout.render(result))
-        return 0
-    if args.what == "decode":
-        from slipstream.benchmarks import decode
-
-        result = decode.run(
-            args.model,
-            batches=decode.parse_batches(args.batches),
-            max_tokens=args.max_tokens if args.max_tokens is not None else 256,
-            repeats=args.repeats,
-            threads=args.threads,
-            drafter=args.drafter,
-            temperature=args.temperature if args.temperature is not None else 1.0,
-            device=args.device,
-        )
-        print(msgspec.json.encode(result).decode() if args.json else decode.render(result))
-        return 0
-    from slipstream.benchmarks import transport
-
-    figures = transport.run()
-    if args.json:
-        print(msgspec.json.encode(figures).decode())
-    else:
-        for key, value in msgspec.structs.asdict(figures).items():
-            print(f"{key:>16}  {value}")
     return 0
 
 
@@ -478,96 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("name")
     msub.add_parser("list", help="known model names and where they live")
 
-    s = sub.add_parser(
-        "bench",
-        help="benchmarks printing JSON: transport, decode, rollout, e2e, soak, gpu",
-        description="Benchmarks; each prints one JSON object with --json (fields: docs/benchmarks.md). "
-        "bench rollout reads deploy/configs/bench-rollout.yaml (or --config F), then its flags, then "
-        "KEY=VALUE overrides such as prompts=4 or tuner.buckets=[1,4]. bench e2e runs `slipstream train` "
-        "and its --baseline on the same config (default: deploy/configs/demo.yaml with steps=4, then "
-        "KEY=VALUE overrides), then times the learner against a forward pass on the run's samples. bench soak "
-        "trains a tiny random model (or --model) under random SIGKILLs of rollout, verifier and drafter actors, "
-        "then without, and compares the samples (exit 1 if any was lost or differs). bench gpu "
-        "is the GPU runbook (docs/gpu.md); it exits at once where there is no CUDA device. bench sync measures "
-        "a cross-host weight push, full vs XOR delta, after real optimizer steps (--dtype, --lr, --steps).",
-    )
-    s.add_argument("what", choices=["transport", "decode", "rollout", "e2e", "soak", "gpu", "sync"])
-    s.add_argument("--device", default="cpu", help="decode: cpu, cuda or cuda:N")
-    s.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="KEY=VALUE",
-        help="rollout, e2e, soak: config overrides (key.sub=value)",
-    )
-    s.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    s.add_argument(
-        "--config",
-        type=Path,
-        default=None,
-        help="rollout, e2e, soak: a YAML config (default: the packaged one)",
-    )
-    s.add_argument(
-        "--model",
-        default=None,
-        help="decode, rollout, soak: model directory or name (default smollm2-135m; soak: a tiny random one)",
-    )
-    s.add_argument("--batches", default="1,4,16,32", help="decode: comma-separated batch sizes")
-    s.add_argument(
-        "--max-tokens", type=int, default=None, help="decode, rollout: new tokens per request (256, 512)"
-    )
-    s.add_argument("--repeats", type=int, default=1, help="decode: interleaved rounds (median per config)")
-    s.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="decode: torch threads (default OMP_NUM_THREADS); e2e: learner-cost threads (learner.threads)",
-    )
-    s.add_argument("--task", default=None, help="rollout: reasoning-gym task (task=)")
-    s.add_argument(
-        "--prompts", type=int, default=None, help="rollout: prompts (GRPO groups) per step (prompts=)"
-    )
-    s.add_argument("--samples", type=int, default=None, help="rollout: responses per prompt, G (samples=)")
-    s.add_argument(
-        "--temperature", type=float, default=None, help="decode, rollout: sampling temperature (1.0, 0.7)"
-    )
-    s.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help="rollout: prompt and sampling seed (seed=); soak: the kills' RNG",
-    )
-    s.add_argument(
-        "--steps",
-        type=int,
-        default=None,
-        help="rollout: RL steps per mode; all but the first are measured (steps=); soak: steps per run (30)",
-    )
-    s.add_argument(
-        "--modes", default=None, help="rollout: comma-separated subset of plain,ngram,adaptive (modes=)"
-    )
-    s.add_argument(
-        "--trace", type=Path, default=None, help="rollout: write every decode iteration's stats here (JSONL)"
-    )
-    s.add_argument(
-        "--drafter",
-        type=Path,
-        default=None,
-        help="decode, rollout: an exported EAGLE drafter (decode: adds eagle rows)",
-    )
-    s.add_argument(
-        "--run-dir",
-        type=Path,
-        default=None,
-        help="e2e, soak: where both runs go (runs/bench-e2e-…, bench-soak-…)",
-    )
-    s.add_argument("--kill-every", type=float, default=3.0, help="soak: mean seconds between kills")
-    s.add_argument("--kills", type=int, default=0, help="soak: the most kills (0 = no cap)")
-    s.add_argument(
-        "--rounds",
-        type=int,
-        default=2,
-        help="e2e: 2 (default) runs Slipstream, baseline, baseline, Slipstream and pools them; 1: S, B only",
-    )
+    bench_cli.add_parser(sub)
 
     s = sub.add_parser("logs", help="print a run's logs, merged by time; --follow streams live events")
     s.add_argument("run", help="run directory")
@@ -652,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {
         "train": _cmd_train,
         "smoke": _cmd_smoke,
-        "bench": _cmd_bench,
+        "bench": bench_cli.run,
         "models": _cmd_models,
         "logs": _cmd_logs,
         "generate": _cmd_generate,
