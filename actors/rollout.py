@@ -379,10 +379,9 @@ class RolloutActor(Actor):
                 f"delta base mismatch: against v{msg.base_version}, this rollout holds v{self.policy_version}"
             )
         else:
-            params = dict(self.model.named_parameters())
             try:
                 tensors = [
-                    apply_xor_delta(self._held_weight(name, params), blob)
+                    apply_xor_delta(self._held(name), blob)
                     for name, blob in zip(msg.names, msg.tensors, strict=True)
                 ]
             except ValueError as exc:
@@ -396,16 +395,12 @@ class RolloutActor(Actor):
         self._refuse(msg, f"{error}; full weights wanted", want_full=True)
         return None
 
-    def _held_weight(self, name: str, params: dict[str, torch.nn.Parameter]) -> torch.Tensor:
-        """Parameter `name` as decoding uses it: a packed-only projection's value is unpacked (exact)."""
-        if name not in params:
-            raise ValueError(f"unknown parameter {name!r}")
-        param = params[name]
-        if not param.is_meta:
-            return param.detach()
-        # As `Transformer.named_weights` reads it, for one name (that unpacks every projection).
-        module = self.model.get_submodule(name.rpartition(".")[0])
-        return module._pack.packed.to_dense()
+    def _held(self, name: str) -> torch.Tensor:
+        """Parameter `name` as decoding uses it (the base a delta is against); ValueError for an unknown one."""
+        try:
+            return self.model.weight(name)
+        except AttributeError:
+            raise ValueError(f"unknown parameter {name!r}") from None
 
     def _check_weights(self, msg: WeightUpdate) -> str | None:
         if msg.version <= self.policy_version:

@@ -306,13 +306,18 @@ class Transformer(nn.Module):
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """(name, value) of every parameter, as `named_parameters` but packed-only ones unpacked (a copy:
         oneDNN's reorder is exact both ways), so checks and tests read what decoding uses."""
-        for name, param in self.named_parameters():
-            if param.is_meta:
-                module = self.get_submodule(name.rpartition(".")[0])
-                assert isinstance(module, Linear) and module._pack.packed is not None
-                yield name, module._pack.packed.to_dense()
-            else:
-                yield name, param.detach()
+        for name, _ in self.named_parameters():
+            yield name, self.weight(name)
+
+    def weight(self, name: str) -> Tensor:
+        """Parameter `name`'s value as decoding uses it: a packed-only projection unpacked (exact), any other
+        the parameter itself, detached. AttributeError naming it if there is no such parameter."""
+        param = self.get_parameter(name)  # AttributeError for an unknown name
+        if not param.is_meta:
+            return param.detach()
+        module = self.get_submodule(name.rpartition(".")[0])
+        assert isinstance(module, Linear) and module._pack.packed is not None
+        return module._pack.packed.to_dense()
 
     def write_parameter(self, name: str, value: Tensor) -> None:
         """Copy `value` into parameter `name`; a packed-only projection is repacked straight from it."""
