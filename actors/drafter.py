@@ -79,6 +79,9 @@ class DrafterActor(Actor):
         min_buffer_tokens: int = 64  # do not train on less than this
         lr: float = 1e-3  # AdamW learning rate
         unroll_steps: int = 1  # draft steps simulated per batch (1 = no unroll)
+        # Steps over which the learning rate ramps up from lr / warmup_steps (0: none): a head started from a
+        # trained one (init_from) was knocked off its optimum by AdamW's first full-size steps (docs/actors.md)
+        warmup_steps: Annotated[int, msgspec.Meta(ge=0)] = 0
         publish_to: list[str] = []  # actors ("rollout:0", "coordinator") that receive DrafterUpdate (owner)
         publish_every_steps: int = 20
         publish_min_interval_s: float = 1.0  # and at most this often: rollouts use only the newest anyway
@@ -118,7 +121,9 @@ class DrafterActor(Actor):
         self.target = load_head_parts(hub.resolve(cfg.model), device=self.device)
         self.target.requires_grad_(False)
         self.head = EagleHead.for_target(self.target.config).to(self.device)
-        self.trainer = DrafterTrainer(self.head, self.target, lr=cfg.lr, unroll_steps=cfg.unroll_steps)
+        self.trainer = DrafterTrainer(
+            self.head, self.target, lr=cfg.lr, unroll_steps=cfg.unroll_steps, warmup_steps=cfg.warmup_steps
+        )
         self.buffer = OnlineBuffer(cfg.buffer_bytes, seed=cfg.seed + self.rank)
         self.version = 0  # owner: of the drafter; other ranks: of the newest global adopted
         # The newest policy version whose hidden states these weights have trained on (own steps, folded
@@ -450,8 +455,7 @@ class DrafterActor(Actor):
 
     def _set_lr_scale(self, n: int) -> None:
         if n != self._lr_scale:
-            for group in self.trainer.optimizer.param_groups:
-                group["lr"] = self.config.lr / n
+            self.trainer.lr_scale = 1.0 / n
             self._lr_scale = n
 
     # -- owner: sharing the global drafter ----------------------------------------------------------

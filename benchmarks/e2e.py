@@ -73,6 +73,9 @@ class RunFigures(msgspec.Struct, frozen=True, kw_only=True):
     # step 0's, per batch-size bucket, over the iterations that speculated: what the drafter the run
     # starts from (the shipped one) buys before any online training
     step0_accept_by_batch: dict[str, float] = {}
+    # per batch-size bucket, summed over steps and rollouts: [decode device-seconds, committed tokens]; the
+    # two runs side by side say at which batch sizes the method gained or lost time
+    decode_by_batch: dict[str, list[float]] = {}
     idle_device_s: float
     reclaimed_s: float  # idle device-seconds leased to drafter training
     reclaimed_share: float
@@ -213,6 +216,12 @@ def run_figures(
     idle = sum(s["idle_device_s"] for s in steps)
     reclaimed = sum(s["reclaimed_s"] for s in steps)
     peaks = peak_rss(run_dir) if run_dir is not None else {}
+    by_batch: dict[str, list[float]] = {}
+    for s in steps:
+        for bucket, (seconds, committed) in (s.get("decode_by_batch") or {}).items():
+            cell = by_batch.setdefault(bucket, [0.0, 0])
+            cell[0] = round(cell[0] + seconds, 3)
+            cell[1] += int(committed)
     return RunFigures(
         wall_s=round(wall_s, 1),
         step_s=mean("step_s"),
@@ -225,6 +234,7 @@ def run_figures(
         tokens_per_s=round(tokens / rollout_s, 1) if rollout_s > 0 else 0.0,
         accept_length=round(sum(s["accept_length"] * s["tokens"] for s in steps) / max(tokens, 1), 3),
         step0_accept_by_batch=dict(steps[0].get("accept_by_batch", {})),
+        decode_by_batch=by_batch,
         idle_device_s=round(idle, 2),
         reclaimed_s=round(reclaimed, 2),
         reclaimed_share=round(reclaimed / idle, 3) if idle > 0 else 0.0,

@@ -57,6 +57,9 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     accept_by_batch: dict[str, float] = {}
     # batch-size bucket -> tuner arm -> decode iterations
     arms_by_batch: dict[str, dict[str, int]] = {}
+    # batch-size bucket -> [decode device-seconds, committed tokens] over every rollout: where the rollout's
+    # time went by batch size
+    decode_by_batch: dict[str, list[float]] = {}
     # per draft depth: the share of sequence-passes whose draft reached it that accepted its token
     accept_by_position: list[float] = []
     drafter_loss: float | None = None  # the drafter's newest training loss in the step (None: none trained)

@@ -426,6 +426,7 @@ async def _step(
         arms=dict(metrics.arms),
         accept_by_batch=metrics.speculated_accept_length(),
         arms_by_batch={bucket: dict(arms) for bucket, arms in metrics.arms_by_batch.items()},
+        decode_by_batch=metrics.decode_seconds_by_batch(),
         accept_by_position=metrics.accept_by_position(),
         drafter_loss=None if metrics.drafter_loss is None else round(metrics.drafter_loss, 5),
         idle_device_s=round(metrics.idle_device_s, 3),

@@ -55,6 +55,11 @@ class DrafterSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
     init_from: str = ""
     batch_tokens: Positive = 512  # tokens per drafter step: bounds the preemption latency
     lr: float = 1e-3
+    # Steps over which lr ramps up (0: none). Started from a trained head, AdamW's first full-size steps
+    # knocked it off its optimum and the rollouts drafted with a worse head for most of a run (longtail.yaml
+    # sets 50; the demo's figures were measured without, docs/training.md)
+    warmup_steps: Annotated[int, msgspec.Meta(ge=0)] = 0
+    unroll_steps: Positive = 1  # draft steps simulated per training batch (the offline recipe's stage 2: 3)
     publish_every_steps: Positive = 10
 
     def __post_init__(self) -> None:
@@ -302,6 +307,8 @@ def actor_specs(
                     device=slot.device,
                     batch_tokens=cfg.drafter.batch_tokens,
                     lr=cfg.drafter.lr,
+                    warmup_steps=cfg.drafter.warmup_steps,
+                    unroll_steps=cfg.drafter.unroll_steps,
                     publish_to=rollouts,
                     publish_every_steps=cfg.drafter.publish_every_steps,
                     world_size=len(drafters),

@@ -315,8 +315,11 @@ class DrafterTrainer:
         ce_weight: float = 0.1,
         ce_vocab: str = "topk",
         ce_topk: int = 64,
+        warmup_steps: int = 0,
     ) -> None:
-        """lr, weight_decay, betas: AdamW; grad_clip: max global grad norm (None: no clipping);
+        """lr, weight_decay, betas: AdamW; warmup_steps: the learning rate ramps linearly from lr /
+        warmup_steps to lr over this many steps (0: none) — AdamW's first steps, with empty moments, move
+        every weight by about lr whatever its gradient, which knocks a trained head off its optimum; grad_clip: max global grad norm (None: no clipping);
         unroll_steps: draft steps simulated per batch (1 = no unroll); unroll_decay: weight of step k is
         decay^k; ce_weight: weight of the cross-entropy term; ce_vocab: "topk" (softmaxes over the batch's
         `ce_candidates`: each row's top-`ce_topk` target tokens and the batch's tokens; see the module
@@ -327,7 +330,13 @@ class DrafterTrainer:
             raise ValueError(f"ce_vocab must be one of {CE_VOCABS}, got {ce_vocab!r}")
         if ce_topk < 1:
             raise ValueError(f"ce_topk must be >= 1, got {ce_topk}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         self.head = head
+        self.lr = lr
+        self.lr_scale = 1.0
+        """A multiplier of lr set by the caller (a drafter rank divides it by the ranks training at once)."""
+        self.warmup_steps = warmup_steps
         self.target = target
         self.unroll_steps = unroll_steps
         self.unroll_decay = unroll_decay
@@ -402,6 +411,8 @@ class DrafterTrainer:
         if stop is not None and stop():
             return self._abandon()
         params = [p for p in self.head.parameters() if p.grad is not None]
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.current_lr()
         if self.grad_clip is not None:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip))
         else:
@@ -415,6 +426,11 @@ class DrafterTrainer:
             "grad_norm": grad_norm,
             "step_s": time.perf_counter() - start,
         }
+
+    def current_lr(self) -> float:
+        """The learning rate of the next optimizer step: lr x lr_scale, ramped over the first warmup_steps."""
+        ramp = min(1.0, (self.steps + 1) / self.warmup_steps) if self.warmup_steps else 1.0
+        return self.lr * self.lr_scale * ramp
 
     def _abandon(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

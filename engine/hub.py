@@ -117,6 +117,12 @@ DRAFTERS: dict[str, DrafterSpec] = {
             description="EAGLE head for SmolLM2-135M-Instruct on two-term one-digit chain_sum at T = 0.8 "
             "(the demo's task); bf16",
         ),
+        DrafterSpec(
+            name="smollm2-135m-chain-sum-long",
+            model="smollm2-135m",
+            description="the demo's head continued on three-to-five-term chain_sum up to 512 tokens at "
+            "T = 0.8 (deploy/configs/longtail.yaml's task); bf16",
+        ),
     )
 }
 

@@ -169,7 +169,13 @@ class Coordinator:
             self._stats[msg.step][sender] = msg
         elif isinstance(msg, IterationStats):
             self._step.metrics.add_iteration(
-                msg.batch_size, msg.arm, msg.accepted, msg.offered_at, msg.accepted_at
+                msg.batch_size,
+                msg.arm,
+                msg.accepted,
+                msg.offered_at,
+                msg.accepted_at,
+                iter_s=msg.iter_s,
+                committed=msg.committed,
             )
             if self.on_iteration is not None:
                 self.on_iteration(sender, msg)

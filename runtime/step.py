@@ -37,6 +37,9 @@ class StepMetrics:
     speculated: dict[str, list[int]] = field(default_factory=dict)
     # batch-size bucket -> arm -> decode iterations: what the tuner chose where
     arms_by_batch: dict[str, dict[str, int]] = field(default_factory=dict)
+    # batch-size bucket -> [decode device-seconds, committed tokens], summed over rollouts: where the
+    # rollout's time went by batch size (the long tail is the small buckets), speculating or not
+    decode_by_batch: dict[str, list[float]] = field(default_factory=dict)
     # per draft depth: [sequence-passes whose draft reached it, of those accepted there]
     positions: list[list[int]] = field(default_factory=list)
     # the drafters' newest training loss as reported in the step (owner rank's last step), None if none trained
@@ -57,6 +60,8 @@ class StepMetrics:
         accepted: int,
         offered_at: Sequence[int] = (),
         accepted_at: Sequence[int] = (),
+        iter_s: float = 0.0,
+        committed: int = 0,
     ) -> None:
         """One decode iteration's IterationStats (a prefill-only pass, batch 0, says nothing here)."""
         if batch_size <= 0:
@@ -68,6 +73,9 @@ class StepMetrics:
         bucket = batch_bucket(batch_size)
         arms = self.arms_by_batch.setdefault(bucket, {})
         arms[arm] = arms.get(arm, 0) + 1
+        spent = self.decode_by_batch.setdefault(bucket, [0.0, 0])
+        spent[0] += iter_s
+        spent[1] += committed
         if arm != "off":
             cell = self.speculated.setdefault(bucket, [0, 0])
             cell[0] += batch_size
@@ -81,6 +89,12 @@ class StepMetrics:
     def accept_by_position(self) -> list[float]:
         """Per draft depth: the share of sequence-passes whose draft reached it that accepted its token."""
         return [round(took / offered, 4) if offered else 0.0 for offered, took in self.positions]
+
+    def decode_seconds_by_batch(self) -> dict[str, list[float]]:
+        """Per batch-size bucket, in bucket order: [decode device-seconds, committed tokens]."""
+        order = {label: i for i, label in enumerate(BATCH_BUCKETS)}
+        cells = sorted(self.decode_by_batch.items(), key=lambda kv: order.get(kv[0], len(order)))
+        return {label: [round(seconds, 3), int(tokens)] for label, (seconds, tokens) in cells}
 
     def speculated_accept_length(self) -> dict[str, float]:
         """Per batch-size bucket: tokens per sequence per target pass over the iterations that speculated."""

@@ -299,6 +299,29 @@ def test_trainer_keeps_the_target_frozen_and_checkpoints_the_head(target: Transf
     assert all(torch.equal(v, twin.head.state_dict()[k]) for k, v in head.state_dict().items())
 
 
+def test_warmup_ramps_the_learning_rate(target: Transformer) -> None:
+    """With warmup_steps the first AdamW step moves the head by about lr / warmup_steps, not lr: a trained
+    head (init_from) is not knocked off its optimum by the first steps' empty moments."""
+    batch = random_batch(target, [9, 12, 5], [3, 1, 0], seed=4)
+    moved = {}
+    for warmup in (0, 10):
+        torch.manual_seed(0)
+        head = EagleHead.for_target(target.config).to(torch.float64)
+        start = {k: v.clone() for k, v in head.state_dict().items()}
+        trainer = DrafterTrainer(head, target, lr=1e-3, grad_clip=None, warmup_steps=warmup)
+        assert trainer.current_lr() == pytest.approx(1e-3 if warmup == 0 else 1e-4)
+        trainer.step(batch)
+        # AdamW's first step is lr * g / |g| per element (up to eps): the largest move is the step's lr.
+        moved[warmup] = max(float((v - start[k]).abs().max()) for k, v in head.state_dict().items())
+    assert moved[0] == pytest.approx(1e-3, rel=1e-2) and moved[10] == pytest.approx(1e-4, rel=1e-2)
+    trainer.steps = 9
+    assert trainer.current_lr() == pytest.approx(1e-3)
+    trainer.lr_scale = 0.5  # two drafter ranks training at once
+    assert trainer.current_lr() == pytest.approx(5e-4)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        DrafterTrainer(head, target, warmup_steps=-1)
+
+
 def test_trainer_topk_vocab(target: Transformer) -> None:
     """ce_vocab="topk" with candidates covering the vocabulary is the full-vocabulary step; a small top-k
     trains on fewer words."""

@@ -71,18 +71,19 @@ def test_a_directory_is_used_as_is_and_an_unknown_name_lists_the_known(tmp_path:
         eagle_export.load_token_counts(tmp_path / "absent")
 
 
-def test_the_asset_is_a_small_bf16_head_of_the_embedded_model(smol: Path) -> None:
-    path = hub.drafter_dir(NAME)
+@pytest.mark.parametrize("name", sorted(hub.DRAFTERS))
+def test_the_asset_is_a_small_bf16_head_of_the_embedded_model(smol: Path, name: str) -> None:
+    path = hub.drafter_dir(name)
     target = ModelConfig.from_pretrained(smol)
     weights = path / "model.safetensors"
     assert weights.stat().st_size < MAX_BYTES
     expected = eagle_export.exported_state_dict(EagleHead.for_target(target))  # names and shapes
     with safe_open(str(weights), framework="pt") as f:
-        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-        dtypes = {f.get_slice(name).get_dtype() for name in f.keys()}
-    assert shapes == {name: tuple(t.shape) for name, t in expected.items()}  # no embedding or LM head copy
+        shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+        dtypes = {f.get_slice(key).get_dtype() for key in f.keys()}
+    assert shapes == {key: tuple(t.shape) for key, t in expected.items()}  # no embedding or LM head copy
     assert dtypes == {"BF16"}
-    counts = eagle_export.load_token_counts(NAME)
+    counts = eagle_export.load_token_counts(name)
     assert counts and max(counts) < target.vocab_size
 
 

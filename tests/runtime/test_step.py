@@ -20,3 +20,15 @@ def test_a_step_reports_what_speculation_accepted_per_batch_bucket() -> None:
     assert m.speculated_accept_length() == {"1": 3.0, "2": 1.5, "3-4": round(1 + 4 / 7, 3)}
     assert m.iterations == 6 and m.arms == {"eagle:d3": 3, "off": 2, "ngram:d3": 1}
     assert m.accept_length == 1.0 + 7 / 23  # over every decoding sequence-iteration
+
+
+def test_a_step_reports_decode_seconds_and_tokens_per_batch_bucket() -> None:
+    """Where the rollout's time went by batch size, speculating or not (the long tail is the small buckets)."""
+    m = StepMetrics()
+    m.add_iteration(1, "off", 0, iter_s=0.05, committed=1)
+    m.add_iteration(1, "eagle:d3", 2, iter_s=0.06, committed=3)
+    m.add_iteration(12, "off", 0, iter_s=0.1, committed=12)
+    m.add_iteration(3, "ngram:d3", 1, iter_s=0.07, committed=4)
+    m.add_iteration(0, "off", 0, iter_s=0.4, committed=5)  # prefill only: not a decode iteration
+    assert m.decode_seconds_by_batch() == {"1": [0.11, 4], "3-4": [0.07, 4], "9-16": [0.1, 12]}
+    assert list(m.decode_seconds_by_batch()) == ["1", "3-4", "9-16"]  # bucket order, not arrival order
