@@ -119,6 +119,10 @@ class TunerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     """Share of decisions (once every arm is tried) that may explore an arm other than the current best."""
     window: int = 16
     """Reward samples kept per (bucket, arm); the estimate is their median."""
+    margin: float = 0.0
+    """How much a speculating arm's median reward (a speedup over plain decoding) must exceed "off"'s for the
+    tuner to exploit it: one look at an arm that breaks even, at a batch where a verify pass costs 2-4 plain
+    ones, otherwise settles a bucket on it until the window turns (docs/engine.md, "Tuner")."""
     min_trials: int = 1
     """Samples an available arm needs in a bucket's window before the tuner exploits there (<= window)."""
     hold: int = 4
@@ -138,6 +142,12 @@ class TunerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
                 raise ValueError(f"TunerConfig.{field}: must be an integer >= {least}, got {value!r}")
         if not _is_int(self.seed):
             raise ValueError(f"TunerConfig.seed: must be an integer, got {self.seed!r}")
+        if (
+            isinstance(self.margin, bool)
+            or not isinstance(self.margin, int | float)
+            or not 0 <= self.margin < 1
+        ):
+            raise ValueError(f"TunerConfig.margin: must lie in [0, 1), got {self.margin!r}")
         if self.min_trials > self.window:
             raise ValueError(f"TunerConfig.min_trials: {self.min_trials} exceeds window ({self.window})")
         if (
@@ -306,7 +316,7 @@ class Tuner:
             prior = self._prior(b)
             i, why = min(untried, key=lambda i: (len(windows[i]), -prior[i], i)), "untried"
         else:
-            best = max(candidates, key=lambda i: (self._median_reward(windows[i]), -i))
+            best = max(candidates, key=lambda i: (self._score(windows[i], i), -i))
             i, why = best, "exploit"
             if self._rng.random() < self.config.epsilon:
                 # Fewest samples first (the least-measured estimate is the likeliest to be wrong), then in turn.
@@ -426,6 +436,10 @@ class Tuner:
             self._plain_fit = _PlainCost({b: statistics.median(s) for b, s in self._plain.items()})
         return self._plain_fit
 
+    def _score(self, window: Iterable[Sample], i: int) -> float:
+        """What arm i is ranked by when exploiting: its median reward, less `margin` for a speculating arm."""
+        return self._median_reward(window) - (0.0 if self.arms[i] is OFF else self.config.margin)
+
     def _median_reward(self, window: Iterable[Sample]) -> float:
         """Median reward of a window's samples under the current plain cost model (module docstring)."""
         plain = self._plain_cost()
@@ -455,7 +469,7 @@ class Tuner:
     def best(self, batch_size: int, available: Available = None) -> str | None:
         """The arm the tuner would exploit at this batch size (no side effects); None without rewards."""
         windows = self._windows[self.bucket(batch_size)]
-        scored = [(self._median_reward(windows[i]), -i) for i in self._candidates(available) if windows[i]]
+        scored = [(self._score(windows[i], i), -i) for i in self._candidates(available) if windows[i]]
         return self.arms[-max(scored)[1]].name if scored else None
 
     def estimate(self, batch_size: int, arm: str) -> float | None:
