@@ -44,7 +44,15 @@ def test_a_resumed_run_keeps_each_earlier_step_once(tmp_path: Path) -> None:
         f: 0
         for f in run_dir.StepRecord.__struct_fields__
         if f
-        not in ("arms", "restarts", "reward_errors", "accept_by_batch", "arms_by_batch", "accept_by_position")
+        not in (
+            "arms",
+            "restarts",
+            "reward_errors",
+            "accept_by_batch",
+            "arms_by_batch",
+            "decode_by_batch",
+            "accept_by_position",
+        )
     }
 
     def line(step: int, reward: float) -> str:
