@@ -146,7 +146,6 @@ class DrafterActor(Actor):
         self._lease_started: dict[int, int] = {}  # lease id -> when it arrived (monotonic ns), its span
         self._active: dict[str, float] = {}  # rank → monotonic time until which it counts as training
         self._last_delta_at: dict[str, float] = {}
-        self._lr_scale = 1
         # other ranks: the base deltas are taken against, and what was trained since it
         self._base: dict[str, torch.Tensor] | None = None
         self._unsent_steps = self._unsent_tokens = 0
@@ -454,9 +453,7 @@ class DrafterActor(Actor):
         return max(1, len(active))
 
     def _set_lr_scale(self, n: int) -> None:
-        if n != self._lr_scale:
-            self.trainer.lr_scale = 1.0 / n
-            self._lr_scale = n
+        self.trainer.lr_scale = 1.0 / n
 
     # -- owner: sharing the global drafter ----------------------------------------------------------
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from slipstream.protocols.rollout import Completion, GenerateRequest
 
 __all__ = ["BATCH_BUCKETS", "StepMetrics", "batch_bucket", "rollout_step"]
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -92,18 +94,22 @@ class StepMetrics:
 
     def decode_seconds_by_batch(self) -> dict[str, list[float]]:
         """Per batch-size bucket, in bucket order: [decode device-seconds, committed tokens]."""
-        order = {label: i for i, label in enumerate(BATCH_BUCKETS)}
-        cells = sorted(self.decode_by_batch.items(), key=lambda kv: order.get(kv[0], len(order)))
+        cells = _in_bucket_order(self.decode_by_batch)
         return {label: [round(seconds, 3), int(tokens)] for label, (seconds, tokens) in cells}
 
     def speculated_accept_length(self) -> dict[str, float]:
         """Per batch-size bucket: tokens per sequence per target pass over the iterations that speculated."""
-        order = {label: i for i, label in enumerate(BATCH_BUCKETS)}
-        cells = sorted(self.speculated.items(), key=lambda kv: order.get(kv[0], len(order)))
+        cells = _in_bucket_order(self.speculated)
         return {label: round(1.0 + accepted / seqs, 3) for label, (seqs, accepted) in cells if seqs}
 
 
 BATCH_BUCKETS = ("1", "2", "3-4", "5-8", "9-16", "17-32", "33+")
+
+
+def _in_bucket_order(cells: dict[str, T]) -> list[tuple[str, T]]:
+    """A per-bucket map's items, smallest batch sizes first (unknown labels last)."""
+    order = {label: i for i, label in enumerate(BATCH_BUCKETS)}
+    return sorted(cells.items(), key=lambda kv: order.get(kv[0], len(order)))
 
 
 def batch_bucket(batch_size: int) -> str:
