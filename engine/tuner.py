@@ -119,6 +119,11 @@ class TunerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     """Share of decisions (once every arm is tried) that may explore an arm other than the current best."""
     window: int = 16
     """Reward samples kept per (bucket, arm); the estimate is their median."""
+    max_batch: dict[str, int] = msgspec.field(default_factory=dict)
+    """Arm → the largest live batch size it is offered at (arms not named: every batch size). A prior the user
+    knows and the bandit would pay to learn: where a verify pass costs several plain ones (a CPU core past
+    batch ~4), every look at a speculating arm loses, and ε-greedy keeps looking (docs/engine.md, "Tuner").
+    vLLM's `disable_by_batch_size`, per arm. "off" cannot be capped."""
     margin: float = 0.0
     """How much a speculating arm's median reward (a speedup over plain decoding) must exceed "off"'s for the
     tuner to exploit it: one look at an arm that breaks even, at a batch where a verify pass costs 2-4 plain
@@ -185,6 +190,19 @@ class TunerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
                     f"TunerConfig.arms[{i}]: {text!r} repeats arms[{seen[name]}] (both are {name})"
                 )
             seen[name] = i
+        for text, cap in self.max_batch.items():
+            try:
+                name = parse_arm(text).name
+            except ValueError as e:
+                raise ValueError(f"TunerConfig.max_batch: {e}") from None
+            if name == "off":
+                raise ValueError(
+                    "TunerConfig.max_batch: off cannot be capped (it is the fallback everywhere)"
+                )
+            if name not in seen:
+                raise ValueError(f"TunerConfig.max_batch: {text!r} is not one of the arms {list(seen)}")
+            if not _is_int(cap) or cap < 1:
+                raise ValueError(f"TunerConfig.max_batch[{text!r}]: must be an integer >= 1, got {cap!r}")
 
 
 @dataclass(frozen=True)
@@ -233,6 +251,8 @@ class Tuner:
         self.arms: tuple[Arm, ...] = tuple(arms if OFF in arms else [OFF, *arms])
         self.edges: tuple[int, ...] = tuple(self.config.buckets)
         self._index = {arm.name: i for i, arm in enumerate(self.arms)}
+        # arm index → the largest batch size it is offered at
+        self._max_batch = {self._index[parse_arm(t).name]: cap for t, cap in self.config.max_batch.items()}
         nb, na = len(self.edges), len(self.arms)
         # [bucket][arm] → the latest reward samples: (committed tokens per sequence, seconds, mean batch size),
         # each pooled over `hold` iterations
@@ -301,7 +321,7 @@ class Tuner:
         "eagle" before a drafter exists); None: all. "off" is always available; a stale method never is.
         """
         b = self.bucket(batch_size)
-        candidates = self._candidates(available)
+        candidates = self._offered(batch_size, available)
         windows = self._windows[b]
         self.decisions += 1
         held = self._hold[b]
@@ -332,6 +352,10 @@ class Tuner:
         look = len(windows[i]) if not windows[i] or why == "explore" else -1
         self._hold[b] = (i, self.config.hold - 1, look) if self.config.hold > 1 and why != "forced" else None
         return self._decision(batch_size, b, i, why)
+
+    def _offered(self, batch_size: int, available: Available) -> list[int]:
+        """The candidates (`_candidates`) offered at this batch size: within their `max_batch`."""
+        return [i for i in self._candidates(available) if batch_size <= self._max_batch.get(i, batch_size)]
 
     def _candidates(self, available: Available) -> list[int]:
         ok = available if available is None or callable(available) else frozenset(available).__contains__
@@ -469,7 +493,9 @@ class Tuner:
     def best(self, batch_size: int, available: Available = None) -> str | None:
         """The arm the tuner would exploit at this batch size (no side effects); None without rewards."""
         windows = self._windows[self.bucket(batch_size)]
-        scored = [(self._score(windows[i], i), -i) for i in self._candidates(available) if windows[i]]
+        scored = [
+            (self._score(windows[i], i), -i) for i in self._offered(batch_size, available) if windows[i]
+        ]
         return self.arms[-max(scored)[1]].name if scored else None
 
     def estimate(self, batch_size: int, arm: str) -> float | None:

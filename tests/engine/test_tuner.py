@@ -562,6 +562,19 @@ def test_state_loads_into_a_shorter_window_keeping_the_newest_samples():
         ({"stale_accept": True}, r"TunerConfig\.stale_accept"),
         ({"margin": -0.01}, r"TunerConfig\.margin: must lie in \[0, 1\)"),
         ({"margin": 1.0}, r"TunerConfig\.margin"),
+        (
+            {"arms": ["eagle:d3"], "max_batch": {"eagle:d5": 4}},
+            r"TunerConfig\.max_batch: 'eagle:d5' is not one",
+        ),
+        ({"arms": ["eagle:d3"], "max_batch": {"off": 4}}, r"TunerConfig\.max_batch: off cannot be capped"),
+        (
+            {"arms": ["eagle:d3"], "max_batch": {"eagle:x": 4}},
+            r"TunerConfig\.max_batch: 'eagle:x' is not an arm",
+        ),
+        (
+            {"arms": ["eagle:d3"], "max_batch": {"eagle:d3": 0}},
+            r"TunerConfig\.max_batch\['eagle:d3'\]: must be",
+        ),
     ],
 )
 def test_config_errors_name_the_field(fields, message):
@@ -777,3 +790,20 @@ def test_a_speculating_arm_is_exploited_only_if_it_beats_off_by_the_margin():
         tuner.record(12, "off", 12, 0.080)
         tuner.record(12, "eagle:d3", 12.24, 0.080)
     assert tuner.choose(12).arm == "off" and tuner.estimate(12, "eagle:d3") == pytest.approx(1.02)
+
+
+def test_an_arm_is_offered_only_up_to_its_max_batch():
+    """A capped arm is never chosen (not even looked at) above its cap: past batch ~4 on a CPU core every look
+    at a speculating arm loses (docs/training.md); below the cap the bandit runs as before."""
+    tuner = Tuner(TunerConfig(arms=["off", "eagle:d3", "ngram:d3"], hold=1, max_batch={"eagle:d3": 4}))
+    chosen: dict[int, set[str]] = {4: set(), 5: set(), 16: set()}
+    for _ in range(200):
+        for batch in chosen:
+            arm = tuner.choose(batch).arm
+            chosen[batch].add(arm)
+            tuner.record(batch, arm, batch * (2.0 if arm == "eagle:d3" else 1.0), 0.05)
+    assert chosen[4] == {"off", "eagle:d3", "ngram:d3"}
+    assert chosen[5] == chosen[16] == {"off", "ngram:d3"}
+    assert tuner.best(4) == "eagle:d3" and tuner.best(5) in ("off", "ngram:d3")
+    only_off = Tuner(TunerConfig(arms=["off", "eagle:d3"], max_batch={"eagle:d3": 2}))
+    assert only_off.choose(3) == Decision(3, 2, "3-4", "off", "forced", None)
