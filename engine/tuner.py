@@ -19,6 +19,8 @@ Non-obvious choices (why, with the measurements: docs/engine.md, "Tuner"):
   sliding-window median, untried arms go first, then ε-greedy explores the least-measured arm (less often
   the costlier it is); `forget(method)` restarts a method's arms when its drafter changes. All draws come
   from one seeded `random.Random`.
+- `max_batch` caps the batch sizes at which an arm is offered at all: a prior (a CPU core's verify pass costs
+  several plain ones past batch ~4) that spares the looks the bandit would otherwise keep paying there.
 - A stale drafter (eagle, hybrid: a trained head, e.g. one lagging a policy update) is benched: when the
   caller's `record_acceptance` shows under `stale_accept` accepted draft tokens per sequence per pass over
   the method's last `stale_window` iterations, `choose` skips its arms until `refresh(method)` (a new head
