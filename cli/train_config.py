@@ -24,7 +24,7 @@ from slipstream.engine import hub
 from slipstream.engine.grpo import LossConfig
 from slipstream.engine.policy_train import OptimConfig
 from slipstream.engine.sampling import GROUP_BITS, MAX_SEED
-from slipstream.engine.tuner import TunerConfig
+from slipstream.engine.tuner_config import TunerConfig
 from slipstream.runtime import config as run_config
 from slipstream.runtime.placement import Host, NodeShare, Placement, default_shares, place, place_nodes
 from slipstream.runtime.sinks import MetricsConfig

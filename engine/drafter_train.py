@@ -319,11 +319,12 @@ class DrafterTrainer:
     ) -> None:
         """lr, weight_decay, betas: AdamW; warmup_steps: the learning rate ramps linearly from lr /
         warmup_steps to lr over this many steps (0: none) — AdamW's first steps, with empty moments, move
-        every weight by about lr whatever its gradient, which knocks a trained head off its optimum; grad_clip: max global grad norm (None: no clipping);
-        unroll_steps: draft steps simulated per batch (1 = no unroll); unroll_decay: weight of step k is
-        decay^k; ce_weight: weight of the cross-entropy term; ce_vocab: "topk" (softmaxes over the batch's
-        `ce_candidates`: each row's top-`ce_topk` target tokens and the batch's tokens; see the module
-        docstring) or "full" (over the whole vocabulary, exact); ce_topk: k of "topk"."""
+        every weight by about lr whatever its gradient, which knocks a trained head off its optimum;
+        grad_clip: max global grad norm (None: no clipping); unroll_steps: draft steps simulated per batch
+        (1 = no unroll); unroll_decay: weight of step k is decay^k; ce_weight: weight of the cross-entropy term;
+        ce_vocab: "topk" (softmaxes over the batch's `ce_candidates`: each row's top-`ce_topk` target tokens
+        and the batch's tokens; see the module docstring) or "full" (over the whole vocabulary, exact);
+        ce_topk: k of "topk"."""
         if unroll_steps < 1:
             raise ValueError(f"unroll_steps must be >= 1, got {unroll_steps}")
         if ce_vocab not in CE_VOCABS:
