@@ -2,7 +2,8 @@
 
 `Generator.step()` is one iteration: waiting requests take free cache slots, every running sequence that
 has a pending token decodes it, and what is left of the per-iteration token budget goes to prompt prefill
-in chunks, oldest request first. All of it is one flat forward pass (`BatchLayout`). Sampling noise is
+in chunks, oldest request first; siblings with the same prompt (a GRPO group) prefill it once and copy its
+K/V, feeding only its last token themselves. All of it is one flat forward pass (`BatchLayout`). Sampling noise is
 keyed by (request seed, index of the new token), so a request's output does not depend on its batch.
 
 A sequence in decode state holds exactly one *pending* token: sampled, returned, not yet fed through the
@@ -92,6 +93,8 @@ class _Sequence:
     tokens: list[int]
     """Prompt + response so far; the last one is pending (not yet cached) once decoding started."""
     num_prompt: int
+    prompt_key: tuple[int, ...]
+    """The prompt's tokens: siblings with the same key share its prefill (`Generator._share_prompts`)."""
     stop_ids: frozenset[int]
     group: Hashable
     draft_state: DraftState
@@ -124,6 +127,7 @@ class Generator:
         spec: SpecConfig | None = None,
         drafters: Mapping[str, Drafter] | None = None,
         grow_cache: bool | None = None,
+        share_prompts: bool = True,
     ) -> None:
         """num_slots: concurrent sequences; max_len: prompt + response tokens per sequence;
         token_budget: tokens per forward pass (decodes and their drafts first, prefill chunks fill the
@@ -134,7 +138,9 @@ class Generator:
         per-token hidden states in completions; spec: speculative decoding (None: plain decoding);
         drafters: method → drafter to hold (see `hold`); grow_cache: KV storage grown to the live batch
         (`KVCache`, grow=True) or num_slots × max_len up front (False); None: up front on CUDA only, whose
-        caching allocator and CUDA graphs want a fixed footprint."""
+        caching allocator and CUDA graphs want a fixed footprint; share_prompts: a request whose prompt a
+        running one holds copies its K/V instead of prefilling it (`_share_prompts`; False: every request
+        prefills its own, for A/B measurements)."""
         if max_draft is None:
             max_draft = spec.verify_budget if spec is not None and spec.enabled else 0
         if token_budget is None:
@@ -157,7 +163,12 @@ class Generator:
         self._waiting: dict[str, Request] = {}  # insertion order = arrival order; by id for add/abort
         self._running: dict[str, _Sequence] = {}  # insertion order = admission order (prefill FIFO)
         self._group_live: dict[Hashable, int] = {}  # waiting + running requests per prompt group
-        self._stats = dict.fromkeys(("iterations", "target_passes", "drafted", "accepted", "committed"), 0)
+        self.share_prompts = share_prompts
+        # prompt → its running sequences, in admission order (`_share_prompts`)
+        self._by_prompt: dict[tuple[int, ...], list[_Sequence]] = {}
+        self._stats = dict.fromkeys(
+            ("iterations", "target_passes", "drafted", "accepted", "committed", "shared_prompt_tokens"), 0
+        )
         # Per draft depth d (0-based): sequence-passes whose draft reached depth d+1, and those where the
         # token at that depth was accepted. Falling acceptance at depth 0 is a stale drafter's first sign.
         self._offered_at: list[int] = []
@@ -187,7 +198,7 @@ class Generator:
     @property
     def stats(self) -> dict[str, int]:
         """Running totals: iterations (steps that ran the model), target_passes, drafted, accepted, committed
-        (tokens emitted)."""
+        (tokens emitted), shared_prompt_tokens (prompt positions copied from a sibling, not prefilled)."""
         return dict(self._stats)
 
     @property
@@ -224,7 +235,7 @@ class Generator:
         seq = self._running.pop(request_id, None)
         if seq is None:
             return False
-        self.cache.free(seq.slot)
+        self._drop(seq)
         self._release(request_id, seq.group)
         return True
 
@@ -255,6 +266,8 @@ class Generator:
         if not self._running:
             return []
         decodes, prefills = self._split()
+        if self.share_prompts:
+            prefills = self._share_prompts(prefills)
         self.last_draft_ns = 0
         if self.speculator.enabled and decodes:
             return self._speculative_step(decodes, prefills)
@@ -440,11 +453,12 @@ class Generator:
             request = self._waiting.pop(next(iter(self._waiting)))
             prompt = list(request.prompt_ids)
             group = _group_key(request)
-            self._running[request.request_id] = _Sequence(
+            seq = self._running[request.request_id] = _Sequence(
                 request=request,
                 slot=self.cache.allocate(),
                 tokens=prompt,
                 num_prompt=len(prompt),
+                prompt_key=tuple(prompt),
                 stop_ids=self.eos_token_ids | frozenset(request.params.stop_token_ids),
                 group=group,
                 draft_state=DraftState(
@@ -455,6 +469,39 @@ class Generator:
                     params=request.params,
                 ),
             )
+            if self.share_prompts:
+                self._by_prompt.setdefault(seq.prompt_key, []).append(seq)
+
+    def _drop(self, seq: _Sequence) -> None:
+        """A running sequence left: its slot frees, and it no longer lends its prompt."""
+        self.cache.free(seq.slot)
+        peers = self._by_prompt.get(seq.prompt_key)
+        if peers is not None:
+            peers.remove(seq)
+            if not peers:
+                del self._by_prompt[seq.prompt_key]
+
+    def _share_prompts(self, prefills: list[_Sequence]) -> list[_Sequence]:
+        """The prefills to plan this pass, after sharing prompts among siblings (a GRPO group's samples).
+
+        A sequence that has not started its prompt copies the K/V of all of it but the last token from a
+        running sibling that holds them (`KVCache.copy_prefix`), and feeds only that last token itself: its
+        first logits and hidden state come from its own pass, as without sharing. While the first sibling
+        is still prefilling, the others wait for it rather than prefill the same tokens alongside."""
+        kept = []
+        for seq in prefills:
+            need = seq.num_prompt - 1
+            if seq.num_cached == 0 and need > 0:
+                peers = [p for p in self._by_prompt[seq.prompt_key] if p is not seq]
+                donor = next((p for p in peers if p.num_cached >= need), None)
+                if donor is not None:
+                    self.cache.copy_prefix(donor.slot, seq.slot, need)
+                    seq.num_cached = need
+                    self._stats["shared_prompt_tokens"] += need
+                elif any(p.num_cached > 0 for p in peers) or self._by_prompt[seq.prompt_key][0] is not seq:
+                    continue  # a sibling leads this prompt's prefill: wait for it
+            kept.append(seq)
+        return kept
 
     def _split(self) -> tuple[list[_Sequence], list[_Sequence]]:
         """Sequences with a pending token (in slot order) and sequences still prefilling (FIFO)."""
@@ -519,7 +566,7 @@ class Generator:
         if reason is None:
             return StepOutput(request_id=request_id, token_ids=tokens, logprobs=logprobs)
         del self._running[request_id]
-        self.cache.free(seq.slot)
+        self._drop(seq)
         self._release(request_id, seq.group)
         completion = Completion(
             request_id=request_id,

@@ -191,6 +191,20 @@ class KVCache:
             raise ValueError(f"slot {slot}: cannot roll back to {new_length}, length is {self.lengths[slot]}")
         self.lengths[slot] = new_length
 
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        """Give slot `target` a copy of slot `source`'s first `length` positions (a shared prompt's K/V) and
+        that length. Both slots must be allocated and `source` must hold them; `target`'s content goes."""
+        self._check(source)
+        self._check(target)
+        if source == target or not 0 <= length <= self.lengths[source]:
+            raise ValueError(
+                f"cannot copy {length} positions of slot {source} (length {self.lengths[source]}) to slot {target}"
+            )
+        self.reserve(target + 1, length)
+        for cache in (*self.keys, *self.values):
+            cache[target, :, :length] = cache[source, :, :length]
+        self.lengths[target] = length
+
     def commit_path(self, slot: int, base_length: int, accepted_node_indices: Sequence[int] | Tensor) -> None:
         """Keep only the accepted path of a tree-verify pass.
 

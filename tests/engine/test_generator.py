@@ -100,6 +100,54 @@ def test_sampling_is_independent_of_batch_composition(model: Transformer) -> Non
     assert any(a.token_ids != b.token_ids for a, b in zip(batched, other, strict=True))
 
 
+def test_siblings_share_their_prompt_prefill(model: Transformer) -> None:
+    """A group's samples prefill their prompt once: the others copy its K/V but for the last token, which
+    they feed themselves. Completions equal unshared ones (sampled and greedy), also for a sibling added
+    while the first decodes (it copies from a decoding one) and for siblings whose leader is aborted
+    mid-prefill (the next one leads)."""
+    prompt, other = list(range(3, 30)), list(range(40, 52))
+
+    def request(i: int, ids: list[int], temperature: float) -> Request:
+        params = SamplingParams(temperature=temperature, seed=i, max_tokens=10)
+        return Request(request_id=f"r{i}", prompt_ids=ids, params=params, group_id=str(ids[0]))
+
+    requests = [request(i, prompt, 0.9) for i in range(4)] + [request(4, other, 0.0), request(5, prompt, 0.0)]
+    late = request(6, prompt, 0.9)
+    runs = {}
+    for share in (True, False):
+        gen = Generator(model, num_slots=8, token_budget=64, eos_token_ids=(), share_prompts=share)
+        for r in requests:
+            gen.add(r)
+        done: dict[str, Completion] = {}
+        fed = 0
+        while gen.has_unfinished():
+            if gen.stats["iterations"] == 3:
+                gen.add(late)
+            done |= {o.request_id: o.completion for o in gen.step() if o.completion is not None}
+            fed += gen.last_prefill_tokens
+        runs[share] = (done, fed, gen.stats["shared_prompt_tokens"])
+    (shared, shared_fed, copied), (plain, plain_fed, none) = runs[True], runs[False]
+    assert (copied, none) == (5 * 26, 0)  # r1-r3, r5 and the late r6 copied 26 of 27 positions each
+    assert (shared_fed, plain_fed) == (27 + 12 + 5, 6 * 27 + 12)
+    assert shared.keys() == plain.keys() == {f"r{i}" for i in range(7)}
+    for name, completion in shared.items():
+        assert completion.prompt_ids == plain[name].prompt_ids
+        assert completion.token_ids == plain[name].token_ids, name
+        torch.testing.assert_close(completion.logprobs, plain[name].logprobs, atol=1e-6, rtol=0)
+
+    gen = Generator(model, num_slots=4, token_budget=16, eos_token_ids=())
+    for i in range(3):
+        gen.add(request(i, prompt, 0.9))
+    gen.step()  # r0 prefilled 16 of 27 tokens; r1 and r2 wait for it
+    assert [gen.abort("r0"), gen.stats["shared_prompt_tokens"]] == [True, 0]
+    rest: dict[str, Completion] = {}
+    while gen.has_unfinished():
+        rest |= {o.request_id: o.completion for o in gen.step() if o.completion is not None}
+    assert gen.stats["shared_prompt_tokens"] == 26  # r1 led, r2 copied from it
+    for i in (1, 2):
+        assert rest[f"r{i}"].token_ids == shared[f"r{i}"].token_ids
+
+
 def test_grown_cache_is_invisible_in_the_output_and_sized_by_the_batch(model: Transformer) -> None:
     """Same completions (tokens and log-probs, bitwise) from a cache grown to the live batch as from one
     paid up front, plain and speculative (tree, reproducible); the grown one holds a fraction of the

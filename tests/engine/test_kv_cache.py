@@ -101,6 +101,34 @@ def test_rollback_equals_never_seen(model: Transformer) -> None:
         seen.rollback(slot, seen.length(slot) + 1)
 
 
+def test_copy_prefix_equals_feeding_the_prefix(model: Transformer) -> None:
+    """A slot given another's first positions continues exactly as one that was fed them (a grown cache
+    grows for it); what the source holds past them is not copied, and bad calls name the problem."""
+    prompt, rest = [5, 9, 13, 2, 77, 31], [8, 120, 3]
+    for grow in (False, True):
+        device = model.embed_tokens.weight.device
+        cache = KVCache.for_model(
+            model.config, num_slots=3, max_len=32, dtype=torch.float64, device=device, grow=grow
+        )
+        source, target = cache.allocate(), cache.allocate()
+        feed(model, cache, source, [*prompt, 40, 41])
+        cache.copy_prefix(source, target, len(prompt) - 1)
+        assert cache.length(target) == len(prompt) - 1
+        copied = feed(model, cache, target, [*prompt[-1:], *rest])
+
+        clean = new_cache(model)
+        clean_slot = clean.allocate()
+        expected = feed(model, clean, clean_slot, [*prompt, *rest])[len(prompt) - 1 :]
+        assert_same_state(cache, target, clean, clean_slot)
+        torch.testing.assert_close(copied, expected, atol=1e-10, rtol=0)
+        with pytest.raises(ValueError, match="cannot copy 9 positions of slot 0"):
+            cache.copy_prefix(source, target, 9)
+        with pytest.raises(ValueError, match="cannot copy"):
+            cache.copy_prefix(source, source, 2)
+        with pytest.raises(ValueError, match="not allocated"):
+            cache.copy_prefix(source, 2, 2)
+
+
 def test_commit_path_equals_cache_that_saw_only_the_path(model: Transformer) -> None:
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     # Tree: 0 → {1, 2}; 2 → {3, 4}; 4 → {5}; 1 → {6}. Accepted path: 0, 2, 4, 5.
