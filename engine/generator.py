@@ -265,6 +265,10 @@ class Generator:
         self._admit()
         if not self._running:
             return []
+        if self.cache.sparse:
+            moved = self.cache.compact()
+            for seq in self._running.values():
+                seq.slot = moved.get(seq.slot, seq.slot)
         decodes, prefills = self._split()
         if self.share_prompts:
             prefills = self._share_prompts(prefills)

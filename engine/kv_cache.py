@@ -16,7 +16,8 @@ Two sizings (2 × layers × kv_heads × head_dim × dtype bytes per token; a wor
   reserved (`reserve`, which `BatchLayout.build` calls before a pass writes), grown by half again in
   chunks, and released when the last slot frees. RL responses are mostly far shorter than max_len, so
   this holds a fraction of the static bytes; growing copies the cache a handful of times per batch.
-  One length for all slots keeps the strided-view reads: a single long sequence sizes every slot.
+  One length for all slots keeps the strided-view reads: a single long sequence sizes every slot, and
+  `compact` moves the live slots lowest once the batch has shrunk from below (the tail in a high slot).
 """
 
 from __future__ import annotations
@@ -151,6 +152,35 @@ class KVCache:
             _grown(have_slots, slots, self.num_slots, GROW_SLOT_CHUNK),
             _grown(have_length, length, self.max_len, GROW_LENGTH_CHUNK),
         )
+
+    @property
+    def sparse(self) -> bool:
+        """A grown cache whose live slots reach at least twice as high as its live sequences would need if
+        they sat lowest: the batch shrank from below, and growing it now would copy dead slots (`compact`)."""
+        if not self.grow or not any(self._in_use):
+            return False
+        top = max(s for s, used in enumerate(self._in_use) if used) + 1
+        return top >= 2 * _grown(0, sum(self._in_use), self.num_slots, GROW_SLOT_CHUNK)
+
+    def compact(self) -> dict[int, int]:
+        """Move the slots in use to the lowest ones, in order, and shrink a grown cache's storage to them.
+
+        Returns {old slot: new slot} for the slots that moved: the caller renames its sequences. In a
+        long-tail rollout the last sequences often sit in high slots; a grown cache then zero-fills and
+        copies every slot below them each time their length grows (docs/engine.md, "KV cache")."""
+        live = [s for s, used in enumerate(self._in_use) if used]
+        moved = {old: new for new, old in enumerate(live) if old != new}
+        # Ascending: a target is free, or held by a sequence that moved down already (new <= old).
+        for old, new in moved.items():
+            length = self.lengths[old]
+            for cache in (*self.keys, *self.values):
+                cache[new, :, :length] = cache[old, :, :length]
+            self.lengths[new], self.lengths[old] = length, 0
+            self._in_use[new], self._in_use[old] = True, False
+        self._free = list(range(len(live), self.num_slots))  # sorted: a valid heap
+        if self.grow:
+            self._allocate(_grown(0, len(live), self.num_slots, GROW_SLOT_CHUNK), self.capacity)
+        return moved
 
     def allocate(self) -> int:
         """Claim the lowest free slot (empty). Lowest-first keeps live slots contiguous for view reads."""

@@ -185,6 +185,25 @@ def test_grown_cache_is_invisible_in_the_output_and_sized_by_the_batch(model: Tr
         assert peaks[1] <= peaks[0] // 4  # 8 slots x 128 positions at most, of 512
 
 
+def test_a_long_tail_in_a_high_slot_moves_down(model: Transformer) -> None:
+    """The last sequence of a batch, left alone in a high slot of a grown cache, moves to the lowest slots
+    and the storage shrinks to them; its tokens are those it decodes alone."""
+    requests = [
+        Request(
+            request_id=f"r{i}",
+            prompt_ids=[10 + i, 20 + i, 30 + i],
+            params=SamplingParams(temperature=0.8, seed=i, max_tokens=60 if i == 7 else 3),
+        )
+        for i in range(8)
+    ]
+    gen = Generator(model, num_slots=8, max_len=128, token_budget=64, eos_token_ids=(), grow_cache=True)
+    capacity = []
+    done = run_requests(gen, requests, on_tokens=lambda _: capacity.append(gen.cache.slot_capacity))
+    assert capacity[1] == 8 and capacity[-2] == 4  # r7 ran alone in slot 0 of 4
+    for request, completion in zip(requests, done, strict=True):
+        assert completion.token_ids == alone(model, request).token_ids
+
+
 def test_chunked_prefill_interleaves_with_decode(model: Transformer) -> None:
     gen = Generator(model, num_slots=4, token_budget=8, eos_token_ids=())
     short = Request(

@@ -212,6 +212,38 @@ def test_grown_cache_reserves_in_chunks_keeps_content_and_releases_when_idle() -
     assert static.nbytes == static.max_nbytes  # paid up front, kept
 
 
+def test_compact_moves_live_slots_lowest_and_shrinks_a_grown_cache() -> None:
+    cache = KVCache(num_layers=2, num_slots=16, max_len=100, num_kv_heads=2, head_dim=4, grow=True)
+    slots = [cache.allocate() for _ in range(13)]
+    cache.reserve(13, 10)
+    for slot in slots:
+        cache.set_length(slot, 1 + slot % 7)
+    layers = lambda: (*cache.keys, *cache.values)  # noqa: E731
+    for layer in layers():
+        layer.normal_()
+    kept = {slot: [layer[slot, :, : cache.length(slot)].clone() for layer in layers()] for slot in (5, 12)}
+    for slot in slots:
+        if slot not in kept:
+            cache.free(slot)
+    assert cache.sparse and cache.slot_capacity == 16
+    assert cache.compact() == {5: 0, 12: 1}
+    assert not cache.sparse and (cache.slot_capacity, cache.capacity) == (4, 64)
+    for old, new in ((5, 0), (12, 1)):
+        assert cache.length(new) == 1 + old % 7
+        for layer, data in zip(layers(), kept[old], strict=True):
+            assert torch.equal(layer[new, :, : cache.length(new)], data)
+    with pytest.raises(ValueError, match="not allocated"):
+        cache.length(5)
+    assert [cache.allocate(), cache.allocate()] == [2, 3]
+    assert cache.compact() == {} and cache.slot_capacity == 4  # nothing to move: unchanged
+
+    static = KVCache(num_layers=2, num_slots=16, max_len=100, num_kv_heads=2, head_dim=4)
+    slots = [static.allocate() for _ in range(13)]
+    for slot in slots[:-1]:
+        static.free(slot)
+    assert not static.sparse  # a static cache keeps its slots (CUDA graphs want stable addresses)
+
+
 def test_grown_cache_computes_exactly_what_a_static_one_does(model: Transformer) -> None:
     """Prefill past a chunk, a tree pass and its commit, two-slot decodes across growth: bitwise equal
     logits and state (only the storage's size differs)."""
