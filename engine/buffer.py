@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from slipstream.engine.generator import Completion
+from slipstream.engine.request import Completion
 
 __all__ = ["BufferStats", "OnlineBuffer", "PackedBatch", "completion_window"]
 
