@@ -13,9 +13,10 @@ Non-obvious choices (why, with the measurements: docs/engine.md, "Tuner"):
 - Per bucket: `hold` iterations pool into one sample (a look, an arm's first there or an exploration, spans
   `hold` sequence-passes: one iteration at batch >= hold, since a cold start tries every arm everywhere and
   exploring a losing arm at a large batch costs several plain iterations each), the estimate is a
-  sliding-window median, untried arms go first, then ε-greedy explores the least-measured arm (less often
-  the costlier it is); `forget(method)` restarts a method's arms when its drafter changes. All draws come
-  from one seeded `random.Random`.
+  sliding-window median, untried arms go first, then ε-greedy explores the least-measured arm, less often
+  the longer its iterations and the less it pays (its reward's share of the best's: plain decoding where a
+  drafter doubles the speed is looked at half as often); `forget(method)` restarts a method's arms when its
+  drafter changes. All draws come from one seeded `random.Random`.
 - `max_batch` caps the batch sizes at which an arm is offered at all: a prior (a CPU core's verify pass costs
   several plain ones past batch ~4) that spares the looks the bandit would otherwise keep paying there.
 - A stale drafter (eagle, hybrid: a trained head, e.g. one lagging a policy update) is benched: when the
@@ -195,8 +196,11 @@ class Tuner:
                     key=lambda j: (len(windows[j]), self._attempt[b][j], j),
                 )
                 self._attempt[b][turn] = self.decisions
+                # Rationed by the time a look takes (1 / slower), then by the throughput it gives up in that
+                # time (its reward's share of the best's): module docstring.
                 slower = _median_seconds(windows[turn]) / max(_median_seconds(windows[best]), 1e-12)
-                if self._rng.random() * slower < 1:  # probability min(1, 1 / slower)
+                share = self._median_reward(windows[turn]) / max(self._median_reward(windows[best]), 1e-12)
+                if self._rng.random() * max(slower, 1.0) < min(share, 1.0):
                     i, why = turn, "explore"
         # A first look or an exploration is a look: held until its sample closes (module docstring).
         look = len(windows[i]) if not windows[i] or why == "explore" else -1

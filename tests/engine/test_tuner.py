@@ -343,8 +343,9 @@ def test_finds_an_arm_that_gets_better_by_exploration_and_at_once_after_forget()
             assert n <= 2 * hold  # the hold in progress, then one sample of the re-tried arm
         else:
             # Only exploration refreshes a window that is not exploited: window / 2 samples at a rate of
-            # epsilon per decision, less for an arm slower than the best. Measured over 300 seeds: median
-            # 468 decisions, at most 1796.
+            # epsilon per decision, less for an arm slower than the best and less for one that pays less.
+            # Measured over 300 seeds (2026-11-26, exploration thinned by the reward's share): median 596
+            # decisions, 95th percentile 2025, at most 6631 (median 430, at most 1743 before).
             assert n <= 2000, n
 
 
