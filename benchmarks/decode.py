@@ -246,9 +246,12 @@ def _generator(
     drafter_dir: Path | None = None,
 ) -> Generator:
     # max_batch: every request at once. for_requests' default (32) would decode a larger batch in waves of
-    # 32, which `bench gpu`'s rows from batch 64 up did until 2026-11-26 (docs/gpu.md).
+    # 32, which `bench gpu`'s rows from batch 64 up did until 2026-11-26 (docs/gpu.md). share_prompts off: a
+    # row's prompts may repeat, and shared ones would join the decode batch a pass after the first.
     if arm.spec == "off":
-        return Generator.for_requests(model, requests, max_batch=len(requests), eos_token_ids=())
+        return Generator.for_requests(
+            model, requests, max_batch=len(requests), eos_token_ids=(), share_prompts=False
+        )
     spec = SpecConfig(method=arm.spec, depth=arm.depth, topk=arm.topk, verify=arm.verify, mode=arm.mode)  # type: ignore[arg-type]
     drafter: Drafter
     if arm.spec == "eagle":
@@ -259,7 +262,13 @@ def _generator(
     else:
         drafter = NGramDrafter(device=model.lm_head_weight.device)
     return Generator.for_requests(
-        model, requests, max_batch=len(requests), spec=spec, drafters={arm.spec: drafter}, eos_token_ids=()
+        model,
+        requests,
+        max_batch=len(requests),
+        spec=spec,
+        drafters={arm.spec: drafter},
+        eos_token_ids=(),
+        share_prompts=False,
     )
 
 

@@ -370,11 +370,13 @@ class Generator:
         drafters: Mapping[str, Drafter] | None = None,
         eos_token_ids: Sequence[int] | None = None,
         return_hidden: bool = False,
+        share_prompts: bool = True,
     ) -> Generator:
         """A generator sized for `requests`: slots and length fit the job (a static cache's bytes, a grown
         one's limits).
 
-        eos_token_ids: stop ids for every request (None: the model config's; () decodes to max_tokens).
+        eos_token_ids: stop ids for every request (None: the model config's; () decodes to max_tokens);
+        share_prompts: as in `__init__`.
         """
         num_slots = max(1, min(max_batch, len(requests)))
         longest = max(len(r.prompt_ids) + r.params.max_tokens for r in requests)
@@ -388,6 +390,7 @@ class Generator:
             return_hidden=return_hidden,
             spec=spec,
             drafters=drafters,
+            share_prompts=share_prompts,
         )
 
     def _forward(self, input_ids: list[int], layout: BatchLayout) -> tuple[Tensor, Tensor]:
