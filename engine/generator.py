@@ -3,8 +3,8 @@
 `Generator.step()` is one iteration: waiting requests take free cache slots, every running sequence that
 has a pending token decodes it, and what is left of the per-iteration token budget goes to prompt prefill
 in chunks, oldest request first; siblings with the same prompt (a GRPO group) prefill it once and copy its
-K/V, feeding only its last token themselves. All of it is one flat forward pass (`BatchLayout`). Sampling noise is
-keyed by (request seed, index of the new token), so a request's output does not depend on its batch.
+K/V, feeding only its last token themselves. All of it is one flat forward pass (`BatchLayout`). Sampling
+noise is keyed by (request seed, index of the new token), so a request's output does not depend on its batch.
 
 A sequence in decode state holds exactly one *pending* token: sampled, returned, not yet fed through the
 model. Speculative decoding (`SpecConfig`, `speculator.py`) makes it the root of a draft tree scored in the
@@ -455,13 +455,13 @@ class Generator:
         for seq in prefills:
             need = seq.num_prompt - 1
             if seq.num_cached == 0 and need > 0:
-                peers = [p for p in self._by_prompt[seq.prompt_key] if p is not seq]
-                donor = next((p for p in peers if p.num_cached >= need), None)
+                siblings = self._by_prompt[seq.prompt_key]  # seq among them, not started
+                donor = next((p for p in siblings if p.num_cached >= need), None)
                 if donor is not None:
                     self.cache.copy_prefix(donor.slot, seq.slot, need)
                     seq.num_cached = need
                     self._stats["shared_prompt_tokens"] += need
-                elif any(p.num_cached > 0 for p in peers) or self._by_prompt[seq.prompt_key][0] is not seq:
+                elif siblings[0] is not seq or any(p.num_cached > 0 for p in siblings):
                     continue  # a sibling leads this prompt's prefill: wait for it
             kept.append(seq)
         return kept

@@ -157,10 +157,11 @@ class KVCache:
     def sparse(self) -> bool:
         """A grown cache whose live slots reach at least twice as high as its live sequences would need if
         they sat lowest: the batch shrank from below, and growing it now would copy dead slots (`compact`)."""
-        if not self.grow or not any(self._in_use):
+        live = self.num_slots - len(self._free)
+        if not self.grow or live == 0:
             return False
         top = max(s for s, used in enumerate(self._in_use) if used) + 1
-        return top >= 2 * _grown(0, sum(self._in_use), self.num_slots, GROW_SLOT_CHUNK)
+        return top >= 2 * _grown(0, live, self.num_slots, GROW_SLOT_CHUNK)
 
     def compact(self) -> dict[int, int]:
         """Move the slots in use to the lowest ones, in order, and shrink a grown cache's storage to them.
@@ -172,10 +173,8 @@ class KVCache:
         moved = {old: new for new, old in enumerate(live) if old != new}
         # Ascending: a target is free, or held by a sequence that moved down already (new <= old).
         for old, new in moved.items():
-            length = self.lengths[old]
-            for cache in (*self.keys, *self.values):
-                cache[new, :, :length] = cache[old, :, :length]
-            self.lengths[new], self.lengths[old] = length, 0
+            self._copy(old, new, self.lengths[old])
+            self.lengths[old] = 0
             self._in_use[new], self._in_use[old] = True, False
         self._free = list(range(len(live), self.num_slots))  # sorted: a valid heap
         if self.grow:
@@ -231,6 +230,10 @@ class KVCache:
                 f"cannot copy {length} positions of slot {source} (length {self.lengths[source]}) to slot {target}"
             )
         self.reserve(target + 1, length)
+        self._copy(source, target, length)
+
+    def _copy(self, source: int, target: int, length: int) -> None:
+        """Slot `target` takes slot `source`'s first `length` positions and that length (storage in place)."""
         for cache in (*self.keys, *self.values):
             cache[target, :, :length] = cache[source, :, :length]
         self.lengths[target] = length
