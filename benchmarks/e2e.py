@@ -21,6 +21,7 @@ Fields: docs/benchmarks.md.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -42,6 +43,7 @@ from slipstream.engine.policy_train import OptimConfig, PolicySample, PolicyTrai
 from slipstream.engine.weights import load_model
 from slipstream.protocols.learner import ScoredGroup
 from slipstream.runtime.process import MemorySampler, parent_pid
+from slipstream.runtime.turns import Turns
 
 __all__ = [
     "E2EResult",
@@ -54,7 +56,8 @@ __all__ = [
     "run_figures",
 ]
 
-TrainFn = Callable[[Path, bool], dict[str, Any]]  # (run directory, baseline) -> the run's summary
+# (run directory, baseline, turns: "FILE:NAME:NEXT" to take turns with the other run, or None) -> its summary
+TrainFn = Callable[[Path, bool, str | None], dict[str, Any]]
 
 
 class RunFigures(msgspec.Struct, frozen=True, kw_only=True):
@@ -123,26 +126,38 @@ def run(
     threads: int = 2,
     rounds: int = 1,
     isolated: bool = False,
+    interleave: bool = False,
 ) -> E2EResult:
     """Both runs under `root` (slipstream/, baseline/), then the learner's cost on the first run's samples.
     `rounds` 2 runs Slipstream, baseline, then baseline, Slipstream again (slipstream-2/, baseline-2/):
     whichever runs first in an invocation pays the host's first touches of memory (docs/benchmarks.md),
     so each mode gets an early and a late slot; the speedups pool the rounds' mean step times. `isolated`:
     `train` runs each one as a child process (`slipstream train`, as a user would), so what this process
-    holds (imports, the first run's leftovers) is not counted as the run's coordinator."""
+    holds (imports, the first run's leftovers) is not counted as the run's coordinator. `interleave`
+    (with `isolated`): a round's two runs start together and take turns step by step (runtime/turns.py),
+    in the round's order, so both meet the host's same minutes; each run's memory is its own processes'."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if interleave and not isolated:
+        raise ValueError("interleave needs isolated runs: two runs in this one process cannot take turns")
     figures: dict[str, list[RunFigures]] = {"slipstream": [], "baseline": []}
     for r in range(rounds):
-        order = [("slipstream", False), ("baseline", True)]
-        for name, baseline in order[:: -1 if r % 2 else 1]:
-            run_dir = root / (name if r == 0 else f"{name}-{r + 1}")
-            started = time.monotonic()
-            with _sampling(MemorySampler(label=lambda pid: _process_label(pid, isolated=isolated))) as memory:
-                summary = train(run_dir, baseline)
-            figures[name].append(
-                run_figures(summary, time.monotonic() - started, run_dir=run_dir, memory=memory)
-            )
+        order = [("slipstream", False), ("baseline", True)][:: -1 if r % 2 else 1]
+        dirs = {name: root / (name if r == 0 else f"{name}-{r + 1}") for name, _ in order}
+        if interleave:
+            baton = root / f"turns-{r + 1}"
+            baton.write_text(order[0][0])  # the round's first run starts; then they alternate
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                running = {
+                    name: pool.submit(_timed_turns, train, dirs[name], baseline, f"{baton}:{name}:{other}")
+                    for (name, baseline), (other, _) in zip(order, order[::-1], strict=True)
+                }
+                for name, _ in order:
+                    figures[name].append(running[name].result())
+            continue
+        for name, baseline in order:
+            label = lambda pid: _process_label(pid, isolated=isolated)  # noqa: E731
+            figures[name].append(_timed(train, dirs[name], baseline, None, label))
     steps = len(figures["slipstream"][0].step_s_each)
     identical = sum(_samples(root / "slipstream", s) == _samples(root / "baseline", s) for s in range(steps))
     slip, base = figures["slipstream"], figures["baseline"]
@@ -160,6 +175,39 @@ def run(
         speedup_step_each=[round(b.step_s / s.step_s, 3) for s, b in zip(slip, base, strict=True)],
         speedup_rollout_each=[round(b.rollout_s / s.rollout_s, 3) for s, b in zip(slip, base, strict=True)],
     )
+
+
+def _timed(
+    train: TrainFn, run_dir: Path, baseline: bool, turns: str | None, label: Callable[[int], str | None]
+) -> RunFigures:
+    """One run, its wall time and the peak of its processes' summed Pss (those `label` names)."""
+    started = time.monotonic()
+    with _sampling(MemorySampler(label=label)) as memory:
+        summary = train(run_dir, baseline, turns)
+    return run_figures(summary, time.monotonic() - started, run_dir=run_dir, memory=memory)
+
+
+def _timed_turns(train: TrainFn, run_dir: Path, baseline: bool, turns: str) -> RunFigures:
+    """`_timed` for a run that takes turns with another: only its own processes are sampled, and however
+    it ends, the other run stops waiting for it."""
+    label = lambda pid: _process_label(pid, isolated=True) if _run_dir_of(pid) == str(run_dir) else None  # noqa: E731
+    try:
+        return _timed(train, run_dir, baseline, turns, label)
+    finally:
+        Turns.parse(turns).done()  # the child said so already, unless it died before it could
+
+
+def _run_dir_of(pid: int) -> str | None:
+    """The --run-dir of the `slipstream train` child of this process that `pid` is or descends from."""
+    while (parent := parent_pid(pid)) is not None and parent != os.getpid():
+        pid = parent
+    if parent is None:
+        return None
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    return argv[argv.index("--run-dir") + 1] if "--run-dir" in argv[:-1] else None
 
 
 @contextlib.contextmanager

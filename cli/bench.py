@@ -38,17 +38,24 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     resolved = root / "config.yaml"  # the resolved config both runs start from
     resolved.write_text(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False))
 
-    def run_train(run_dir: Path, baseline: bool) -> dict[str, Any]:
+    def run_train(run_dir: Path, baseline: bool, turns: str | None) -> dict[str, Any]:
         # A child process, as a user runs it: what this process holds is not the run's memory.
         cmd = [sys.executable, "-m", "slipstream.cli.main", "train", str(resolved), "--run-dir", str(run_dir)]
+        cmd += ["--baseline"] if baseline else []
+        cmd += ["--turns", turns] if turns else []
         with (root / f"{run_dir.name}.out").open("w") as out:
-            done = subprocess.run([*cmd, *(["--baseline"] if baseline else [])], stdout=out, stderr=out)
+            done = subprocess.run(cmd, stdout=out, stderr=out)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited with {done.returncode}: see {out.name}")
         return json.loads((run_dir / "summary.json").read_text())
 
     result = e2e.run(
-        run_train, root, threads=args.threads or cfg.learner.threads, rounds=args.rounds, isolated=True
+        run_train,
+        root,
+        threads=args.threads or cfg.learner.threads,
+        rounds=args.rounds,
+        isolated=True,
+        interleave=not args.sequential,
     )
     print(msgspec.json.encode(result).decode() if args.json else e2e.render(result))
     return 0
@@ -232,4 +239,10 @@ def add_parser(sub: Any) -> None:
         type=int,
         default=2,
         help="e2e: 2 (default) runs Slipstream, baseline, baseline, Slipstream and pools them; 1: S, B only",
+    )
+    s.add_argument(
+        "--sequential",
+        action="store_true",
+        help="e2e: a round's two runs one after the other, each alone on the host (default: both at once, "
+        "taking turns step by step, so a drifting host slows both alike; two resident runs must fit)",
     )

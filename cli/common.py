@@ -30,7 +30,7 @@ def run_training(
     **multi_node: Any,
 ) -> dict[str, Any]:
     """One `slipstream train` run: config.json (a fresh run), the coordinator's log, the loop; its summary.
-    `multi_node`: train's cluster, keys_dir and join_timeout_s (node 0 of a run across nodes)."""
+    `multi_node`: train's cluster, keys_dir and join_timeout_s (node 0 of a run across nodes), and turns."""
     import msgspec
     import uvloop
 

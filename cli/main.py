@@ -59,6 +59,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     from slipstream.cli import train
     from slipstream.runtime.cluster import resolve_cluster
+    from slipstream.runtime.turns import Turns
 
     cluster = resolve_cluster(nnodes=args.nnodes, node_rank=args.node_rank, head=args.head)
     if cluster.multi and args.run_dir is None and args.resume is None:
@@ -108,6 +109,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         cluster=cluster,
         keys_dir=args.keys,
         join_timeout_s=args.join_timeout,
+        turns=Turns.parse(args.turns) if args.turns else None,
     )
     print(train.render(summary))
     return 0
@@ -260,6 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", type=Path, default=None, help="a run directory to continue from its checkpoint"
     )
     s.add_argument("--verbose", "-v", action="store_true", help="echo the coordinator's log to stderr")
+    s.add_argument(
+        "--turns",
+        default=None,
+        metavar="FILE:NAME:NEXT",
+        help="take turns with another run on this host, step by step, through FILE (bench e2e uses it: "
+        "runtime/turns.py)",
+    )
     g = s.add_argument_group(
         "across nodes",
         "the same command on every node (torchrun's convention; defaults from MASTER_ADDR, MASTER_PORT, NNODES, "

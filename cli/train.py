@@ -61,6 +61,7 @@ from slipstream.runtime.spans import SpanRecorder, span_path
 from slipstream.runtime.step import rollout_step
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
 from slipstream.runtime.transport import actor_name
+from slipstream.runtime.turns import Turns
 from slipstream.tasks.datasets import Row, chat_prompt_ids
 
 
@@ -76,10 +77,13 @@ async def train(
     cluster: Cluster | None = None,
     keys_dir: Path | None = None,
     join_timeout_s: float = 300.0,
+    turns: Turns | None = None,
 ) -> dict[str, Any]:
     """Runs the loop; returns the summary also written to run_dir/summary.json. `step_lines`: where each
     step's line is printed as it finishes (None: nowhere). With a multi-node `cluster` this is node 0, the
-    head: it waits for the other nodes' agents (`join_timeout_s`), then places actors on every node."""
+    head: it waits for the other nodes' agents (`join_timeout_s`), then places actors on every node.
+    `turns`: start-up, each step, and the shutdown each wait for this run's turn (runtime/turns.py: bench
+    e2e interleaves two runs step by step); the waits are in no step's time."""
     cluster = cluster or Cluster()
     require_device(cfg.device)  # refused before anything starts, naming the field
     require_sinks(cfg.metrics)  # so is a sink whose package is missing
@@ -142,8 +146,24 @@ async def train(
     sinks = open_sinks(cfg.metrics, run_dir, resume_step=start, run_config=msgspec.to_builtins(cfg))
     metrics_file = (run_dir / "metrics.jsonl").open("a")
     last_checkpoint, invalid_steps = time.monotonic(), 0
+    holding = False  # this run's turn (`turns`): taken before start-up, each step and the shutdown
+
+    async def take_turn() -> None:
+        nonlocal holding
+        if turns is not None and not holding:
+            await turns.acquire()
+            holding = True
+
+    def end_turn() -> None:
+        nonlocal holding
+        if turns is not None and holding:
+            turns.release()
+            holding = False
+
     try:
+        await take_turn()
         await sup.start(specs)
+        end_turn()
         async with Coordinator(
             sup,
             rollouts=rollouts,
@@ -171,8 +191,9 @@ async def train(
             if start > 0:  # the resumed learner hands its weights to the fresh rollouts first
                 await coord.push_weights(start, to=rollouts, head_to=drafters)
                 coord.policy_version = start
-            heads_due = start  # the head version the drafters were last pushed (0: they loaded it)
+                await coord.heads_applied(start, drafters)
             for step in range(start, cfg.steps):
+                await take_turn()
                 chunk = range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step)
                 restarts_before = len(coord.restarted)
                 # Group ids stay global (their sampling seeds too); the rows come from the stream.
@@ -185,8 +206,6 @@ async def train(
                     record, groups_out = await _step(
                         coord, cfg, step, version, chunk, rows, prompts, tokenizer, sampling, bar.advance
                     )
-                    if heads_due:  # the drafters' answers to the last head push, a rollout after it
-                        await coord.heads_applied(heads_due, drafters)
                     learned = time.monotonic()
                     checkpoint = ""
                     if _checkpoint_due(cfg, step, time.monotonic() - last_checkpoint):
@@ -203,9 +222,9 @@ async def train(
                                 push_head_to=drafters,
                             )
                             learn_s = time.monotonic() - learned
-                            # The rollouts alone: the drafters' head copies are not waited on here (they
-                            # only train in idle time), so the next step starts while they apply it.
-                            await coord.weights_applied(version + 1)
+                            # The drafters' heads too: copied during the next rollout, they took its
+                            # cores' time (the learner pushes them first, so they overlap the rollouts').
+                            await coord.weights_applied(version + 1, heads=drafters)
                             synced = time.monotonic()
                             if checkpoint:  # the policy, its optimizer and the drafter, after the sync
                                 await coord.save_checkpoint(
@@ -217,7 +236,6 @@ async def train(
                                 raise
                             await recover_learners()  # then this step trains again
                     version += 1
-                    heads_due = version if drafters else 0
                     sync_s = synced - learned - learn_s
                     checkpoint_s = time.monotonic() - synced
                     lead = stats[0]
@@ -269,6 +287,7 @@ async def train(
                     log.info("step", **msgspec.structs.asdict(record))
                 if step_lines is not None:
                     print(_step_line(record, cfg.steps), file=step_lines, flush=True)
+                end_turn()
                 all_invalid = record.invalid == cfg.prompts_per_step * cfg.group_size
                 invalid_steps = invalid_steps + 1 if all_invalid else 0
                 if invalid_steps >= cfg.faults.max_invalid_steps:
@@ -276,11 +295,14 @@ async def train(
                         f"{invalid_steps} steps in a row where every reward failed (faults.max_invalid_steps): "
                         f"{_explain(record.reward_errors)}"
                     )
-            if heads_due:
-                await coord.heads_applied(heads_due, drafters)  # a refused head is logged before the end
     finally:
         metrics_file.close()
-        await sup.shutdown(reason="training finished")
+        try:
+            await take_turn()  # stopping the actors computes too (their checkpoints, logs)
+            await sup.shutdown(reason="training finished")
+        finally:
+            if turns is not None:
+                turns.done()  # the other run waits for this one no more, whatever happened here
         if agents is not None:  # after their actors are down: the agents stop and exit
             await agents.close("training finished")
         sinks.close()  # after the actors are down: a failing sink cannot keep them running

@@ -567,7 +567,7 @@ class Coordinator:
     ) -> None:
         """Waits until every live drafter in `heads` answered the head push of `version` (a refused head is
         logged: drafters change speed, not samples), or the learner that pushes it died (its recovery pushes
-        again). Nothing decodes with a head: `train` awaits this a rollout later, off the step's sync."""
+        again). `train` waits for it in the step's sync, so that no process copies weights during a rollout."""
         answers = self._head_acks[version]
         learner = self.learners[0] if self.learners else None
         await self._until(

@@ -87,7 +87,7 @@ def test_push_dtype_overrides_the_checkpoints(tiny: Path, tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_drafters_get_the_head_parts_after_the_full_push(tmp_path: Path, tied: bool) -> None:
+def test_drafters_get_the_head_parts_before_the_full_push(tmp_path: Path, tied: bool) -> None:
     model = build_checkpoint(tmp_path / "model", tie_word_embeddings=tied)
     groups = scored_groups(model, tmp_path, REWARDS)
     learner, sent = make_learner(model, tmp_path, push_dtype="bfloat16", bucket_bytes=4096)
@@ -95,7 +95,7 @@ def test_drafters_get_the_head_parts_after_the_full_push(tmp_path: Path, tied: b
     train(learner, groups, version=3, push_to=["rollout:0"], push_head_to=drafters)
     to_rollout = [i for i, (dest, _) in enumerate(sent.sent) if dest == "rollout:0"]
     to_drafters = [i for i, (dest, _) in enumerate(sent.sent) if dest in drafters]
-    assert max(to_rollout) < min(to_drafters)  # the full push first
+    assert max(to_drafters) < min(to_rollout)  # the head first: drafters apply it during the full push
     masters = dict(learner.model.named_parameters())
     for dest in drafters:
         updates = [m for d, m in sent.sent if d == dest]

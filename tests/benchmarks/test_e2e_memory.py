@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from slipstream.benchmarks import e2e
 
 STEP = {
@@ -57,7 +59,8 @@ def test_two_rounds_run_a_b_b_a_and_pool_the_speedups(tmp_path: Path, monkeypatc
     calls: list[tuple[str, bool]] = []
     step_s = iter([2.0, 1.0, 3.0, 4.0])  # S, B, then B, S
 
-    def train(run_dir: Path, baseline: bool) -> dict:
+    def train(run_dir: Path, baseline: bool, turns: str | None) -> dict:
+        assert turns is None  # one after the other: nothing to take turns with
         calls.append((run_dir.name, baseline))
         return {"steps": [{**STEP, "step_s": next(step_s)}]}
 
@@ -67,6 +70,49 @@ def test_two_rounds_run_a_b_b_a_and_pool_the_speedups(tmp_path: Path, monkeypatc
     assert calls == [("slipstream", False), ("baseline", True), ("baseline-2", True), ("slipstream-2", False)]
     assert result.speedup_step_each == [0.5, 0.75]
     assert result.speedup_step == round((1.0 + 3.0) / (2.0 + 4.0), 3) and result.rounds == 2
+
+
+def test_interleaved_rounds_start_together_and_alternate_steps_in_the_rounds_order(
+    tmp_path: Path, monkeypatch
+) -> None:
+    # Each fake run takes turns as `slipstream train --turns` does: start-up, each step, the shutdown.
+    import asyncio
+    import threading
+
+    from slipstream.runtime.turns import Turns
+
+    log: list[str] = []
+    lock = threading.Lock()
+    both = threading.Barrier(2, timeout=10)  # the round's two runs are alive at once
+
+    def train(run_dir: Path, baseline: bool, turns: str | None) -> dict:
+        assert turns is not None
+        both.wait()
+        me = Turns.parse(turns)
+        me.poll_s = 0.001
+
+        async def loop() -> None:
+            for phase in ("start", "step 0", "step 1", "stop"):
+                await me.acquire()
+                with lock:
+                    log.append(f"{run_dir.name} {phase}")
+                if phase != "stop":
+                    me.release()
+            me.done()
+
+        asyncio.run(loop())
+        return {"steps": [{**STEP, "step_s": 1.0 if baseline else 0.5}]}
+
+    monkeypatch.setattr(e2e, "_samples", lambda run_dir, step: [])
+    monkeypatch.setattr(e2e, "learner_cost", lambda run_dir, steps, threads: None)
+    with pytest.raises(ValueError, match="interleave needs isolated runs"):
+        e2e.run(train, tmp_path, interleave=True)
+    result = e2e.run(train, tmp_path, rounds=2, isolated=True, interleave=True)
+    phases = ["start", "step 0", "step 1", "stop"]
+    first = [x for p in phases for x in (f"slipstream {p}", f"baseline {p}")]
+    second = [x for p in phases for x in (f"baseline-2 {p}", f"slipstream-2 {p}")]
+    assert log == first + second
+    assert result.speedup_step_each == [2.0, 2.0] and result.rounds == 2
 
 
 def test_an_isolated_run_counts_its_train_process_as_the_coordinator_and_not_the_bench() -> None:

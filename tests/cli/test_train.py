@@ -8,7 +8,9 @@ reasoning-gym score: groups then have mixed rewards and the policy really moves.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -226,7 +228,7 @@ def test_bench_e2e_runs_both_modes_and_times_the_learner(tiny_chat: Path, tmp_pa
 
     cfg = config(tiny_chat, steps=2)
 
-    def run(run_dir: Path, baseline: bool) -> dict[str, Any]:
+    def run(run_dir: Path, baseline: bool, turns: str | None) -> dict[str, Any]:
         run_dir.mkdir(parents=True)
         (run_dir / "config.json").write_text(json.dumps(msgspec.to_builtins(cfg)))
         return uvloop.run(train.train(cfg, run_dir, baseline=baseline))
@@ -249,6 +251,48 @@ def test_bench_e2e_runs_both_modes_and_times_the_learner(tiny_chat: Path, tmp_pa
         assert {"coordinator", "learner:0", "rollout:0", "drafter:0"} <= held.keys()
         assert result.slipstream.peak_pss_mb_total == pytest.approx(sum(held.values()), abs=1)
         assert "peak summed PSS" in e2e.render(result)
+
+
+def test_a_run_that_takes_turns_computes_only_in_its_own(tiny_chat: Path, tmp_path: Path) -> None:
+    """`--turns`: start-up, each step and the shutdown wait for the run's turn; between them the other
+    party (here a thread standing in for bench e2e's other run) holds it, and no step overlaps its turns."""
+    import threading
+
+    from slipstream.runtime.turns import Turns
+
+    cfg = config(tiny_chat, steps=2)
+    baton = tmp_path / "baton"
+    baton.write_text("run")
+    other = Turns(baton, "other", "run", poll_s=0.001)
+    held: list[tuple[int, int]] = []  # the other party's turns, monotonic ns
+
+    def other_party() -> None:
+        async def loop() -> None:
+            while not other.done_marker("run").exists():
+                await other.acquire()
+                if other.holder() != "other":
+                    break  # the run is done: nothing left to alternate with
+                started = time.monotonic_ns()
+                await asyncio.sleep(0.3)
+                held.append((started, time.monotonic_ns()))
+                other.release()
+
+        asyncio.run(loop())
+
+    thread = threading.Thread(target=other_party)
+    thread.start()
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(msgspec.to_builtins(cfg)))
+    summary = uvloop.run(train.train(cfg, run_dir, turns=Turns(baton, "run", "other", poll_s=0.001)))
+    thread.join(timeout=30)
+    assert len(summary["steps"]) == 2
+    assert len(held) == 3  # after the start-up and after each step; the shutdown ends the run's turns
+    spans = [json.loads(line) for line in (run_dir / "spans" / "coordinator.jsonl").read_text().splitlines()]
+    steps = [(d["ts"], d["ts"] + d["dur"]) for d in spans if d.get("name") == "step"]
+    assert len(steps) == 2
+    for a, b in steps:
+        assert all(b <= start or end <= a for start, end in held), "a step ran during the other party's turn"
 
 
 def test_the_gpu_config_is_checked_and_refused_at_start_naming_the_device(tmp_path: Path) -> None:
