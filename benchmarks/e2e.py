@@ -4,18 +4,20 @@
     slipstream bench e2e --config my.yaml steps=6 --json
 
 The same config, seeds, prompts and reward run twice: with speculation and drafter training in idle device
-time, then as the baseline (plain decoding, no drafter). Reported per run: seconds per step and its split
-(rollout / reward / learn / sync), rollout tokens/s, accept length, idle and reclaimed device-seconds, each
-actor's peak resident memory (its log's `stopped` event) and their sum — an upper bound of the run's
-simultaneous peak: processes peak at different moments, and a shared-memory page counts in every process
-that maps it — and what the processes held at once (the peak of their summed Pss, sampled each second:
-`MemorySampler`); across runs: speedups, and how many steps' samples were token-identical (all of them in
-reproducible mode: speculation changes speed, never tokens). Then the learner's cost per token: on each of
-the first steps' real samples, the forward pass that computes their log-probs (`PolicyTrainer.logprobs`)
-and a full training step (forward, backward, AdamW) over the same micro-batches, interleaved; the cost is
-their ratio. Runs the loop through a callable the CLI passes in (benchmarks do not import cli/): the CLI's
-starts each run as a child `slipstream train`, as a user would, so the run's memory is its own processes'
-(`isolated`; in process, this one was counted as the coordinator with what the bench itself held).
+time, and as the baseline (plain decoding, no drafter); by default both at once, taking turns step by step
+(runtime/turns.py), so a host whose speed drifts over minutes slows both alike. Reported per run: seconds
+per step and its split (rollout / reward / learn / sync), rollout tokens/s, accept length, idle and
+reclaimed device-seconds, each actor's peak resident memory (its log's `stopped` event) and their sum — an
+upper bound of the run's simultaneous peak: processes peak at different moments, and a shared-memory page
+counts in every process that maps it — and what the processes held at once (the peak of their summed Pss,
+sampled each second: `MemorySampler`); across runs: speedups, and how many steps' samples were
+token-identical (all of them in reproducible mode: speculation changes speed, never tokens). Then the
+learner's cost per token: on each of the first steps' real samples, the forward pass that computes their
+log-probs (`PolicyTrainer.logprobs`) and a full training step (forward, backward, AdamW) over the same
+micro-batches, interleaved; the cost is their ratio. Runs the loop through a callable the CLI passes in
+(benchmarks do not import cli/): the CLI's starts each run as a child `slipstream train`, as a user would,
+so the run's memory is its own processes' (`isolated`; in process, this one was counted as the coordinator
+with what the bench itself held).
 Fields: docs/benchmarks.md.
 """
 
