@@ -146,19 +146,14 @@ async def train(
     sinks = open_sinks(cfg.metrics, run_dir, resume_step=start, run_config=msgspec.to_builtins(cfg))
     metrics_file = (run_dir / "metrics.jsonl").open("a")
     last_checkpoint, invalid_steps = time.monotonic(), 0
-    holding = False  # this run's turn (`turns`): taken before start-up, each step and the shutdown
 
-    async def take_turn() -> None:
-        nonlocal holding
-        if turns is not None and not holding:
+    async def take_turn() -> None:  # before start-up, each step and the shutdown (`turns`)
+        if turns is not None:
             await turns.acquire()
-            holding = True
 
     def end_turn() -> None:
-        nonlocal holding
-        if turns is not None and holding:
+        if turns is not None:
             turns.release()
-            holding = False
 
     try:
         await take_turn()

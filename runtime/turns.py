@@ -8,7 +8,8 @@ other's processes are idle (between steps every actor waits on its inbox), so no
 other run computes.
 
 The file holds the name of the party whose turn it is; `release` writes the next one (a rename, so a
-reader never sees half a name). `done` leaves a marker beside it (FILE.NAME.done) that is never
+reader never sees half a name). Both are idempotent: a party that holds the turn acquires it at once, one
+that does not hold it releases nothing. `done` leaves a marker beside it (FILE.NAME.done) that is never
 overwritten: the other party stops waiting for good, so a finished or failed run never blocks it.
 `acquire` polls every `poll_s`; the wait is not counted in any phase.
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from pathlib import Path
 
 
@@ -33,7 +33,7 @@ class Turns:
         self.name = name
         self.next = next
         self.poll_s = poll_s
-        self.waited_s = 0.0  # summed over acquires: what taking turns added to this run's wall time
+        self.held = False
 
     @classmethod
     def parse(cls, spec: str) -> Turns:
@@ -55,17 +55,19 @@ class Turns:
         return self.path.with_name(f"{self.path.name}.{name}.done")
 
     async def acquire(self) -> None:
-        """Returns once it is this party's turn, or the other party is done."""
-        started = time.monotonic()
-        while self.holder() != self.name and not self.done_marker(self.next).exists():
+        """Returns once it is this party's turn (at once if it holds it already), or the other party is done."""
+        while not self.held and self.holder() != self.name and not self.done_marker(self.next).exists():
             await asyncio.sleep(self.poll_s)
-        self.waited_s += time.monotonic() - started
+        self.held = True
 
     def release(self) -> None:
-        """Hands the turn to `next`."""
+        """Hands the turn to `next` (nothing, if this party does not hold it)."""
+        if not self.held:
+            return
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
         tmp.write_text(self.next)
         tmp.replace(self.path)
+        self.held = False
 
     def done(self) -> None:
         """This party takes no more turns: the other one stops waiting for it, for good."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -43,8 +44,9 @@ def test_a_done_party_never_blocks_the_other(tmp_path: Path) -> None:
             await asyncio.wait_for(b.acquire(), timeout=2)
             b.release()  # hands the turn to a, which is done: b is not blocked next time either
 
+    started = time.monotonic()
     asyncio.run(main())
-    assert b.holder() == "a" and b.waited_s < 1
+    assert b.holder() == "a" and time.monotonic() - started < 1
 
 
 def test_a_party_waits_while_the_other_holds_the_turn(tmp_path: Path) -> None:
@@ -55,7 +57,9 @@ def test_a_party_waits_while_the_other_holds_the_turn(tmp_path: Path) -> None:
     async def main() -> None:
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(b.acquire(), timeout=0.1)
-        Turns(baton, "a", "b").release()
+        a = Turns(baton, "a", "b")
+        await a.acquire()  # its turn already: at once
+        a.release()
         await asyncio.wait_for(b.acquire(), timeout=2)
 
     asyncio.run(main())
@@ -73,3 +77,21 @@ def test_the_spec_is_parsed_and_bad_ones_are_named(tmp_path: Path) -> None:
     for name, other in (("a", "a"), ("", "b"), ("a/b", "c")):
         with pytest.raises(ValueError, match="two different party names"):
             Turns(tmp_path / "baton", name, other)
+
+
+def test_acquire_and_release_are_idempotent(tmp_path: Path) -> None:
+    baton = tmp_path / "baton"
+    baton.write_text("a")
+    a, b = Turns(baton, "a", "b", poll_s=0.001), Turns(baton, "b", "a", poll_s=0.001)
+
+    async def main() -> None:
+        await asyncio.wait_for(a.acquire(), timeout=2)
+        await asyncio.wait_for(a.acquire(), timeout=2)  # held: at once
+        a.release()
+        await asyncio.wait_for(b.acquire(), timeout=2)
+        b.release()
+
+    asyncio.run(main())
+    assert a.holder() == "a" and not a.held
+    a.release()  # not held: hands nothing over
+    assert a.holder() == "a"
