@@ -43,6 +43,10 @@ class RolloutSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
     )
     tuner: TunerConfig = TunerConfig()  # buckets and speculation arms ("off" alone = plain decoding)
     verify_weights: bool = False  # re-hash the applied weights (and drafters' heads): proves sync exact
+    # Sequences one rollout decodes at once (its KV cache slots, as vLLM's max_num_seqs); the rest of what it
+    # is dealt waits for a free slot. 0: all it can be dealt in a step, ceil(prompts_per_step / devices) x
+    # group_size. Tokens do not depend on it in reproducible mode (a sample's seed fixes them).
+    max_batch: Annotated[int, msgspec.Meta(ge=0)] = 0
     # The rollouts' policy dtype: "" = bfloat16 on cuda, the checkpoint's own on cpu. The learner keeps fp32
     # masters and pushes in this dtype.
     dtype: Literal["", "float32", "bfloat16", "float16"] = ""
@@ -282,7 +286,7 @@ def actor_specs(
                 model=cfg.model,
                 device=slot.device,
                 dtype=dtype,
-                max_batch=-(-cfg.prompts_per_step // devices) * cfg.group_size,
+                max_batch=cfg.rollout.max_batch or -(-cfg.prompts_per_step // devices) * cfg.group_size,
                 max_len=max_len,
                 spec_mode=cfg.rollout.spec_mode,
                 tuner=msgspec.structs.replace(tuner, seed=cfg.seed + r),

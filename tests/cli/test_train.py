@@ -305,3 +305,17 @@ def test_the_gpu_config_is_checked_and_refused_at_start_naming_the_device(tmp_pa
     with pytest.raises(ValueError, match="device: 'cuda' is not available"):
         uvloop.run(train.train(cfg, tmp_path / "run"))
     assert not (tmp_path / "run").exists()  # refused before anything started
+
+
+def test_rollout_max_batch_caps_a_rollouts_slots_and_a_negative_one_is_refused(tmp_path: Path) -> None:
+    from slipstream.runtime.config import ConfigError
+
+    def rollout_slots(cfg: train.TrainConfig) -> list[int]:
+        specs = train.actor_specs(cfg, tmp_path, baseline=True, resume_from="")
+        return [s.config.max_batch for s in specs if s.actor.endswith(":RolloutActor")]
+
+    base = ["prompts_per_step=3", "group_size=4", "rollout.devices=2"]
+    assert rollout_slots(train.load_config(None, base)) == [8, 8]  # 0: all a rollout can be dealt (2 groups)
+    assert rollout_slots(train.load_config(None, [*base, "rollout.max_batch=4"])) == [4, 4]
+    with pytest.raises(ConfigError, match=r"^rollout\.max_batch: expected `int` >= 0"):
+        train.load_config(None, [*base, "rollout.max_batch=-1"])

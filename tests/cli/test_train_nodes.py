@@ -22,7 +22,7 @@ import uvloop
 
 from slipstream.cli import train
 from tests import netns
-from tests.cli.conftest import config
+from tests.cli.conftest import assert_same_samples, config
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -58,17 +58,6 @@ s.connect(head)
 s.send(b"x")
 time.sleep(3)
 """
-
-
-def recorded(run_dir: Path) -> dict[tuple[int, int, int], tuple[list[int], float | None]]:
-    """(step, group, sample) -> its tokens and reward, as the run's samples files hold them."""
-    out = {}
-    for path in sorted((run_dir / "samples").glob("step-*.jsonl")):
-        step = int(path.stem.split("-")[1])
-        for line in path.read_text().splitlines():
-            r = json.loads(line)
-            out[(step, r["group_id"], r["sample_index"])] = (r["token_ids"], r["reward"])
-    return out
 
 
 def events(run_dir: Path, name: str) -> list[dict]:
@@ -132,11 +121,11 @@ def test_two_nodes_train_over_curve_and_node_1_holds_the_learners_weights(
     assert any(e["event"] == "peer_refused" for e in events(run_dir, "coordinator"))
     assert not any(e["event"] == "actor_dead" for e in events(run_dir, "coordinator"))
     # ... and the results are those of the same run on one host, without an intruder: every sample's tokens
-    # and reward, at every step (reproducible mode). (Not the losses to the last bit: groups reach the learner
-    # ranks in the order their rewards come back, and a near-zero GRPO loss shows the summation order.)
+    # and reward, at every step (reproducible mode), up to a keyed near tie (conftest). (Not the losses to
+    # the last bit: the behaviour log-probs the loss reads agree to rounding only.)
     one_host = tmp_path / "one-host"
     uvloop.run(train.train(msgspec.structs.replace(cfg, nodes=[]), one_host))
-    assert recorded(run_dir) == recorded(one_host)
+    assert_same_samples(run_dir, one_host, 3)
 
 
 def test_plaintext_across_hosts_is_refused_at_start_naming_transport_insecure(
