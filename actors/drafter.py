@@ -334,7 +334,15 @@ class DrafterActor(Actor):
             return
         buckets = self._head_staged.setdefault(msg.version, {})
         this = dict(zip(msg.names, msg.tensors, strict=True))
-        if len(buckets) + (msg.bucket not in buckets) < msg.num_buckets:
+        received = {n: t for bucket in buckets.values() for n, t in bucket.items()} | this
+        # Complete when it holds every head part: the head's buckets lead the learner's push to the rollouts
+        # too (numbered over that whole push), or make a push of their own (numbered over themselves).
+        if received.keys() != self._head_params.keys():
+            if len(buckets) + (msg.bucket not in buckets) == msg.num_buckets:  # every bucket of the push
+                del self._head_staged[msg.version]
+                missing = sorted(self._head_params.keys() - received.keys())
+                self._head_refused(msg.version, f"the buckets lack {missing}")
+                return
             # clone: the received tensors alias a zmq frame or a shared-memory slot of the sender, and this
             # bucket waits for the others. The completing bucket is copied once, into the parameters.
             buckets[msg.bucket] = {n: t.clone() for n, t in this.items()}
@@ -342,11 +350,6 @@ class DrafterActor(Actor):
         buckets[msg.bucket] = this
         for version in [v for v in self._head_staged if v <= msg.version]:
             del self._head_staged[version]  # this one, and older ones that can no longer complete
-        received = {n: t for bucket in buckets.values() for n, t in bucket.items()}
-        if received.keys() != self._head_params.keys():
-            missing = sorted(self._head_params.keys() - received.keys())
-            self._head_refused(msg.version, f"the buckets lack {missing}")
-            return
         with torch.no_grad():
             for name, param in self._head_params.items():
                 # In place: the packed LM-head copies the trainer keeps follow the tensor's version counter.
@@ -355,7 +358,7 @@ class DrafterActor(Actor):
         fields: dict[str, Any] = {"rank": self.rank, "version": msg.version}
         if self.config.verify_applied_head:
             fields["checksum"] = checksum(sorted(received), [self._head_params[n] for n in sorted(received)])
-        self.log.info("head_synced", version=msg.version, buckets=msg.num_buckets)
+        self.log.info("head_synced", version=msg.version, buckets=len(buckets))
         self.send(COORDINATOR, Status(topic="head_synced", fields=fields))
 
     def _decoded_head(self, msg: WeightUpdate) -> tuple[WeightUpdate, str | None]:

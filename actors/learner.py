@@ -191,11 +191,8 @@ class LearnerActor(Actor):
             )
             return
         # Full buckets: its destinations are ones that lost what they held (restarted, or a resumed run's).
-        # The head first, as in a step's push (`step`).
-        if msg.head_to:
-            self.push_head(msg.head_to, msg.version)
-        if msg.to:
-            self.push(msg.to, msg.version)
+        if msg.to or msg.head_to:
+            self.push(msg.to, msg.version, head_to=msg.head_to)
 
     def step(self) -> bool:
         msg = self._pending
@@ -255,67 +252,75 @@ class LearnerActor(Actor):
         if self.rank == 0:
             if msg.checkpoint:
                 self._save(msg.checkpoint)
-            # The drafters' head first: they apply it while the rollouts receive and apply the whole
+            # The drafters' head first (`push`): they apply it while the rollouts receive and apply the whole
             # policy, so the sync (which waits for both) ends with no process still copying weights. Pushed
-            # second, the drafter applied it during the next rollout's first iterations and took CPU and
+            # last, the drafter applied it during the next rollout's first iterations and took CPU and
             # memory bandwidth from them: +0.3-0.8 s on those iterations on a 2-core host (docs/training.md).
-            if msg.push_head_to:
-                self.push_head(msg.push_head_to, msg.version, delta_base=msg.delta_base)
-            if msg.push_to:
-                self.push(msg.push_to, msg.version, delta_base=msg.delta_base)
+            if msg.push_to or msg.push_head_to:
+                self.push(msg.push_to, msg.version, delta_base=msg.delta_base, head_to=msg.push_head_to)
         return True
 
-    def push(self, dests: list[str], version: int, *, delta_base: dict[str, int] | None = None) -> None:
-        """Sends every parameter to each of `dests`, cast to `push_dtype`, as checksummed buckets: deltas
-        to a cross-host destination whose `delta_base` entry is the version last pushed, else full."""
-        self._push(list(self.model.named_parameters()), dests, version, delta_base or {}, "weights_pushed")
-
-    def push_head(self, dests: list[str], version: int, *, delta_base: dict[str, int] | None = None) -> None:
-        """Sends the parameters an EAGLE drafter reads of its target (embedding, final norm, and LM head when
-        untied) to each of `dests`: the same kind of buckets, numbered over this subset alone."""
-        head = [(n, p) for n, p in self.model.named_parameters() if n in HEAD_PARTS]
-        self._push(head, dests, version, delta_base or {}, "head_pushed")
-
-    def _push(
+    def push(
         self,
-        params: list[tuple[str, torch.nn.Parameter]],
         dests: list[str],
         version: int,
-        delta_base: dict[str, int],
-        event: str,
+        *,
+        delta_base: dict[str, int] | None = None,
+        head_to: list[str] | None = None,
     ) -> None:
-        span = "push" if event == "weights_pushed" else "push_head"
-        with self.spans.span(span, version - 1, version=version, dests=list(dests)) as fields:
-            moved = self._push_buckets(params, dests, version, delta_base)
+        """Sends every parameter to each of `dests`, and the parts an EAGLE drafter reads of its target
+        (HEAD_PARTS: embedding, final norm, LM head when untied) alone to each of `head_to`, cast to
+        `push_dtype`, as checksummed buckets: deltas to a cross-host destination whose `delta_base` entry is
+        the version last pushed, else full.
+
+        With drafters to feed, the head parts lead, in buckets of their own that both kinds of destination
+        take from one cast, one checksum and one shared-memory copy (pushed apart, the tied 113 MB
+        embedding of the demo's model was cast, hashed and copied twice a sync, on the step's critical
+        path). A drafter completes a version when it holds every head part; the smaller parts come first,
+        so its completing bucket is the embedding and it is copied once, into its parameters, not staged."""
+        head_to = head_to or []
+        params = list(self.model.named_parameters())
+        head = sorted((p for p in params if p[0] in HEAD_PARTS), key=lambda p: p[1].numel())
+        rest = [p for p in params if p[0] not in HEAD_PARTS]
+        if not head_to:
+            groups = [(params, dests)]
+        elif dests:
+            groups = [(head, [*dests, *head_to]), (rest, dests)]
+        else:
+            groups = [(head, head_to)]
+        event = "weights_pushed" if dests else "head_pushed"
+        span = "push" if dests else "push_head"
+        with self.spans.span(span, version - 1, version=version, dests=[*dests, *head_to]) as fields:
+            moved = self._push_buckets(groups, version, delta_base or {})
             fields.update(moved)
         # Said to the coordinator too: what crossed hosts is the run's to report (StepStats leave before this).
         self.send(COORDINATOR, Status(topic=event, fields={"version": version, **moved}))
-        self.log.info(event, dests=dests, version=version, **moved)
+        self.log.info(event, dests=dests, head_to=head_to, version=version, **moved)
 
     def _push_buckets(
         self,
-        params: list[tuple[str, torch.nn.Parameter]],
-        dests: list[str],
+        groups: list[tuple[list[tuple[str, torch.nn.Parameter]], list[str]]],
         version: int,
         delta_base: dict[str, int],
     ) -> dict[str, int | float]:
-        """Sends the buckets. Returns `bytes` (one copy of them) and, over the cross-host destinations,
-        `full_bytes` (what full buckets would have moved), `wire_bytes` (what did), `deltas` (how many got
-        deltas) and `encode_s`."""
+        """Sends each group's parameters, as buckets numbered over all groups, to that group's destinations.
+        Returns `bytes` (one copy of them) and, over the cross-host destinations, `full_bytes` (what full
+        buckets would have moved), `wire_bytes` (what did), `deltas` (how many got deltas) and `encode_s`."""
         itemsize = self.push_dtype.itemsize
-        remote = [d for d in dests if self.peers.get(d, "").startswith("tcp://")]
         moved: dict[str, int | float] = {"bytes": 0, "full_bytes": 0, "wire_bytes": 0, "encode_s": 0.0}
         delta_dests: set[str] = set()
-        buckets: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
-        size = 0
-        for name, param in params:
-            nbytes = param.numel() * itemsize
-            if buckets[-1] and size + nbytes > self.config.bucket_bytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append((name, param))
-            size += nbytes
-        for index, bucket in enumerate(buckets):
+        buckets: list[tuple[list[tuple[str, torch.nn.Parameter]], list[str]]] = []
+        for params, dests in groups:
+            size = 0
+            for name, param in params:  # a group's buckets hold its parameters alone
+                nbytes = param.numel() * itemsize
+                if not buckets or buckets[-1][1] is not dests or size + nbytes > self.config.bucket_bytes:
+                    buckets.append(([], dests))
+                    size = 0
+                buckets[-1][0].append((name, param))
+                size += nbytes
+        for index, (bucket, dests) in enumerate(buckets):
+            remote = [d for d in dests if self.peers.get(d, "").startswith("tcp://")]
             names = [n for n, _ in bucket]
             # One cast copy on the CPU for every destination: frames leave zero-copy, the next step must not
             # change what is still in flight, and the copy, not the master, is what the checksum covers.

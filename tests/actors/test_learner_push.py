@@ -87,28 +87,45 @@ def test_push_dtype_overrides_the_checkpoints(tiny: Path, tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_drafters_get_the_head_parts_before_the_full_push(tmp_path: Path, tied: bool) -> None:
+def test_the_head_parts_lead_the_push_and_rollouts_and_drafters_share_them(
+    tmp_path: Path, tied: bool
+) -> None:
     model = build_checkpoint(tmp_path / "model", tie_word_embeddings=tied)
     groups = scored_groups(model, tmp_path, REWARDS)
     learner, sent = make_learner(model, tmp_path, push_dtype="bfloat16", bucket_bytes=4096)
     drafters = ["drafter:0", "drafter:1"]
     train(learner, groups, version=3, push_to=["rollout:0"], push_head_to=drafters)
-    to_rollout = [i for i, (dest, _) in enumerate(sent.sent) if dest == "rollout:0"]
-    to_drafters = [i for i, (dest, _) in enumerate(sent.sent) if dest in drafters]
-    assert max(to_drafters) < min(to_rollout)  # the head first: drafters apply it during the full push
     masters = dict(learner.model.named_parameters())
+    heads = sorted(n for n, _ in load_head_parts(model).named_parameters())
+    to_rollout = [m for d, m in sent.sent if d == "rollout:0"]
+    # Every parameter to the rollout, in buckets numbered over the push, the head parts' buckets first.
+    assert [u.bucket for u in to_rollout] == list(range(len(to_rollout)))
+    assert {u.num_buckets for u in to_rollout} == {len(to_rollout)} and {u.version for u in to_rollout} == {3}
+    assert sorted(n for u in to_rollout for n in u.names) == sorted(masters)
+    k = sum(1 for u in to_rollout if set(u.names) <= set(heads))
+    assert sorted(n for u in to_rollout[:k] for n in u.names) == heads  # no bucket mixes head and layers
+    # ... and the largest head part last: a drafter's completing bucket, copied once (not staged).
+    assert to_rollout[k - 1].names[-1] == ("embed_tokens.weight" if tied else "lm_head.weight")
     for dest in drafters:
+        # What a drafter holds of its target (lm_head only when untied), nothing more: the very buckets (one
+        # cast, one checksum, one shared-memory copy: `broadcast`) the rollout takes, sent before anything else.
         updates = [m for d, m in sent.sent if d == dest]
-        assert [u.bucket for u in updates] == list(range(len(updates)))
-        assert {u.num_buckets for u in updates} == {len(updates)} and {u.version for u in updates} == {3}
-        names = [n for u in updates for n in u.names]
-        # What a drafter holds of its target (lm_head only when untied), nothing more.
-        assert sorted(names) == sorted(n for n, _ in load_head_parts(model).named_parameters())
-        assert ("lm_head.weight" in names) == (not tied)
+        key = lambda u: (u.bucket, u.num_buckets, u.names, u.checksum)  # noqa: E731
+        assert [key(u) for u in updates] == [key(u) for u in to_rollout[:k]]
+        first_layers = next(i for i, (_, m) in enumerate(sent.sent) if m == to_rollout[k])
+        assert all(i < first_layers for i, (d, _) in enumerate(sent.sent) if d == dest)
+        assert sorted(n for u in updates for n in u.names) == heads
+        assert ("lm_head.weight" in heads) == (not tied)
         for update in updates:
             assert update.checksum == checksum(update.names, update.tensors)
             for name, tensor in zip(update.names, update.tensors, strict=True):
                 assert torch.equal(tensor, masters[name].to(torch.bfloat16))
+    # A push of the head alone (a restarted drafter) numbers its buckets over itself.
+    sent.sent.clear()
+    learner.push([], 3, head_to=["drafter:0"])
+    alone = [m for d, m in sent.sent if d == "drafter:0"]
+    assert [u.bucket for u in alone] == list(range(k)) and {u.num_buckets for u in alone} == {k}
+    assert sorted(n for u in alone for n in u.names) == heads
 
 
 def test_push_only_trains_nothing_and_pushes(tiny: Path, tmp_path: Path) -> None:
