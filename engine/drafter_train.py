@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from slipstream.engine.buffer import PackedBatch
+from slipstream.engine.device import onednn_linear_ok
 from slipstream.engine.eagle import EagleHead, target_features, varlen_attention
 from slipstream.engine.model import Transformer, _linear, _PackedWeight
 
@@ -52,6 +53,16 @@ CE_CHUNK_ELEMENTS = 1 << 22
 heap instead of being mmapped afresh per call, and never hold a [N, V] tensor."""
 
 CE_VOCABS = ("full", "topk")
+
+CE_CHUNK_ROWS = 128
+"""At most this many rows per chunk of the loss: a preemption (`stop`, polled between chunks) waits for one
+chunk. At 512 tokens and ~12k candidates the loss was one ~250 ms block on a core, and the step's end
+(the learner's start) waited ~90 ms on average for a leased drafter to let go (2026-11-26)."""
+
+
+class _Abandoned(Exception):
+    """Raised inside the loss when `stop` says so: the step is abandoned before anything changed."""
+
 
 # oneDNN-blocked copies of LM heads (W and its transpose), per weight tensor: the fast CPU matmul path
 # (`model._linear`) needs them, and building one costs ~100 ms for a 49k × 576 head, so they outlive a call.
@@ -78,16 +89,29 @@ class _HeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, pred: Tensor, target: Tensor, weight: Tensor, row_weights: Tensor, needs_grad: bool
+        ctx: Any,
+        pred: Tensor,
+        target: Tensor,
+        weight: Tensor,
+        row_weights: Tensor,
+        needs_grad: bool,
+        stop: Callable[[], bool] | None,
     ) -> tuple[Tensor, Tensor]:
         pack, pack_t = _packs(weight)
         # float32 at least (float64 stays: gradcheck), whatever the head's dtype.
         compute = torch.promote_types(weight.dtype, torch.float32)
-        chunk = max(1, CE_CHUNK_ELEMENTS // weight.shape[0])
+        chunk = max(1, min(CE_CHUNK_ELEMENTS // weight.shape[0], CE_CHUNK_ROWS))
         loss = torch.zeros((), dtype=compute, device=pred.device)
         correct = torch.empty(pred.shape[0], dtype=torch.bool, device=pred.device)  # [N]
         grad = torch.empty_like(pred) if needs_grad else None  # [N, d]
+        if stop is not None and onednn_linear_ok(weight.device, weight.dtype):
+            # Packed before the first chunk's poll, not inside the chunk: a preemption waits for one piece.
+            pack.get(weight)
+            if needs_grad:
+                pack_t.get(weight.t())
         for lo in range(0, pred.shape[0], chunk):
+            if stop is not None and stop():
+                raise _Abandoned
             rows = slice(lo, lo + chunk)
             logits = _linear(pred[rows], weight, None, pack).to(compute)  # [c, V]
             p = _linear(target[rows], weight, None, pack).to(compute)  # [c, V]
@@ -114,18 +138,23 @@ class _HeadCrossEntropy(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         # None when the forward pass needed none (a head output without grad, but a trainable lm_head).
         grad_pred = None if grad is None else (grad * grad_loss).to(grad.dtype)
-        return grad_pred, None, None, None, None
+        return grad_pred, None, None, None, None, None
 
 
 def head_cross_entropy(
-    pred_hidden: Tensor, target_hidden: Tensor, lm_head: Tensor, row_weights: Tensor
+    pred_hidden: Tensor,
+    target_hidden: Tensor,
+    lm_head: Tensor,
+    row_weights: Tensor,
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Σ_i row_weights_i · soft cross-entropy of the head's logits against the target's, from features.
 
     pred_hidden, target_hidden: [N, d]; lm_head: [V, d] frozen (never gets a gradient; pass rows of it to
     normalise over a sub-vocabulary); row_weights: [N]. Logits are x Wᵀ in lm_head's dtype, reduced in
     float32 or wider, in chunks of rows. Returns (loss scalar, differentiable in pred_hidden; [N] bool:
-    the head's argmax equals the target's).
+    the head's argmax equals the target's). `stop` is polled between chunks; once it says True the loss
+    raises `_Abandoned` (`DrafterTrainer.step` abandons the step).
     """
     needs_grad = torch.is_grad_enabled() and pred_hidden.requires_grad
     return _HeadCrossEntropy.apply(
@@ -134,6 +163,7 @@ def head_cross_entropy(
         lm_head,  # not detached: the packs are cached per tensor object; backward gives it no gradient
         row_weights.detach(),
         needs_grad,
+        stop,
     )
 
 
@@ -173,6 +203,7 @@ def drafter_loss(
     *,
     ce_weight: float = 0.1,
     candidates: Tensor | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """EAGLE loss on the rows where mask is True: smooth-L1 + ce_weight × soft cross-entropy.
 
@@ -193,7 +224,7 @@ def drafter_loss(
     smooth_l1 = F.smooth_l1_loss(pred_h.float(), true_h.float(), reduction="none").mean(-1).mean()
     weight = lm_head if candidates is None else lm_head.detach()[candidates]  # [V or U, d]
     row_weights = torch.full((tokens,), 1.0 / tokens, device=pred_h.device)
-    ce, correct = head_cross_entropy(pred_h, true_h, weight, row_weights)
+    ce, correct = head_cross_entropy(pred_h, true_h, weight, row_weights, stop)
     loss = smooth_l1 + ce_weight * ce.to(smooth_l1.dtype)
     return loss, {
         "smooth_l1": float(smooth_l1.detach()),
@@ -353,8 +384,8 @@ class DrafterTrainer:
         """One optimizer step on `batch`; returns loss, smooth_l1, ce, accuracy (step 0), tokens, grad_norm,
         step_s, and with ce_vocab="topk" ce_vocab_size (ce and accuracy are then over the candidates).
 
-        `stop` is polled between the step's phases (candidates, forward, backward) and between the candidate
-        product's row chunks: once it says True the
+        `stop` is polled between the step's phases (candidates, forward, backward) and between the row
+        chunks of the candidate product and of the loss: once it says True the
         step is abandoned before the optimizer changes anything, and None is returned. A drafter actor
         passes `control_pending`, so a preemption waits for one phase, not a whole step."""
         start = time.perf_counter()
@@ -381,20 +412,26 @@ class DrafterTrainer:
         outputs = unrolled_forward(
             self.head, embeds, pairs.features, pairs.positions, pairs.cu_seqlens, self.unroll_steps
         )
+        if stop is not None and stop():
+            return self._abandon()
         local = pairs.positions  # index within its sequence
         total = torch.zeros((), device=embeds.device)
         weight_sum = 0.0
         metrics: dict[str, float] = {}
         for k, out in enumerate(outputs):
             mask = pairs.mask & (local >= k)
-            loss, parts = drafter_loss(
-                out,
-                pairs.target_features,
-                lm_head,
-                mask,
-                ce_weight=self.ce_weight,
-                candidates=candidates,
-            )
+            try:  # the loss is most of the forward phase: it polls `stop` between its row chunks
+                loss, parts = drafter_loss(
+                    out,
+                    pairs.target_features,
+                    lm_head,
+                    mask,
+                    ce_weight=self.ce_weight,
+                    candidates=candidates,
+                    stop=stop,
+                )
+            except _Abandoned:
+                return self._abandon()
             weight = self.unroll_decay**k
             total = total + weight * loss
             weight_sum += weight

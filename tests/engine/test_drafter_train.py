@@ -516,3 +516,41 @@ def test_a_preemption_stops_the_candidate_product_between_row_chunks(
     assert trainer.step(batch, stop=lambda: len(chunks) >= 2) is None  # asked to stop during chunk 2
     assert len(chunks) == 2 and trainer.abandoned == 1 and trainer.steps == 0  # chunk 3 never ran
     assert all(torch.equal(v, start[k]) for k, v in head.state_dict().items())
+
+
+def test_a_preemption_stops_the_loss_between_row_chunks(
+    target: Transformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loss over the candidates is the other long piece of a step (~250 ms at 512 tokens on a core): a
+    stop arriving during it is honoured at its next row chunk (CE_CHUNK_ROWS), and the step changes
+    nothing. Without a stop the chunked loss trains as before: the step equals a twin's."""
+    import slipstream.engine.drafter_train as drafter_train
+
+    monkeypatch.setattr(drafter_train, "CE_CHUNK_ROWS", 2)
+    head = EagleHead.for_target(target.config).to(torch.float64)
+    twin_head = EagleHead.for_target(target.config).to(torch.float64)
+    twin_head.load_state_dict(head.state_dict())
+    trainer, twin = DrafterTrainer(head, target, lr=1e-3), DrafterTrainer(twin_head, target, lr=1e-3)
+    start = {k: v.clone() for k, v in head.state_dict().items()}
+    batch = random_batch(target, [9, 12, 5], [3, 1, 0], seed=2)
+    polls = []  # the loss's own polls of `stop`: one before each row chunk
+    real = drafter_train.head_cross_entropy
+
+    def watched(*args: object, **kwargs: object) -> object:
+        stop = args[4]
+
+        def counting_stop() -> bool:
+            polls.append(1)
+            return len(polls) >= 3  # asked to stop during the loss's second chunk
+
+        return real(*args[:4], counting_stop if stop is not None else None)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(drafter_train, "head_cross_entropy", watched)
+    assert trainer.step(batch, stop=lambda: False) is None
+    assert len(polls) == 3 and trainer.abandoned == 1 and trainer.steps == 0
+    assert all(p.grad is None for p in head.parameters()) and not head.training
+    assert all(torch.equal(v, start[k]) for k, v in head.state_dict().items())
+    monkeypatch.setattr(drafter_train, "head_cross_entropy", real)
+    a, b = trainer.step(batch, stop=lambda: False), twin.step(batch)
+    assert a is not None and b is not None and a["loss"] == b["loss"]
+    assert all(torch.equal(v, twin_head.state_dict()[k]) for k, v in head.state_dict().items())
