@@ -214,7 +214,9 @@ def _run_dir_of(pid: int) -> str | None:
 
 @contextlib.contextmanager
 def _sampling(sampler: MemorySampler, every_s: float = 1.0) -> Iterator[MemorySampler]:
-    """Sample `sampler` from a daemon thread every `every_s` while the body runs (~3 ms a reading)."""
+    """Sample `sampler` from a daemon thread every `every_s` while the body runs (statm alone, ~15 µs a
+    process, where no process grew enough for a new peak; smaps_rollup, ~15 ms a resident GB, where one
+    did: `MemorySampler`)."""
     done = threading.Event()
 
     def loop() -> None:

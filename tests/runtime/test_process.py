@@ -165,6 +165,26 @@ def _hold(mb: int, *how: str) -> subprocess.Popen[str]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps_rollup").is_file(), reason="needs Linux >= 4.14")
+def test_memory_sampler_reads_smaps_only_where_a_new_peak_is_possible() -> None:
+    # smaps_rollup costs ~15 ms of CPU a resident GB: a reading where no process grew reads statm alone.
+    sampler = process.MemorySampler(label=lambda pid: None if pid == os.getpid() else "child")
+    children = [_hold(64, "private")]
+    try:
+        first = sampler.sample()
+        assert first >= 64 and sampler.skipped == 0
+        assert sampler.sample() <= sampler.peak_mb == first and sampler.skipped == 1  # nothing grew
+        children.append(_hold(96, "private"))  # a new process: its whole RSS may be a new peak
+        second = sampler.sample()
+        assert sampler.skipped == 1 and second == sampler.peak_mb and second >= first + 96
+        assert sampler.sample() <= second and sampler.skipped == 2
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+    assert sampler.sample() < sampler.peak_mb and sampler.skipped == 3  # freed: no read, the peak stays
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").is_file(), reason="needs Linux >= 4.14")
 def test_memory_sampler_counts_the_tree_and_shared_pages_once(tmp_path: Path) -> None:
     shared = tmp_path / "shared.bin"
     shared.write_bytes(b"\0" * (64 << 20))
