@@ -193,6 +193,24 @@ def test_bad_head_updates_are_refused_and_change_nothing(tmp_path: Path) -> None
     actor.on_stop()
 
 
+def test_the_head_completes_from_the_leading_buckets_of_a_whole_push(tmp_path: Path) -> None:
+    # The learner's push to rollouts and drafters numbers its buckets over every parameter: a drafter gets
+    # the head parts' buckets alone (the first k of n) and completes when it holds every head part.
+    model = build_checkpoint(tmp_path / "model")
+    actor, out = in_process(model, tmp_path)
+    parts = new_head_parts(model, seed=5)
+    updates = [
+        msgspec.structs.replace(u, num_buckets=len(BUCKETS) + 7) for u in head_update(parts, version=3)
+    ]
+    actor.on_weights(updates[0], "learner:0")
+    assert actor.head_version == 0 and not statuses(out, "head_synced")  # waits for the other part
+    actor.on_weights(updates[1], "learner:0")
+    assert actor.head_version == 3 and statuses(out, "head_synced") == [{"rank": 0, "version": 3}]
+    for name, p in actor.target.named_parameters():
+        assert torch.equal(p, parts[name]), name
+    actor.on_stop()
+
+
 def test_device_is_validated_naming_the_field(tmp_path: Path) -> None:
     for bad in ("tpu", "cuda:x", "meta"):
         with pytest.raises(msgspec.ValidationError, match="device"):
