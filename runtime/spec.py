@@ -36,7 +36,8 @@ class ActorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     cpus: list[int] = []  # cores to pin to (empty: no pinning)
     env: dict[str, str] = {}
     # A hang deadline: ready, heartbeats arriving, but its compute loop made no turn (and a long handler
-    # no `tick()`) for this long -> killed and reported dead as hung. 0 = off.
+    # no `tick()`) for this long (seen at heartbeats: up to one interval more) -> killed and reported dead as
+    # hung. 0 = off.
     hang_s: float = 0.0
     # The node of the run that starts it (0: this host). The supervisor's launcher must serve it: a local
     # launcher serves node 0 alone, node agents (issue 20) the others.

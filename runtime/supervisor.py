@@ -402,7 +402,10 @@ class Supervisor:
                     reason = ""
                     if now - p.last_seen > limit:  # the whole process is silent: stopped, or its IO stuck
                         reason = f"no heartbeat for {now - p.last_seen:.2f}s"
-                    elif hang > 0 and now - p.moved_at > hang:
+                    # Ticks are seen at heartbeats: a tick just after one shows at the next, up to one
+                    # interval late. Judged against hang_s alone, a hang deadline equal to the interval killed
+                    # a ticking actor whose heartbeat came a little late (a loaded CI host, 2026-11-26).
+                    elif hang > 0 and now - p.moved_at > hang + self.heartbeat_s:
                         reason = (
                             f"hung: no progress for {now - p.moved_at:.1f}s (hang_s {hang:g}) while its "
                             "heartbeats arrived"
