@@ -311,10 +311,13 @@ class LearnerActor(Actor):
         delta_dests: set[str] = set()
         buckets: list[tuple[list[tuple[str, torch.nn.Parameter]], list[str]]] = []
         for params, dests in groups:
+            if not params:
+                continue
+            buckets.append(([], dests))  # a group's buckets hold its parameters alone
             size = 0
-            for name, param in params:  # a group's buckets hold its parameters alone
+            for name, param in params:
                 nbytes = param.numel() * itemsize
-                if not buckets or buckets[-1][1] is not dests or size + nbytes > self.config.bucket_bytes:
+                if buckets[-1][0] and size + nbytes > self.config.bucket_bytes:
                     buckets.append(([], dests))
                     size = 0
                 buckets[-1][0].append((name, param))
