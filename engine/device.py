@@ -9,7 +9,9 @@ the model or cache they work with, and the CPU suite runs the functions a CUDA r
 What differs by device kind sits here, behind `Capabilities` (probed once per device and dtype):
 - CPU: inference projections through oneDNN with prepacked weights, probed per dtype — a CPU without
   AVX-512 refuses the bf16 reorder ("bf16 path needs the cpu support avx_ne_convert or avx512bw…"), so
-  bf16 takes F.linear there; torch threads are pinned per actor by the runtime, not here.
+  bf16 takes F.linear there; torch threads are pinned per actor by the runtime, not here. Inputs of one
+  or two rows are padded to four on AVX-512 (`onednn_pad_rows`): a decode pass of SmolLM2 at batch 1 / 2
+  took 62 / 73 ms plain and 56 / 57 ms padded on an EPYC.
 - CUDA: NCCL for the learner's process group; no oneDNN; attention (`sdpa`) without cuDNN's fused
   kernel, which builds a graph per new shape (2.2 ms of host time per call on an H100, and decode's
   shapes change every step: docs/gpu.md). CUDA graphs for small-batch decode are not built yet.
@@ -28,6 +30,7 @@ __all__ = [
     "Capabilities",
     "capabilities",
     "onednn_linear_ok",
+    "onednn_pad_rows",
     "parse_device",
     "require_device",
     "sdpa",
@@ -39,6 +42,8 @@ DEVICE_KINDS = ("cpu", "cuda")
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)  # dtypes the packed path is tried for
 _onednn_enabled = True
 _onednn_works: dict[torch.dtype, bool] = {}  # probe result per dtype, made on first use
+PAD_ROWS = 4  # what a one- or two-row input is padded to where that is faster (`onednn_pad_rows`)
+_onednn_pad: dict[torch.dtype, frozenset[int]] = {}  # per dtype, decided on first use
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 """What `sdpa` lets torch choose from on CUDA: every fused backend but cuDNN's (see the module docstring)."""
 
@@ -104,6 +109,7 @@ def set_onednn_linear(enabled: bool) -> None:
     global _onednn_enabled
     _onednn_enabled = enabled
     _onednn_works.clear()
+    _onednn_pad.clear()
 
 
 def onednn_linear_ok(device: torch.device, dtype: torch.dtype) -> bool:
@@ -114,6 +120,23 @@ def onednn_linear_ok(device: torch.device, dtype: torch.dtype) -> bool:
     if works is None:
         works = _onednn_works[dtype] = dtype in _ONEDNN_DTYPES and _probe_onednn(dtype)
     return works
+
+
+def onednn_pad_rows(dtype: torch.dtype) -> frozenset[int]:
+    """Row counts below PAD_ROWS whose packed projections in `dtype` run faster padded to PAD_ROWS rows.
+
+    Why: memory-bound decode streams every weight once a pass whatever the rows, and on AVX-512 oneDNN's
+    kernels for one and two rows stream them slower than its kernel for four (an EPYC, fp32, SmolLM2's 30
+    layers of projections from memory: 44 / 52 / 38 ms at 1 / 2 / 3 rows, the LM head 9.9 / 11.2 / 8.3 ms;
+    a whole decode pass at batch 1 / 2: 62.4 / 72.8 ms plain, 56.0 / 57.1 ms padded to four; docs/engine.md).
+    The padded rows' outputs are dropped (a row's result does not depend on the others: bitwise equal here).
+    By CPU capability, not timed: a per-shape timing at start-up swung by more than the effect on a shared
+    host. Elsewhere (AVX2, or bf16: unmeasured) nothing is padded."""
+    pad = _onednn_pad.get(dtype)
+    if pad is None:
+        avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+        pad = _onednn_pad[dtype] = frozenset({1, 2}) if avx512 and dtype == torch.float32 else frozenset()
+    return pad
 
 
 def _probe_onednn(dtype: torch.dtype) -> bool:

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from slipstream.engine.batch import AttentionGroup, BatchLayout
 from slipstream.engine.config import ModelConfig
-from slipstream.engine.device import onednn_linear_ok, sdpa
+from slipstream.engine.device import PAD_ROWS, onednn_linear_ok, onednn_pad_rows, sdpa
 from slipstream.engine.kv_cache import KVCache
 
 
@@ -69,6 +69,13 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, pack: _PackedWeight)
     if onednn_linear_ok(x.device, weight.dtype) and not (
         torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)
     ):
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if 0 < rows < PAD_ROWS and rows in onednn_pad_rows(weight.dtype):
+            # oneDNN streams the weights slower for one or two rows than for four on AVX-512: pad, drop.
+            flat = x.reshape(rows, x.shape[-1])
+            padded = torch.cat([flat, flat.new_zeros(PAD_ROWS - rows, flat.shape[1])])
+            out = torch.ops.mkldnn._linear_pointwise(padded, pack.get(weight), bias, "none", [], "")
+            return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
         return torch.ops.mkldnn._linear_pointwise(x, pack.get(weight), bias, "none", [], "")
     if weight.is_meta and not x.is_meta:  # F.linear would return a meta tensor, silently
         raise RuntimeError("this projection keeps only its packed weight (keep_packed_only): inference only")

@@ -384,3 +384,33 @@ def test_config_reads_both_rope_formats() -> None:
     assert old.dtype == torch.bfloat16 and old.head_dim == 8
     qwen = ModelConfig.from_dict({**BASE_CONFIG, "model_type": "qwen2", "eos_token_id": [5, 7]})
     assert qwen.qkv_bias and not qwen.o_bias and qwen.eos_token_ids == (5, 7)
+
+
+@pytest.mark.parametrize("shape", [(1, 48), (2, 48), (1, 2, 48), (2, 1, 48)])
+def test_small_row_padding_returns_the_unpadded_rows(
+    shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Inputs of one or two rows are padded to PAD_ROWS on AVX-512 (engine/device.py `onednn_pad_rows`); the
+    # caller must get its own rows back, shaped as it passed them, with the values an unpadded call gives.
+    from slipstream.engine import device as engine_device
+
+    layer = Linear(48, 40, bias=True)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    if not onednn_linear_ok(x.device, torch.float32):
+        pytest.skip("this torch build runs no packed oneDNN projections")  # then nothing is padded either
+    with torch.inference_mode():
+        monkeypatch.setitem(engine_device._onednn_pad, torch.float32, frozenset())
+        plain = layer(x)
+        monkeypatch.setitem(engine_device._onednn_pad, torch.float32, frozenset({1, 2}))
+        calls: list[tuple[int, ...]] = []
+        real = torch.ops.mkldnn._linear_pointwise
+
+        def spy(inp: torch.Tensor, *args: object) -> torch.Tensor:
+            calls.append(tuple(inp.shape))
+            return real(inp, *args)
+
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+        padded = layer(x)
+    assert calls == [(engine_device.PAD_ROWS, 48)]  # it did pad
+    assert padded.shape == plain.shape == (*shape[:-1], 40)
+    torch.testing.assert_close(padded, plain, atol=1e-6, rtol=0)
