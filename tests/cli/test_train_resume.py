@@ -136,7 +136,9 @@ def test_a_killed_coordinator_resumes_where_it_stopped(tiny_chat: Path, tmp_path
         got_n, want_n = (
             torch.tensor([r[name] for r in records(run)], dtype=torch.float64) for run in (killed, whole)
         )
-        torch.testing.assert_close(got_n, want_n, atol=1e-5, rtol=0, msg=lambda m, n=name: f"per-step {n}: {m}")
+        torch.testing.assert_close(
+            got_n, want_n, atol=1e-5, rtol=0, msg=lambda m, n=name: f"per-step {n}: {m}"
+        )
 
     def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
         return torch.load(run / "checkpoints" / f"step-{step}" / "learner.pt", weights_only=True)["model"]
