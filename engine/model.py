@@ -72,8 +72,7 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, pack: _PackedWeight)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if 0 < rows < PAD_ROWS and rows in onednn_pad_rows(weight.dtype):
             # oneDNN streams the weights slower for one or two rows than for four on AVX-512: pad, drop.
-            flat = x.reshape(rows, x.shape[-1])
-            padded = torch.cat([flat, flat.new_zeros(PAD_ROWS - rows, flat.shape[1])])
+            padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, PAD_ROWS - rows))  # one allocation
             out = torch.ops.mkldnn._linear_pointwise(padded, pack.get(weight), bias, "none", [], "")
             return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
         return torch.ops.mkldnn._linear_pointwise(x, pack.get(weight), bias, "none", [], "")
