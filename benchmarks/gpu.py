@@ -32,12 +32,17 @@ from typing import Any
 import msgspec
 import torch
 
-from slipstream.benchmarks.decode import Arm, bench_requests, interleaved_round, record_outputs
+from slipstream.benchmarks.decode import Arm, Tally, bench_requests, record_outputs
 from slipstream.engine.batch import BatchLayout
 from slipstream.engine.config import ModelConfig
 from slipstream.engine.device import require_device
+from slipstream.engine.drafters import OracleDrafter
+from slipstream.engine.generator import Generator, Request
 from slipstream.engine.kv_cache import KVCache
 from slipstream.engine.model import Transformer
+from slipstream.engine.sampling import SamplingParams
+from slipstream.engine.speculator import SpecConfig
+from slipstream.engine.static_step import PAGE_SIZE, StaticStep, StepRow
 from slipstream.engine.weights import hf_state_dict
 
 __all__ = ["SHAPES", "GpuResult", "ShapeRow", "bench_shape", "main", "random_model", "run", "verify_cost"]
@@ -70,6 +75,10 @@ SHAPES: dict[str, dict[str, Any]] = {
 """config.json fields of real model shapes (public architecture figures); the weights are random."""
 BATCHES = (1, 4, 16, 64, 128, 256)
 QUICK_BATCHES = (1, 16, 128)
+PEER_BATCHES = (1, 64)
+"""HF generate compiles per batch size (~30 s each): a call measures it where it calibrates the card."""
+EAGER_BATCHES = (1, 16)
+"""The dynamic eager path (before graphs) on the same card, for the before/after ratio."""
 VERIFY_KS = (1, 3, 7)
 SELF_ARMS = (Arm("off"), Arm("self", 3, 1, 3), Arm("self", 7, 1, 7))
 
@@ -78,10 +87,13 @@ class BatchRow(msgspec.Struct, frozen=True, kw_only=True):
     """One shape at one batch size."""
 
     batch: int
-    plain_tok_s: float  # our engine, plain decoding (prefill included, as for the peer)
+    plain_tok_s: float  # our engine, plain decoding, fixed-shape steps (graphs on CUDA), prefill included
+    eager_tok_s: float | None  # the dynamic eager path (static=False) on the same requests (None: not run)
     hf_tok_s: float | None  # transformers generate, static cache, same weights and dtype (None: not run)
     plain_vs_hf: float | None  # plain_tok_s / hf_tok_s
-    verify_cost: dict[str, float]  # "k" -> cost of a pass scoring k+1 tokens per sequence / one token
+    step_ms: float  # device time of one plain decode step at `context_tokens` (CUDA events; wall on a CPU)
+    host_ms: float  # host time of one plain iteration up to the launch: pack, copy, replay
+    verify_cost: dict[str, float]  # "k" -> step time scoring k+1 nodes a row / step time scoring one
     self_draft: dict[str, float]  # "d3", "d7" -> self-draft tokens/s / plain tokens/s (the ceiling)
     self_accept: dict[str, float]  # "d3", "d7" -> tokens per target pass of the self-draft run
 
@@ -90,6 +102,10 @@ class ShapeRow(msgspec.Struct, frozen=True, kw_only=True):
     shape: str
     dtype: str
     params_m: float  # millions of parameters
+    weight_gb: float  # bytes a decode step reads in weights (every parameter once), GB
+    roofline_b1: float | None  # (weight bytes / HBM bandwidth) / batch-1 step time: the fraction reached
+    hbm_tb_s: float | None  # the bandwidth assumed for the device (None: unknown device)
+    capture_s: float  # seconds spent warming up and capturing graphs over the shape's rows
     rows: list[BatchRow]
 
 
@@ -107,8 +123,17 @@ class GpuResult(msgspec.Struct, frozen=True, kw_only=True):
     shapes: list[ShapeRow]
     prompt_tokens: int
     max_tokens: int
-    context_tokens: int  # cached tokens per sequence when the verify cost is measured
+    context_tokens: int  # cached tokens per row when step times and verify costs are measured
     wall_s: float
+
+
+HBM_TB_S = {"H200": 4.8, "H100": 3.35}
+"""Datasheet HBM bandwidth by device-name fragment (TB/s; the H100 figure is the SXM part's)."""
+
+
+def hbm_bandwidth(name: str) -> float | None:
+    """TB/s for a device name, None when it is not a known part."""
+    return next((bw for part, bw in HBM_TB_S.items() if part in name), None)
 
 
 def random_model(
@@ -134,11 +159,83 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _Timer:
+    """Device time of a stretch of work: CUDA events on a GPU, wall time elsewhere (milliseconds)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def __enter__(self) -> _Timer:
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            self.ms = self.start.elapsed_time(self.end)
+        else:
+            self.ms = (time.perf_counter() - self.t0) * 1e3
+
+
+def step_costs(
+    model: Transformer, batch: int, context: int, ks: Sequence[int] = VERIFY_KS, repeats: int = 20
+) -> tuple[float, float, dict[str, float]]:
+    """(device ms of one plain step, host ms of one plain iteration up to the launch, verify cost per k)
+    of the fixed-shape step at `batch` rows of `context` cached tokens: chains of k random drafts, match
+    verification, the step replayed `repeats` times per shape (its cache content is whatever is there:
+    the cost does not depend on the values)."""
+    device = model.lm_head_weight.device
+    dtype = model.lm_head_weight.dtype
+    longest = 1 + max(ks)
+    cache = KVCache.for_model(
+        model.config, num_slots=batch, max_len=context + longest, dtype=dtype, device=device,
+        page_size=PAGE_SIZE, dummy_slot=True,
+    )  # fmt: skip
+    step = StaticStep(model, cache, max_batch=batch, max_nodes=longest)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    vocab = model.config.vocab_size
+    slots = [cache.allocate() for _ in range(batch)]
+
+    def rows(n: int) -> list[StepRow]:
+        ids = torch.randint(0, vocab, (batch, n), generator=gen).tolist()
+        return [
+            StepRow(slot=s, context=context, params=SamplingParams(seed=i), tokens=ids[i])
+            for i, s in enumerate(slots)
+        ]
+
+    def device_ms(n: int) -> float:
+        plan = rows(n)
+        key = step.key(plan)
+        step.run(plan)  # capture (a GPU) or warm up
+        step.pack(plan, key)
+        step.inp[: key.batch].copy_(step.staging[: key.batch])
+        with _Timer(device) as timer:
+            for _ in range(repeats):
+                step.runner(key)
+        return timer.ms / repeats
+
+    plain_ms = device_ms(1)
+    plan = rows(1)
+    host = []
+    for _ in range(repeats):
+        step.run(plan)
+        host.append(step.last_host_s * 1e3)
+    costs = {str(k): round(device_ms(k + 1) / plain_ms, 3) for k in ks}
+    return round(plain_ms, 3), round(statistics.median(host), 3), costs
+
+
 def verify_cost(
     model: Transformer, batch: int, context: int, ks: Sequence[int] = VERIFY_KS, repeats: int = 5
 ) -> dict[str, float]:
-    """cost(pass of k+1 tokens per sequence) / cost(pass of 1) at `batch` sequences of `context` cached
-    tokens, logits at every new row (as a verify pass needs them); medians of `repeats` timed passes."""
+    """cost(pass of k+1 tokens per sequence) / cost(pass of 1) of the DYNAMIC eager path at `batch`
+    sequences of `context` cached tokens, logits at every new row; medians of `repeats` timed passes (the
+    fixed-shape step's costs: `step_costs`)."""
     device = model.lm_head_weight.device
     dtype = model.lm_head_weight.dtype
     longest = 1 + max(ks)
@@ -237,6 +334,45 @@ def _hf_tokens_per_s(model: Transformer, prompts: list[list[int]], max_tokens: i
     return (out.shape[1] - ids.shape[1]) * len(prompts) / seconds
 
 
+_captured: list[float] = []  # capture seconds of the generators `timed_generate` built for a shape
+
+
+def timed_generate(
+    model: Transformer,
+    requests: list[Request],
+    arm: Arm,
+    recorded: dict[str, list[int]],
+    *,
+    static: bool | None = None,
+) -> Tally:
+    """One generator for `arm`, run over `requests` twice: the first warms it up (graphs captured, kernels
+    compiled), the second is timed. static: as `Generator`'s (None: the device's default)."""
+    spec = None
+    drafters: dict[str, Any] = {}
+    if arm.spec != "off":
+        spec = SpecConfig(method=arm.spec, depth=arm.depth, topk=arm.topk, verify=arm.verify, mode=arm.mode)  # type: ignore[arg-type]
+        drafters[arm.spec] = OracleDrafter(recorded, device=model.lm_head_weight.device)
+    slack = 0 if spec is None else spec.verify_budget + 2
+    longest = max(len(r.prompt_ids) + r.params.max_tokens for r in requests)
+    gen = Generator(
+        model, num_slots=len(requests), max_len=longest + slack, spec=spec, drafters=drafters,
+        eos_token_ids=(), share_prompts=False, static=static,
+        max_draft=None if spec is None else spec.verify_budget,
+    )  # fmt: skip
+    gen.generate(requests)
+    device = model.lm_head_weight.device
+    tally = Tally()
+    if gen._static is not None:
+        _captured.append(gen._static.runner.capture_s)
+    _sync(device)
+    started = time.perf_counter()
+    for completion in gen.generate(requests):
+        tally.add(completion)
+    _sync(device)
+    tally.seconds = time.perf_counter() - started
+    return tally
+
+
 def bench_shape(
     name: str,
     shape: dict[str, Any],
@@ -247,18 +383,23 @@ def bench_shape(
     prompt_tokens: int = 64,
     max_tokens: int = 128,
     context: int = 256,
-    peer: bool = True,
+    peer_batches: Sequence[int] | None = None,
+    eager_batches: Sequence[int] = (),
+    static: bool | None = None,
     say: Any = print,
 ) -> ShapeRow:
-    """Every batch size's row for one shape (see the module docstring)."""
+    """Every batch size's row for one shape (see the module docstring). peer_batches: where HF's generate
+    runs (None: every batch); eager_batches: where the dynamic eager path runs too; static: the
+    Generator's (None: fixed-shape steps where the device has graphs; tests pass True on the CPU)."""
     model = random_model(shape, device, dtype)
     gen = torch.Generator(device="cpu").manual_seed(0)
     prompts = torch.randint(0, model.config.vocab_size, (max(batches), prompt_tokens), generator=gen).tolist()
     rows = []
+    _captured.clear()
     for batch in batches:
         requests = bench_requests(prompts[:batch], max_tokens)
-        recorded = record_outputs(model, requests)  # also the warm-up
-        tallies = interleaved_round(model, requests, SELF_ARMS, recorded)
+        recorded = record_outputs(model, requests)  # the oracle's script (the static path when on)
+        tallies = [timed_generate(model, requests, arm, recorded, static=static) for arm in SELF_ARMS]
         plain = tallies[0].tokens / tallies[0].seconds
         self_draft = {
             f"d{a.depth}": round(t.tokens / t.seconds / plain, 3)
@@ -268,14 +409,22 @@ def bench_shape(
             f"d{a.depth}": round(t.tokens / t.passes, 3)
             for a, t in zip(SELF_ARMS[1:], tallies[1:], strict=True)
         }
-        hf = _hf_tokens_per_s(model, prompts[:batch], max_tokens) if peer else None
-        cost = verify_cost(model, batch, context)
+        eager = None
+        if batch in eager_batches:
+            t = timed_generate(model, requests, SELF_ARMS[0], recorded, static=False)
+            eager = round(t.tokens / t.seconds, 1)
+        run_peer = peer_batches is None or batch in peer_batches
+        hf = _hf_tokens_per_s(model, prompts[:batch], max_tokens) if run_peer else None
+        step_ms, host_ms, cost = step_costs(model, batch, context)
         rows.append(
             BatchRow(
                 batch=batch,
                 plain_tok_s=round(plain, 1),
+                eager_tok_s=eager,
                 hf_tok_s=None if hf is None else round(hf, 1),
                 plain_vs_hf=None if hf is None else round(plain / hf, 3),
+                step_ms=step_ms,
+                host_ms=host_ms,
                 verify_cost=cost,
                 self_draft=self_draft,
                 self_accept=self_accept,
@@ -283,11 +432,26 @@ def bench_shape(
         )
         # The row as JSON too: a run cut off at the device call's limit still leaves its rows in the log.
         say(f"bench gpu: {name} row {msgspec.json.encode(rows[-1]).decode()}")
-    params = sum(p.numel() for p in model.parameters()) / 1e6
+    params = sum(p.numel() for p in model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth = hbm_bandwidth(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    b1 = next((r for r in rows if r.batch == 1), None)
+    roofline = None
+    if bandwidth is not None and b1 is not None:
+        roofline = round(weight_bytes / (bandwidth * 1e12) / (b1.step_ms / 1e3), 3)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return ShapeRow(shape=name, dtype=str(dtype).removeprefix("torch."), params_m=round(params, 1), rows=rows)
+    return ShapeRow(
+        shape=name,
+        dtype=str(dtype).removeprefix("torch."),
+        params_m=round(params / 1e6, 1),
+        weight_gb=round(weight_bytes / 1e9, 3),
+        roofline_b1=roofline,
+        hbm_tb_s=bandwidth,
+        capture_s=round(sum(_captured), 2),
+        rows=rows,
+    )
 
 
 def gpu_tests(root: Path, timeout_s: int = 600, log: Path | None = None) -> dict[str, Any]:
@@ -318,12 +482,17 @@ def run(
     shapes: Sequence[str] = (),
     tests: bool = True,
     peer: bool = True,
+    peer_batches: Sequence[int] | None = PEER_BATCHES,
+    eager_batches: Sequence[int] = EAGER_BATCHES,
+    batches: Sequence[int] | None = None,
     tests_log: Path | None = None,
     tests_timeout_s: int = 600,
     say: Any = print,
 ) -> GpuResult:
     """The runbook on cuda (ValueError naming the device where there is none); `shapes` picks SHAPES
-    (default: all, or the 1.5B alone with `quick`)."""
+    (default: all, or the 1.5B alone with `quick`); peer_batches: where HF's generate runs (None: every
+    batch; its compile per batch size is what makes a call long); eager_batches: where the dynamic eager
+    path runs beside the fixed-shape one."""
     unknown = [n for n in shapes if n not in SHAPES]
     if unknown:
         raise ValueError(f"--shapes: {unknown} not among {list(SHAPES)}")
@@ -337,8 +506,14 @@ def run(
     )
     say(f"bench gpu: gpu tests: {tested.get('closing_line')}")
     names = list(shapes) or (["qwen2.5-1.5b"] if quick else list(SHAPES))
-    batches = QUICK_BATCHES if quick else BATCHES
-    shapes = [bench_shape(n, SHAPES[n], device, batches=batches, peer=peer, say=say) for n in names]
+    batches = batches or (QUICK_BATCHES if quick else BATCHES)
+    peers = peer_batches if peer else ()
+    shapes = [
+        bench_shape(
+            n, SHAPES[n], device, batches=batches, peer_batches=peers, eager_batches=eager_batches, say=say
+        )
+        for n in names
+    ]
     try:
         import transformers
 
@@ -368,6 +543,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="", help=f"comma-separated subset of {','.join(SHAPES)}")
     p.add_argument("--no-tests", action="store_true", help="skip the gpu-marked tests")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' generate")
+    p.add_argument("--batches", default="", help=f"comma-separated batch sizes (default {BATCHES})")
+    p.add_argument(
+        "--peer-batches", default=",".join(map(str, PEER_BATCHES)),
+        help="batch sizes where HF generate runs ('all': every one)",
+    )  # fmt: skip
+    p.add_argument(
+        "--eager-batches", default=",".join(map(str, EAGER_BATCHES)),
+        help="batch sizes where the dynamic eager path runs too",
+    )  # fmt: skip
     p.add_argument("--tests-log", type=Path, default=None, help="write the gpu tests' whole output here")
     p.add_argument("--tests-timeout", type=int, default=600, help="seconds the gpu tests may take")
     p.add_argument("--json", action="store_true", help="one JSON object (GpuResult) on stdout")
@@ -384,6 +568,9 @@ def main(argv: list[str] | None = None) -> int:
         shapes=shapes,
         tests=not args.no_tests,
         peer=not args.no_peer,
+        peer_batches=None if args.peer_batches == "all" else _ints(args.peer_batches),
+        eager_batches=_ints(args.eager_batches),
+        batches=_ints(args.batches) or None,
         tests_log=args.tests_log,
         tests_timeout_s=args.tests_timeout,
         say=say,
@@ -394,6 +581,10 @@ def main(argv: list[str] | None = None) -> int:
         else msgspec.json.format(msgspec.json.encode(result)).decode()
     )
     return 0
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,35 @@
 #!/usr/bin/env bash
-# One GPU session's runbook (docs/gpu.md): make Slipstream importable on the bare GPU image, then run
-# `slipstream bench gpu`. Run from the repo root on the GPU machine with the `.whl` folder carried
-# (pyzmq, msgspec, structlog: the image lacks them); the JSON lands in $OUT/gpu.json. Extra arguments go
-# to `bench gpu` (e.g. --quick).
-set -euo pipefail
+# One GPU session's runbook (docs/gpu.md), one `device run` call: make Slipstream importable on the bare
+# GPU image, then, each part under its own time limit and each writing under $OUT as it goes:
+#   1. the gpu-marked tests (pytest -m gpu)                          -> $OUT/tests.log
+#   2. `slipstream train device=cuda` with every role on the one GPU, on the model directory carried in
+#      `.gputiny/model` if there is one (SmolLM2's tokenizer on a tiny random decoder: the pipeline, not
+#      the learning)                                                  -> $OUT/train.log, train-metrics.jsonl
+#   3. `slipstream bench gpu` (fixed-shape steps replayed as CUDA graphs, against HF generate and the
+#      eager path on the same card), a JSON row per batch as it is measured -> $OUT/gpu.log, gpu.json
+# Run from the repo root on the GPU machine with `.whl` carried (pyzmq, msgspec, structlog, zstandard,
+# and reasoning-gym with its dependencies for the train part: the image lacks them). Extra arguments go to
+# `bench gpu` (e.g. --shapes qwen2.5-1.5b --batches 1,16). At most 8 files come back from $OUT.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/slipstream-gpu}
+TESTS_S=${TESTS_S:-100}
+TRAIN_S=${TRAIN_S:-75}
+BENCH_S=${BENCH_S:-300}
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+source deploy/gpu_env.sh
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.log"
+t0=$(date +%s)
+timeout "$TESTS_S" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests >"$OUT/tests.log" 2>&1
+echo "gpu tests: exit $? in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/tests.log")" | tee -a "$OUT/gpu.log"
+if [[ -d .gputiny/model ]]; then
+  t0=$(date +%s)
+  timeout "$TRAIN_S" python3 -m slipstream.cli.main train device=cuda model="$PWD/.gputiny/model" \
+    drafter.init_from= steps=3 checkpoint_every=0 --run-dir /tmp/run >"$OUT/train.log" 2>&1
+  echo "train device=cuda: exit $? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/gpu.log"
+  cp /tmp/run/metrics.jsonl "$OUT/train-metrics.jsonl" 2>/dev/null
+  for f in $(find /tmp/run -name '*.log' 2>/dev/null | sort); do echo "== $f"; tail -12 "$f"; done >>"$OUT/train.log"
 fi
-# pyproject maps the top-level folders into slipstream.*; without a build step, the same by links.
-mkdir -p /tmp/pkg/slipstream
-for d in runtime actors protocols engine deploy benchmarks cli tasks; do
-  ln -sfn "$PWD/$d" "/tmp/pkg/slipstream/$d"
-done
-export PYTHONPATH="/tmp/site:/tmp/pkg${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia-smi.csv"
-python3 -m slipstream.cli.main bench gpu --json --tests-log "$OUT/tests.log" "$@" >"$OUT/gpu.json" 2> >(tee "$OUT/gpu.log" >&2)
-cat "$OUT/gpu.json"
+timeout "$BENCH_S" python3 -m slipstream.cli.main bench gpu --json --no-tests "$@" >"$OUT/gpu.json" \
+  2> >(tee -a "$OUT/gpu.log" >&2)
+echo "bench gpu: exit $?" | tee -a "$OUT/gpu.log"

@@ -14,11 +14,13 @@ What differs by device kind sits here, behind `Capabilities` (probed once per de
   took 62 / 73 ms plain and 56 / 57 ms padded on an EPYC.
 - CUDA: NCCL for the learner's process group; no oneDNN; attention (`sdpa`) without cuDNN's fused
   kernel, which builds a graph per new shape (2.2 ms of host time per call on an H100, and decode's
-  shapes change every step: docs/gpu.md). CUDA graphs for small-batch decode are not built yet.
+  shapes change every step: docs/gpu.md). Decode and verify run as fixed-shape steps replayed as CUDA
+  graphs (`Capabilities.cuda_graphs`; engine/static_step.py).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -83,12 +85,14 @@ class Capabilities:
     dist_backend: str
     """torch.distributed backend for ranks on this kind: "gloo" on CPU, "nccl" on CUDA."""
     cuda_graphs: bool
-    """Whether decode steps may be captured as CUDA graphs (not built yet: always False)."""
+    """Whether the Generator decodes in fixed-shape steps replayed as CUDA graphs (engine/static_step.py):
+    on CUDA unless SLIPSTREAM_CUDA_GRAPHS=0 (the eager dynamic path, for A/B runs and as a way out)."""
 
 
 def capabilities(device: str | torch.device) -> Capabilities:
     kind = parse_device(device).type
-    return Capabilities(kind=kind, dist_backend="nccl" if kind == "cuda" else "gloo", cuda_graphs=False)
+    graphs = kind == "cuda" and os.environ.get("SLIPSTREAM_CUDA_GRAPHS", "1") != "0"
+    return Capabilities(kind=kind, dist_backend="nccl" if kind == "cuda" else "gloo", cuda_graphs=graphs)
 
 
 def sdpa(

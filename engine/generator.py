@@ -21,6 +21,7 @@ Finish reasons: "stop" (a stop or EOS id, kept in token_ids: the policy must lea
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -29,12 +30,14 @@ import torch
 from torch import Tensor
 
 from slipstream.engine.batch import BatchLayout
+from slipstream.engine.device import capabilities
 from slipstream.engine.drafters.base import Drafter, DraftState
 from slipstream.engine.kv_cache import KVCache
 from slipstream.engine.model import Transformer
 from slipstream.engine.request import Completion, Request, StepOutput, run_requests
 from slipstream.engine.sampling import params_tensors, sample
 from slipstream.engine.speculator import SpecConfig, Speculator, verify_drafts
+from slipstream.engine.static_step import BATCH_BUCKETS, NODE_BUCKETS, PAGE_SIZE, StaticStep, StepRow
 from slipstream.engine.tree import tree_attention_mask
 from slipstream.engine.verify import EMPTY, Proposal, VerifyEntry
 
@@ -84,6 +87,7 @@ class Generator:
         drafters: Mapping[str, Drafter] | None = None,
         grow_cache: bool | None = None,
         share_prompts: bool = True,
+        static: bool | None = None,
     ) -> None:
         """num_slots: concurrent sequences; max_len: prompt + response tokens per sequence;
         token_budget: tokens per forward pass (decodes and their drafts first, prefill chunks fill the
@@ -96,7 +100,9 @@ class Generator:
         (`KVCache`, grow=True) or num_slots × max_len up front (False); None: up front on CUDA only, whose
         caching allocator and CUDA graphs want a fixed footprint; share_prompts: a request whose prompt a
         running one holds copies its K/V instead of prefilling it (`_share_prompts`; False: every request
-        prefills its own, for A/B measurements)."""
+        prefills its own, for A/B measurements); static: decode and verify in fixed-shape steps
+        (`StaticStep`: CUDA graphs on a GPU, eager elsewhere) with a static cache; None: where the device's
+        capabilities say so (CUDA)."""
         if max_draft is None:
             max_draft = spec.verify_budget if spec is not None and spec.enabled else 0
         if token_budget is None:
@@ -105,13 +111,35 @@ class Generator:
             raise ValueError(f"token_budget ({token_budget}) must exceed num_slots ({num_slots})")
         self.model = model
         weight = model.embed_tokens.weight
+        if static is None:
+            # SLIPSTREAM_STATIC_STEP=1 takes the fixed-shape path on any device (a CPU runs it eagerly): how
+            # the suite runs the Generator's tests over the path a GPU replays.
+            static = not grow_cache and (
+                capabilities(weight.device).cuda_graphs or os.environ.get("SLIPSTREAM_STATIC_STEP") == "1"
+            )
+        if static and grow_cache:
+            raise ValueError(
+                "static (fixed-shape) decoding needs a static KV cache: grow_cache must be False"
+            )
         self.cache = KVCache.for_model(
             model.config,
             num_slots=num_slots,
             max_len=max_len,
             dtype=weight.dtype,
             device=weight.device,
-            grow=weight.device.type != "cuda" if grow_cache is None else grow_cache,
+            grow=not static and (weight.device.type != "cuda" if grow_cache is None else grow_cache),
+            page_size=PAGE_SIZE if static else 1,
+            dummy_slot=static,
+        )
+        self._static = (
+            StaticStep(
+                model,
+                self.cache,
+                max_batch=min(num_slots, BATCH_BUCKETS[-1]),
+                max_nodes=min(1 + max_draft, NODE_BUCKETS[-1]),
+            )
+            if static
+            else None
         )
         self.token_budget = token_budget
         self.eos_token_ids = frozenset(model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
@@ -229,8 +257,14 @@ class Generator:
         if self.share_prompts:
             prefills = self._share_prompts(prefills)
         self.last_draft_ns = 0
+        if self._static is not None:
+            return self._static_iteration(decodes, prefills)
         if self.speculator.enabled and decodes:
             return self._speculative_step(decodes, prefills)
+        return self._plain_pass(decodes, prefills)
+
+    def _plain_pass(self, decodes: list[_Sequence], prefills: list[_Sequence]) -> list[StepOutput]:
+        """One flat pass: every pending token, then prefill chunks within the budget; sample."""
         plan = [(seq, 1) for seq in decodes] + self._prefill_plan(prefills, self.token_budget - len(decodes))
         self.last_prefill_tokens = sum(n for seq, n in plan[len(decodes) :])
         input_ids: list[int] = []
@@ -340,6 +374,83 @@ class Generator:
                 # Keep the root and the accepted nodes; the last emitted token is the new pending one.
                 self.cache.commit_path(seq.slot, layout.starts[i], result.nodes)
                 seq.num_cached = len(seq.tokens) - 1
+            outputs.append(output)
+        return outputs
+
+    def _static_iteration(self, decodes: list[_Sequence], prefills: list[_Sequence]) -> list[StepOutput]:
+        """The fixed-shape path: pending tokens (and their drafts) in `StaticStep`s of at most its batch,
+        prompts in an eager pass of their own."""
+        outputs: list[StepOutput] = []
+        self.last_prefill_tokens = 0
+        step = self._static
+        assert step is not None
+        for lo in range(0, len(decodes), step.max_batch):
+            outputs.extend(self._static_decode(decodes[lo : lo + step.max_batch]))
+        if prefills:
+            outputs.extend(self._plain_pass([], prefills))  # `_forward` counts an iteration and a pass
+        if decodes and not prefills:
+            self._stats["iterations"] += 1
+        return outputs
+
+    def _static_decode(self, decodes: list[_Sequence]) -> list[StepOutput]:
+        """Draft (if speculating), then score, verify and commit every row in one fixed-shape step."""
+        step = self._static
+        assert step is not None
+        proposals = [EMPTY] * len(decodes)
+        spec = self.speculator.config
+        if self.speculator.enabled:
+            rooms = [self.cache.max_len - len(seq.tokens) for seq in decodes]
+            depth_caps = [
+                min(seq.request.params.max_tokens - seq.num_generated, room) - 1
+                for seq, room in zip(decodes, rooms, strict=True)
+            ]
+            node_caps = [min(room, step.max_nodes - 1) for room in rooms]  # the step's node bucket
+            states = [seq.draft_state for seq in decodes]
+            if self.speculator.needs_hidden:
+                none_new = torch.empty(
+                    0, self.model.config.hidden_size, dtype=self.cache.dtype, device=self.cache.device
+                )
+                states = [replace(state, hidden=none_new) for state in states]
+            drafting = time.perf_counter_ns()
+            proposals = self.speculator.draft(states, depth_caps, node_caps, self.token_budget - len(decodes))
+            self.last_draft_ns += time.perf_counter_ns() - drafting
+            if any(p.draft_probs is not None for p in proposals):
+                # Stochastic drafts (a [n, V] distribution per draft) verify on the dynamic path: no
+                # drafter in this package makes them, and a buffer of B x N x V floats is not worth keeping.
+                return self._speculative_step(decodes, [])
+        rows = [
+            StepRow(
+                slot=seq.slot,
+                context=seq.num_cached,
+                params=seq.request.params,
+                tokens=[seq.tokens[-1], *proposal.tokens],
+                parents=proposal.parents,
+                rejection=spec.mode == "rejection" and proposal.size > 0 and not seq.request.params.greedy,
+            )
+            for seq, proposal in zip(decodes, proposals, strict=True)
+        ]
+        result = step.run(rows)
+        self._stats["target_passes"] += 1
+        hidden = None
+        if self.return_hidden or self.speculator.needs_hidden:
+            # One copy of the step's states (the buffer is the next step's); rows take views of it.
+            hidden = step.hidden[: len(rows)].clone()
+        accepted = result.accept_length.tolist()
+        tokens, logprobs = result.tokens.tolist(), result.logprobs.tolist()
+        outputs = []
+        for i, (seq, proposal) in enumerate(zip(decodes, proposals, strict=True)):
+            a = accepted[i]
+            seq.num_cached += 1 + a
+            self.cache.set_length(seq.slot, seq.num_cached)  # the root and the accepted nodes
+            output = self._extend(
+                seq,
+                tokens[i][: a + 1],
+                logprobs[i][: a + 1],
+                None if hidden is None else hidden[i, : a + 1],
+                drafted=proposal.size,
+            )
+            if proposal.size:
+                self._count_positions(max(proposal.depths()), a)
             outputs.append(output)
         return outputs
 

@@ -12,6 +12,10 @@ accepted nodes' K/V to base..base+a-1, so the cache equals one that only ever sa
 Two sizings (2 × layers × kv_heads × head_dim × dtype bytes per token; a worked example: docs/engine.md):
 - static (`grow=False`): num_slots × max_len tokens allocated once. What CUDA wants: a fixed footprint
   that the caching allocator never fragments, stable addresses for CUDA graphs.
+  A static cache is one tensor [2, layers, slots, kv_heads, length, head_dim] (`storage`) with per-layer
+  views, so a fixed-shape step commits a tree path in every layer with one gather and one scatter; its
+  length may be rounded up to a page (`page_size`) so attention can address it by pages, and it may hold a
+  `dummy_slot` that padding rows of a fixed-shape step write to (never allocated).
 - grown (`grow=True`): storage covers the lowest slots in use and the longest length any pass has
   reserved (`reserve`, which `BatchLayout.build` calls before a pass writes), grown by half again in
   chunks, and released when the last slot frees. RL responses are mostly far shorter than max_len, so
@@ -51,8 +55,12 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         grow: bool = False,
+        page_size: int = 1,
+        dummy_slot: bool = False,
     ) -> None:
-        """grow: allocate as passes reserve room (see the module docstring); False: everything up front."""
+        """grow: allocate as passes reserve room (see the module docstring); False: everything up front.
+        page_size (static only): storage length rounded up to a multiple of it (max_len stays the limit);
+        dummy_slot (static only): one slot more, held back from allocation, for padding rows."""
         for name, value in (
             ("num_layers", num_layers),
             ("num_slots", num_slots),
@@ -62,6 +70,14 @@ class KVCache:
         ):
             if value <= 0:
                 raise ValueError(f"KVCache {name} must be positive, got {value}")
+        if page_size < 1 or (grow and (page_size != 1 or dummy_slot)):
+            raise ValueError(f"KVCache page_size {page_size} / dummy_slot need a static cache (grow=False)")
+        self.storage: Tensor | None = None
+        """Static caches: [2, layers, slots, kv_heads, storage length, head_dim]; keys/values are its views."""
+        self.page_size = page_size
+        self.storage_len = -(-max_len // page_size) * page_size
+        self.dummy_slot: int | None = num_slots if dummy_slot else None
+        """A slot padding rows of fixed-shape steps write to; never allocated, its content garbage."""
         self.num_slots = num_slots
         self.max_len = max_len
         self.num_kv_heads = num_kv_heads
@@ -72,7 +88,12 @@ class KVCache:
         self._num_layers = num_layers
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
-        self._allocate(*((0, 0) if grow else (num_slots, max_len)))
+        if grow:
+            self._allocate(0, 0)
+        else:
+            shape = (2, num_layers, num_slots + dummy_slot, num_kv_heads, self.storage_len, head_dim)
+            self.storage = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.keys, self.values = list(self.storage[0].unbind(0)), list(self.storage[1].unbind(0))
         # Python ints: the scheduler reads lengths every step, and a tensor here would cost a device sync.
         self.lengths: list[int] = [0] * num_slots
         self._free: list[int] = list(range(num_slots))  # a heap: allocate() takes the lowest
@@ -88,6 +109,8 @@ class KVCache:
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
         grow: bool = False,
+        page_size: int = 1,
+        dummy_slot: bool = False,
     ) -> KVCache:
         """A cache shaped for `config` (dtype defaults to the config's)."""
         return cls(
@@ -99,6 +122,8 @@ class KVCache:
             dtype=dtype or config.dtype,
             device=device,
             grow=grow,
+            page_size=page_size,
+            dummy_slot=dummy_slot,
         )
 
     @property
@@ -108,12 +133,12 @@ class KVCache:
     @property
     def slot_capacity(self) -> int:
         """Slots [0, slot_capacity) have storage now (num_slots for a static cache)."""
-        return self.keys[0].shape[0]
+        return min(self.keys[0].shape[0], self.num_slots)
 
     @property
     def capacity(self) -> int:
         """Positions per slot with storage now (max_len for a static cache)."""
-        return self.keys[0].shape[2]
+        return min(self.keys[0].shape[2], self.max_len)
 
     @property
     def num_free_slots(self) -> int:
@@ -127,11 +152,14 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes of K/V storage held now."""
-        return self.bytes_per_token * self.slot_capacity * self.capacity
+        return self.bytes_per_token * self.keys[0].shape[0] * self.keys[0].shape[2]
 
     @property
     def max_nbytes(self) -> int:
-        """Bytes at full size (num_slots × max_len): what a static cache holds from the start."""
+        """Bytes at full size (num_slots × max_len): what a static cache holds from the start (with its
+        page rounding and dummy slot)."""
+        if self.storage is not None:
+            return self.storage.numel() * self.storage.element_size()
         return self.bytes_per_token * self.num_slots * self.max_len
 
     def reserve(self, slots: int, length: int) -> None:

@@ -68,15 +68,28 @@ def test_bench_shape_measures_plain_peer_verify_and_self_draft(device: torch.dev
     torch.manual_seed(0)
     row = gpu.bench_shape(
         "tiny", TINY_QWEN, device, dtype=torch.float32, batches=(1, 3), prompt_tokens=8, max_tokens=24,
-        context=16, say=lambda _: None,
+        context=16, peer_batches=(3,), eager_batches=(1,), static=True, say=lambda _: None,
     )  # fmt: skip
     assert [r.batch for r in row.rows] == [1, 3]
     for r in row.rows:
-        assert r.plain_tok_s > 0 and r.hf_tok_s is not None and r.hf_tok_s > 0
+        assert r.plain_tok_s > 0 and r.step_ms > 0 and r.host_ms > 0
+        assert (r.hf_tok_s is not None) == (r.batch == 3) and (r.eager_tok_s is not None) == (r.batch == 1)
         assert set(r.verify_cost) == {"1", "3", "7"} and all(v > 0 for v in r.verify_cost.values())
         # The self-draft oracle replays the plain run: every draft is accepted, so a pass commits d + 1
         # tokens until the end of the response (the last pass may be shorter).
         assert r.self_accept["d3"] > 3.0 and r.self_accept["d7"] >= 5.0
+    assert row.params_m > 0 and (row.roofline_b1 is None) == (device.type != "cuda")
+
+
+def test_step_costs_time_the_fixed_shape_step(device: torch.device) -> None:
+    model = gpu.random_model(TINY_QWEN, device, torch.float32)
+    step_ms, host_ms, cost = gpu.step_costs(model, batch=2, context=10, ks=(1, 3), repeats=2)
+    assert step_ms > 0 and host_ms > 0 and set(cost) == {"1", "3"} and all(v > 0 for v in cost.values())
+
+
+def test_hbm_bandwidth_by_part() -> None:
+    assert gpu.hbm_bandwidth("NVIDIA H200") == 4.8 and gpu.hbm_bandwidth("NVIDIA H100 80GB HBM3") == 3.35
+    assert gpu.hbm_bandwidth("NVIDIA A10") is None
 
 
 def test_verify_cost_rolls_the_cache_back(device: torch.device) -> None:
