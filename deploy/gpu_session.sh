@@ -9,7 +9,8 @@
 #      eager path on the same card), a JSON row per batch as it is measured -> $OUT/gpu.log, gpu.json
 # Run from the repo root on the GPU machine with `.whl` carried (pyzmq, msgspec, structlog, zstandard,
 # and reasoning-gym with its dependencies for the train part: the image lacks them). Extra arguments go to
-# `bench gpu` (e.g. --shapes qwen2.5-1.5b --batches 1,16). At most 8 files come back from $OUT.
+# `bench gpu` (e.g. --shapes qwen2.5-1.5b --batches 1,16). At most 8 files come back from $OUT. Limits in
+# seconds: TESTS_S, TRAIN_S (0 skips the train part), BENCH_S; TESTS picks test paths (default: tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/slipstream-gpu}
@@ -20,9 +21,9 @@ mkdir -p "$OUT"
 source deploy/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.log"
 t0=$(date +%s)
-timeout "$TESTS_S" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests >"$OUT/tests.log" 2>&1
+timeout "$TESTS_S" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider ${TESTS:-tests} >"$OUT/tests.log" 2>&1
 echo "gpu tests: exit $? in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/tests.log")" | tee -a "$OUT/gpu.log"
-if [[ -d .gputiny/model ]]; then
+if [[ -d .gputiny/model && $TRAIN_S != 0 ]]; then
   t0=$(date +%s)
   timeout "$TRAIN_S" python3 -m slipstream.cli.main train device=cuda model="$PWD/.gputiny/model" \
     drafter.init_from= steps=3 checkpoint_every=0 --run-dir /tmp/run >"$OUT/train.log" 2>&1

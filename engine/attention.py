@@ -47,6 +47,8 @@ MIN_SPLIT_KEYS = 128
 """`num_splits` gives a split at least this many keys at the maximum context. A split's partials (written,
 then read by the merge) cost ~1/10 of its bf16 KV reads at g = 6–7, n = 1, and ~3/4 at n = 8."""
 MAX_SPLITS = 128
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""What the split kernel computes in (its running max and sum are fp32); float64 takes the reference."""
 MERGE_BLOCK = 32
 """Splits the merge kernel loads per step."""
 _LOG2E = 1.4426950408889634
@@ -376,6 +378,9 @@ def _paged_attention_triton(
     # The kernels index the last dim (and the table's pages) with unit stride; everything else by stride.
     q, k_cache, v_cache = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_cache, v_cache))
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    ctx_lens = (
+        ctx_lens.contiguous()
+    )  # read as ctx_lens[b]: a strided column (a packed input block) would not be
     out = torch.empty(batch, n, heads, hd, dtype=q.dtype, device=q.device)  # [B, N, H, HD]
     direct = splits == 1
     partial_rows = batch * n * heads
@@ -432,7 +437,7 @@ def paged_attention(
     `num_splits` at the table's capacity); a graph should pass its bucket's value. Positions past the
     table's W·P are never read."""
     _check(q, k_cache, block_table, tree_bits, page_size)
-    if triton_enabled(q.device):
+    if triton_enabled(q.device) and q.dtype in TRITON_DTYPES:
         return _paged_attention_triton(
             q, k_cache, v_cache, block_table, ctx_lens, tree_bits, scale, page_size, splits
         )

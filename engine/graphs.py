@@ -18,6 +18,7 @@ Non-obvious choices:
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Hashable, Iterable
 
@@ -72,8 +73,18 @@ class GraphRunner:
                 self.fn(key)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self.fn(key)
+        # No garbage collection inside a capture: collecting another runner's graph there frees its memory,
+        # which CUDA forbids while a stream captures ("operation not permitted when stream is capturing",
+        # the capture invalidated: a bench building one generator after another hit it on an H200).
+        collect = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                self.fn(key)
+        finally:
+            if collect:
+                gc.enable()
         torch.cuda.synchronize(self.device)
         self._graphs[key] = graph
         self.capture_s += time.perf_counter() - started

@@ -209,32 +209,36 @@ class StaticStep:
         )
 
     def pack(self, rows: Sequence[StepRow], key: StepKey) -> None:
-        """Write `rows` (and padding up to the bucket) into the pinned staging block."""
+        """Write `rows` (and padding up to the bucket) into the pinned staging block: column by column for
+        what every row has, a loop only over rows with drafts."""
         block = self._staged
-        n, m = key.nodes, self.max_nodes
+        n, m, count = key.nodes, self.max_nodes, len(rows)
         self._padding(block[: key.batch])
+        real = block[:count]
+        params = [r.params for r in rows]
+        real[:, _SLOT] = [r.slot for r in rows]
+        real[:, _CTX] = [r.context for r in rows]
+        real[:, _TEMP] = np.array([p.temperature for p in params], dtype=np.float64).view(np.int64)
+        real[:, _TOP_P] = np.array([p.top_p for p in params], dtype=np.float64).view(np.int64)
+        real[:, _TOP_K] = [p.top_k for p in params]
+        real[:, _SEED] = [p.seed for p in params]
+        real[:, _REJECT] = [r.rejection for r in rows]
+        tokens, bits = _FIXED + _TOKENS * m, _FIXED + _BITS * m
+        real[:, tokens] = [r.tokens[0] for r in rows]  # the pending token: parent -1, depth 0, bit 0
+        real[:, _FIXED + _VALID * m] = 1
+        # A real row's padding nodes see its cached prefix only (bits 0) and write to the dummy slot.
+        real[:, bits + 1 : bits + n] = 0
         for b, row in enumerate(rows):
-            params = row.params
-            block[b, :_FIXED] = (
-                row.slot,
-                row.context,
-                _f64_bits(params.temperature),
-                _f64_bits(params.top_p),
-                params.top_k,
-                params.seed,
-                int(row.rejection),
-            )
             size = len(row.tokens)
+            if size == 1:
+                continue
             parents = _pass_parents(row.parents, size)
-            depths, bits = _depths_and_bits(parents)
-            base = _FIXED
-            block[b, base + _TOKENS * m : base + _TOKENS * m + size] = row.tokens
-            block[b, base + _PARENTS * m : base + _PARENTS * m + size] = parents
-            block[b, base + _DEPTHS * m : base + _DEPTHS * m + size] = depths
-            block[b, base + _VALID * m : base + _VALID * m + size] = 1
-            block[b, base + _BITS * m : base + _BITS * m + size] = bits
-            # A real row's padding nodes see its cached prefix only (bits 0) and write to the dummy slot.
-            block[b, base + _BITS * m + size : base + _BITS * m + n] = 0
+            depths, node_bits = _depths_and_bits(parents)
+            real[b, tokens : tokens + size] = row.tokens
+            real[b, _FIXED + _PARENTS * m : _FIXED + _PARENTS * m + size] = parents
+            real[b, _FIXED + _DEPTHS * m : _FIXED + _DEPTHS * m + size] = depths
+            real[b, _FIXED + _VALID * m : _FIXED + _VALID * m + size] = 1
+            real[b, bits : bits + size] = node_bits
 
     def _padding(self, block: np.ndarray) -> None:
         """Padding rows: the dummy slot, no context, every node its own only visible new node."""
@@ -365,7 +369,7 @@ def _filtered(params: SamplingParams, vocab: int) -> bool:
 
 
 def _f64_bits(value: float) -> int:
-    return int(np.float64(value).view(np.int64))
+    return int(np.array(value, dtype=np.float64).view(np.int64))
 
 
 def _pass_parents(parents: Sequence[int] | None, size: int) -> list[int]:

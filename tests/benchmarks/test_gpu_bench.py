@@ -103,7 +103,8 @@ def test_random_model_is_reproducible_and_on_its_device(device: torch.device) ->
     b = gpu.random_model(TINY_QWEN, device, torch.float32, seed=3)
     assert all(p.device.type == device.type for p in a.parameters())
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
-    assert torch.equal(a.final_norm.weight, torch.ones_like(a.final_norm.weight))
+    assert torch.equal(a.final_norm.weight, torch.full_like(a.final_norm.weight, gpu.PEAK))
+    assert torch.equal(a.layers[0].input_norm.weight, torch.ones_like(a.layers[0].input_norm.weight))
 
 
 def test_every_request_of_a_row_decodes_at_once() -> None:
