@@ -110,8 +110,10 @@ def run(args: argparse.Namespace) -> int:
     if args.what == "gpu":
         from slipstream.benchmarks import gpu
 
-        # Exits 2 at once, naming the missing device, on a host without CUDA.
-        return gpu.main(args.gpu_args + (["--json"] if args.json else []))
+        # Exits 2 at once, naming the missing device, on a host without CUDA. --batches is bench's own
+        # flag (decode's), so it is passed on when given.
+        given = ["--batches", args.batches] if args.batches is not None else []
+        return gpu.main(given + args.gpu_args + (["--json"] if args.json else []))
 
     if args.what == "rollout":
         from slipstream.benchmarks import rollout
@@ -127,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
         result = decode.run(
             args.model,
-            batches=decode.parse_batches(args.batches),
+            batches=decode.parse_batches(args.batches or "1,4,16,32"),
             max_tokens=args.max_tokens if args.max_tokens is not None else 256,
             repeats=args.repeats,
             threads=args.threads,
@@ -183,7 +185,9 @@ def add_parser(sub: Any) -> None:
         default=None,
         help="decode, rollout, soak: model directory or name (default smollm2-135m; soak: a tiny random one)",
     )
-    s.add_argument("--batches", default="1,4,16,32", help="decode: comma-separated batch sizes")
+    s.add_argument(
+        "--batches", default=None, help="decode (default 1,4,16,32), gpu: comma-separated batch sizes"
+    )
     s.add_argument(
         "--max-tokens", type=int, default=None, help="decode, rollout: new tokens per request (256, 512)"
     )
