@@ -22,15 +22,19 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 from torch import Tensor
 
-try:  # optional: a CPU install without triton uses the torch paths
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on installs without triton
-    triton = None
+triton = None
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    # Optional, and only where it can run: a CPU process (every actor of a CPU run) skips its ~0.2 s import.
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:  # pragma: no cover - exercised on installs without triton
+        triton = None
 
 __all__ = [
     "BLOCK_N",
