@@ -261,9 +261,12 @@ class KVCache:
         self._copy(source, target, length)
 
     def _copy(self, source: int, target: int, length: int) -> None:
-        """Slot `target` takes slot `source`'s first `length` positions and that length (storage in place)."""
-        for cache in (*self.keys, *self.values):
-            cache[target, :, :length] = cache[source, :, :length]
+        """Slot `target` takes slot `source`'s first `length` positions and that length (storage in place).
+        A slot that holds nothing may lie past a grown cache's storage (admitted, not yet prefilled):
+        nothing to copy then."""
+        if length:
+            for cache in (*self.keys, *self.values):
+                cache[target, :, :length] = cache[source, :, :length]
         self.lengths[target] = length
 
     def commit_path(self, slot: int, base_length: int, accepted_node_indices: Sequence[int] | Tensor) -> None:

@@ -204,6 +204,21 @@ def test_a_long_tail_in_a_high_slot_moves_down(model: Transformer) -> None:
         assert completion.token_ids == alone(model, request).token_ids
 
 
+def test_compaction_moves_slots_that_never_held_anything(model: Transformer) -> None:
+    """Requests admitted beyond what the first pass could prefill hold slots with no storage yet; when the
+    first ones finish at once, compaction moves those slots down (it used to copy from past the storage:
+    IndexError, 16 one-token requests of 64-token prompts on 16 slots)."""
+    requests = [
+        Request(request_id=f"r{i}", prompt_ids=[(7 * i + 13 * j) % VOCAB for j in range(16)],
+                params=SamplingParams(temperature=1.0, seed=i, max_tokens=1 if i < 4 else 3))
+        for i in range(8)
+    ]  # fmt: skip
+    gen = Generator(model, num_slots=8, max_len=64, token_budget=64, eos_token_ids=(), grow_cache=True)
+    done = gen.generate(requests)
+    for request, completion in zip(requests, done, strict=True):
+        assert completion.token_ids == alone(model, request).token_ids
+
+
 def test_chunked_prefill_interleaves_with_decode(model: Transformer) -> None:
     gen = Generator(model, num_slots=4, token_budget=8, eos_token_ids=())
     short = Request(
