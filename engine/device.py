@@ -30,6 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = [
     "Capabilities",
+    "blas_rows",
     "capabilities",
     "onednn_linear_ok",
     "onednn_pad_rows",
@@ -46,6 +47,7 @@ _onednn_enabled = True
 _onednn_works: dict[torch.dtype, bool] = {}  # probe result per dtype, made on first use
 PAD_ROWS = 4  # what a one- or two-row input is padded to where that is faster (`onednn_pad_rows`)
 _onednn_pad: dict[torch.dtype, frozenset[int]] = {}  # per dtype, decided on first use
+_blas_rows: dict[torch.dtype, frozenset[int]] = {}  # per dtype, decided on first use (`blas_rows`)
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 """What `sdpa` lets torch choose from on CUDA: every fused backend but cuDNN's (see the module docstring)."""
 
@@ -114,6 +116,7 @@ def set_onednn_linear(enabled: bool) -> None:
     _onednn_enabled = enabled
     _onednn_works.clear()
     _onednn_pad.clear()
+    _blas_rows.clear()
 
 
 def onednn_linear_ok(device: torch.device, dtype: torch.dtype) -> bool:
@@ -124,6 +127,32 @@ def onednn_linear_ok(device: torch.device, dtype: torch.dtype) -> bool:
     if works is None:
         works = _onednn_works[dtype] = dtype in _ONEDNN_DTYPES and _probe_onednn(dtype)
     return works
+
+
+def blas_rows(dtype: torch.dtype) -> frozenset[int]:
+    """Row counts whose inference projections in `dtype` run faster through BLAS (`F.linear` on the plain
+    weight: MKL's gemv) than through oneDNN's packed kernels.
+
+    Why: on an Intel Xeon with AMX (2 threads, fp32, SmolLM2's 120 layer projections streamed from memory,
+    2026-11-27) MKL took 16.0 / 19.0 / 19.9 ms at 1 / 2 / 3 rows against oneDNN's 23.4 / 22.5 / 24.5 (and
+    30.6 against 23.9 at 4 rows, 39.4 against 32.3 at 16); on AMD EPYC hosts MKL takes a generic path and
+    oneDNN was the faster (docs/engine.md, "Model"). By CPU vendor, not timed (start-up timings swung by
+    more than smaller effects on shared hosts): fp32 on Intel; elsewhere, and for other dtypes, none. A
+    projection whose plain weight was dropped (`keep_packed_only`) stays on oneDNN."""
+    rows = _blas_rows.get(dtype)
+    if rows is None:
+        rows = _blas_rows[dtype] = (
+            frozenset({1, 2, 3}) if dtype == torch.float32 and _intel() else frozenset()
+        )
+    return rows
+
+
+def _intel() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+    except OSError:  # not Linux: no claim
+        return False
 
 
 def onednn_pad_rows(dtype: torch.dtype) -> frozenset[int]:

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from slipstream.engine.batch import AttentionGroup, BatchLayout
 from slipstream.engine.config import ModelConfig
-from slipstream.engine.device import PAD_ROWS, onednn_linear_ok, onednn_pad_rows, sdpa
+from slipstream.engine.device import PAD_ROWS, blas_rows, onednn_linear_ok, onednn_pad_rows, sdpa
 from slipstream.engine.kv_cache import KVCache
 
 
@@ -70,6 +70,8 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, pack: _PackedWeight)
         torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)
     ):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if rows in blas_rows(weight.dtype) and not weight.is_meta:
+            return F.linear(x, weight, bias)  # MKL's gemv beats oneDNN at a few rows on Intel (device.py)
         if 0 < rows < PAD_ROWS and rows in onednn_pad_rows(weight.dtype):
             # oneDNN streams the weights slower for one or two rows than for four on AVX-512: pad, drop.
             padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, PAD_ROWS - rows))  # one allocation

@@ -137,9 +137,15 @@ def test_weight_update_repacks(make_checkpoint: Callable[..., Path]) -> None:
 
 
 @pytest.mark.parametrize("case", ["llama-biases-headdim", "qwen2-untied"])
-def test_packed_only_projections(make_checkpoint: Callable[..., Path], case: str) -> None:
+def test_packed_only_projections(
+    make_checkpoint: Callable[..., Path], case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A rollout's packed-only model decodes exactly as the plain one, before and after a weight update
-    written through `write_parameter`, and a training forward (which needs the plain weights) fails."""
+    written through `write_parameter`, and a training forward (which needs the plain weights) fails. (Both
+    on oneDNN: where a plain model's few-row projections take BLAS, `blas_rows`, it rounds differently.)"""
+    from slipstream.engine import device as engine_device
+
+    monkeypatch.setitem(engine_device._blas_rows, torch.float32, frozenset())
     arch, overrides = CASES[case]
     path = make_checkpoint(arch, seed=5, **overrides)
     plain, packed = load_model(path), load_model(path)
@@ -399,6 +405,7 @@ def test_small_row_padding_returns_the_unpadded_rows(
     if not onednn_linear_ok(x.device, torch.float32):
         pytest.skip("this torch build runs no packed oneDNN projections")  # then nothing is padded either
     with torch.inference_mode():
+        monkeypatch.setitem(engine_device._blas_rows, torch.float32, frozenset())  # oneDNN at every row count
         monkeypatch.setitem(engine_device._onednn_pad, torch.float32, frozenset())
         plain = layer(x)
         monkeypatch.setitem(engine_device._onednn_pad, torch.float32, frozenset({1, 2}))
@@ -414,3 +421,37 @@ def test_small_row_padding_returns_the_unpadded_rows(
     assert calls == [(engine_device.PAD_ROWS, 48)]  # it did pad
     assert padded.shape == plain.shape == (*shape[:-1], 40)
     torch.testing.assert_close(padded, plain, atol=1e-6, rtol=0)
+
+
+def test_few_rows_take_blas_where_it_is_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where `blas_rows` names a row count (fp32 on Intel: MKL's gemv beats oneDNN there), a projection of
+    that many rows runs F.linear on the plain weight, others oneDNN's packed kernel, with the same values up
+    to rounding; a packed-only projection has no plain weight and stays on oneDNN."""
+    from slipstream.engine import device as engine_device
+    from slipstream.engine import model as engine_model
+
+    if not onednn_linear_ok(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch build runs no packed oneDNN projections: every row count takes F.linear")
+    layer = Linear(48, 40, bias=True)
+    monkeypatch.setitem(engine_device._blas_rows, torch.float32, frozenset({1, 2, 3}))
+    monkeypatch.setitem(engine_device._onednn_pad, torch.float32, frozenset())
+    calls: list[int] = []
+    real = engine_model.F.linear
+
+    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, *args)
+
+    monkeypatch.setattr(engine_model.F, "linear", spy)
+    with torch.inference_mode():
+        for rows in (1, 3, 4, 16):
+            x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(rows))
+            expected = real(x, layer.weight, layer.bias)
+            torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=0)
+    assert calls == [1, 3]
+    on_intel = any(
+        line.startswith("vendor_id") and "GenuineIntel" in line for line in Path("/proc/cpuinfo").open()
+    )
+    engine_device._blas_rows.clear()
+    assert engine_device.blas_rows(torch.float32) == (frozenset({1, 2, 3}) if on_intel else frozenset())
+    assert engine_device.blas_rows(torch.bfloat16) == frozenset()
