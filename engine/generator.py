@@ -263,9 +263,13 @@ class Generator:
             return self._speculative_step(decodes, prefills)
         return self._plain_pass(decodes, prefills)
 
-    def _plain_pass(self, decodes: list[_Sequence], prefills: list[_Sequence]) -> list[StepOutput]:
-        """One flat pass: every pending token, then prefill chunks within the budget; sample."""
-        plan = [(seq, 1) for seq in decodes] + self._prefill_plan(prefills, self.token_budget - len(decodes))
+    def _plain_pass(
+        self, decodes: list[_Sequence], prefills: list[_Sequence], budget: int | None = None
+    ) -> list[StepOutput]:
+        """One flat pass: every pending token, then prefill chunks within the budget (default: the token
+        budget); sample."""
+        budget = self.token_budget if budget is None else budget
+        plan = [(seq, 1) for seq in decodes] + self._prefill_plan(prefills, budget - len(decodes))
         self.last_prefill_tokens = sum(n for seq, n in plan[len(decodes) :])
         input_ids: list[int] = []
         logit_rows: list[int] = []
@@ -387,7 +391,12 @@ class Generator:
         for lo in range(0, len(decodes), step.max_batch):
             outputs.extend(self._static_decode(decodes[lo : lo + step.max_batch]))
         if prefills:
-            outputs.extend(self._plain_pass([], prefills))  # `_forward` counts an iteration and a pass
+            # A pass of prompts alone: it may take more than a mixed pass's budget (a GRPO step's prompts
+            # arrive at once; on the eager path each pass costs host time, 32 of them at batch 256).
+            budget = max(self.token_budget, STATIC_PREFILL_TOKENS)
+            outputs.extend(
+                self._plain_pass([], prefills, budget)
+            )  # `_forward` counts an iteration and a pass
         if decodes and not prefills:
             self._stats["iterations"] += 1
         return outputs
@@ -671,6 +680,10 @@ class Generator:
         else:
             del self._group_live[group]
         self.speculator.finish(request_id, None if live else group)
+
+
+STATIC_PREFILL_TOKENS = 8192
+"""Prompt tokens a prefill pass of the fixed-shape path may take at least (its own pass, not a mixed one)."""
 
 
 def _default_token_budget(num_slots: int, max_draft: int) -> int:

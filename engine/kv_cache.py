@@ -237,8 +237,8 @@ class KVCache:
         self._check(slot)
         if not 0 <= length <= self.max_len:
             raise ValueError(f"slot {slot}: length {length} outside [0, {self.max_len}]")
-        if length > self.lengths[slot]:
-            self.reserve(slot + 1, length)  # positions a slot claims always have storage
+        if length > self.lengths[slot] and self.grow:
+            self.reserve(slot + 1, length)  # positions a slot claims always have storage (static: always)
         self.lengths[slot] = length
 
     def rollback(self, slot: int, new_length: int) -> None:
