@@ -38,6 +38,7 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
 
 __all__ = [
     "BLOCK_N",
+    "PAGE_SIZE",
     "num_splits",
     "paged_attention",
     "paged_attention_ref",
@@ -45,6 +46,9 @@ __all__ = [
     "triton_enabled",
 ]
 
+PAGE_SIZE = 64
+"""Positions per page of the page tables the engine's fixed-shape steps build (a static cache's length is
+rounded up to it); one page is one key tile, so a tile costs one table read."""
 BLOCK_N = 64
 """Keys per tile of the split kernel (64 × head_dim 128 × bf16 = 16 KB of K per tile)."""
 MIN_SPLIT_KEYS = 128

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from slipstream.engine.attention import paged_attention, store_kv
+from slipstream.engine.attention import PAGE_SIZE, paged_attention, store_kv
 from slipstream.engine.graphs import GraphRunner
 from slipstream.engine.kv_cache import KVCache
 from slipstream.engine.model import Transformer
@@ -58,8 +58,6 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 """Rows a step is shaped for (the smallest bucket holding the batch runs)."""
 NODE_BUCKETS = (1, 2, 4, 8, 16)
 """Nodes per row: the pending token plus up to 15 drafts."""
-PAGE_SIZE = 64
-"""Positions per page of the attention's page table; a static cache's length is rounded up to it."""
 
 # Input block columns: per row, then five per-node sections of width max_nodes.
 _SLOT, _CTX, _TEMP, _TOP_P, _TOP_K, _SEED, _REJECT = range(7)

@@ -15,6 +15,10 @@ Non-obvious choices (the reasoning is in docs/engine.md, "EAGLE head and drafter
 - Draft vocabulary (`draft_vocab.DraftVocabulary`): drafts use only the most frequent observed tokens.
 - Everything lives on the target's device (the head must share it); states arrive from the generator on
   the host and are moved once per call, and drafted tokens go back to the host.
+- The committed pairs' pass and every chain step are single fixed-shape passes over all requests
+  ([rows, pairs], padding masked): features gathered from one [slots, max_len, d] buffer, K/V written by
+  `attention.store_kv`, attention by `attention.paged_attention` (the target's kernels), no per-request
+  loop and no host read until the chain's tokens are returned; trees still expand node by node.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Hashable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from slipstream.engine.attention import PAGE_SIZE, paged_attention, store_kv
 from slipstream.engine.draft_vocab import DraftVocabulary
 from slipstream.engine.drafters.base import Draft, Drafter, DraftState
 from slipstream.engine.eagle import EagleHead, attend, target_features
@@ -64,9 +69,8 @@ class _Request:
     """Cache slot, None when every slot was taken at admission (the request is then never drafted)."""
     start: int
     """Sequence position of the window's first pair."""
-    features: Tensor
-    """[capacity, d] features of positions start, start+1, … (the first `num_features` rows are valid)."""
     num_features: int = 0
+    """Features held for window positions [0, num_features) (in the drafter's buffer, row `slot`)."""
     cached: int = 0
     """Pairs whose K/V are in the slot (window positions [0, cached))."""
     last_out: Tensor | None = None
@@ -125,8 +129,14 @@ class EagleDrafter(Drafter):
         self.version = version
         weight = head.fc.weight
         self.cache = KVCache.for_model(
-            head.config, num_slots=num_slots, max_len=max_len, dtype=weight.dtype, device=weight.device
-        )
+            head.config, num_slots=num_slots, max_len=max_len, dtype=weight.dtype, device=weight.device,
+            page_size=PAGE_SIZE, dummy_slot=True,
+        )  # fmt: skip
+        d = head.config.hidden_size
+        # Every slot's window features in one buffer, so a batched pass gathers its pairs in one index.
+        self.features = torch.zeros(num_slots, max_len, d, dtype=weight.dtype, device=weight.device)
+        """[slots, max_len, d] features of window positions 0, 1, … of each slot's request."""
+        self._cos, self._sin = head.rotary.tables(self.cache.storage_len, weight.device, weight.dtype)
         self._requests: dict[Hashable, _Request] = {}
         self.vocab = DraftVocabulary(target, draft_vocab)
 
@@ -238,14 +248,13 @@ class EagleDrafter(Drafter):
             if first + t <= start:
                 return None  # nothing at or after the window start yet
             slot = self.cache.allocate() if self.cache.num_free_slots else None
-            capacity = max(64, 2 * t)
-            request = _Request(slot=slot, start=start, features=self._new_features(capacity))
+            request = _Request(slot=slot, start=start)
             self._requests[state.request_id] = request
         skip = request.start + request.num_features - first  # rows already held (or before the window)
         if skip < t and request.slot is not None:
             weight = self.target.lm_head_weight  # the generator hands states over on the CPU
             new = target_features(self.target, hidden[skip:].to(device=weight.device, dtype=weight.dtype))
-            self._append_features(request, new.to(request.features.dtype))
+            self._append_features(request, new.to(self.features.dtype))
         return request
 
     def prime_counts(self, counts: Mapping[int, int]) -> None:
@@ -272,22 +281,19 @@ class EagleDrafter(Drafter):
         temperature, seeds, positions = keys
         return keyed_pick(logits, temperature, seeds, positions + step, ids)
 
-    def _new_features(self, capacity: int) -> Tensor:
-        weight = self.head.fc.weight
-        return torch.empty(capacity, self.head.config.hidden_size, dtype=weight.dtype, device=weight.device)
-
     def _append_features(self, request: _Request, new: Tensor) -> None:
-        end = request.num_features + new.shape[0]
-        if end > request.features.shape[0]:
-            # Doubling keeps appends amortised O(1) per token over a long response.
-            grown = self._new_features(max(end, 2 * request.features.shape[0]))
-            grown[: request.num_features] = request.features[: request.num_features]
-            request.features = grown
-        request.features[request.num_features : end] = new
-        request.num_features = end
+        """Hold `new` [t, d] for the next window positions; positions past max_len are never cached, so
+        they are counted, not kept."""
+        assert request.slot is not None
+        lo = request.num_features
+        keep = max(0, min(new.shape[0], self.features.shape[1] - lo))
+        if keep:
+            self.features[request.slot, lo : lo + keep] = new[:keep]
+        request.num_features = lo + new.shape[0]
 
     def _extend(self, work: Sequence[tuple[_Request, DraftState]]) -> None:
-        """Run the head over every request's uncached pairs in one pass; write their K/V into the cache."""
+        """Run the head over every request's uncached pairs in one fixed-shape pass ([rows, pairs], padding
+        masked out): K/V into the cache, each request's newest output kept. No host read."""
         jobs = []
         for request, state in work:
             # A pair at window position p needs the token after it; the newest state pairs with the pending one.
@@ -297,32 +303,72 @@ class EagleDrafter(Drafter):
         if not jobs:
             return
         device = self.head.fc.weight.device
-        tokens, features, positions = [], [], []
-        for request, state, lo, hi in jobs:
+        width = max(hi - lo for _, _, lo, hi in jobs)  # pairs a row
+        rows = len(jobs)
+        tokens = [[0] * width for _ in jobs]
+        for row, (request, state, lo, hi) in zip(tokens, jobs, strict=True):
             ids = state.tokens[request.start + lo + 1 : request.start + hi + 1]
-            tokens.append(torch.as_tensor(ids, dtype=torch.int64).reshape(-1))
-            features.append(request.features[lo:hi])
-            positions.append(torch.arange(lo, hi))
-        # Built on the host and moved once: one copy, not one per request.
-        embeds = self.target.embed_tokens(torch.cat(tokens).to(device))
-        x = self.head.fuse(embeds.to(features[0].dtype), torch.cat(features))  # [N, d]
-        q, k, v = self.head.qkv(x, torch.cat(positions).to(device))
-        keys, values = self.cache.keys[0], self.cache.values[0]
-        attn, row = [], 0
-        for request, _, lo, hi in jobs:
-            rows = slice(row, row + hi - lo)
-            row += hi - lo
-            slot = request.slot
-            keys[slot, :, lo:hi] = k[rows].transpose(0, 1)
-            values[slot, :, lo:hi] = v[rows].transpose(0, 1)
-            mask = torch.arange(hi, device=device)[None, :] <= torch.arange(lo, hi, device=device)[:, None]
-            attn.append(attend(q[rows], keys[slot, :, :hi], values[slot, :, :hi], mask))
-            self.cache.set_length(slot, hi)
-        out = self.head.finish(x, torch.cat(attn))  # [N, d]
-        row = 0
-        for request, _, lo, hi in jobs:
-            row += hi - lo
-            request.cached, request.last_out = hi, out[row - 1].clone()
+            row[: hi - lo] = ids.tolist() if isinstance(ids, Tensor) else list(ids)
+        # One host→device copy of the whole pass's small ints: slot, cached, pair count, then the tokens.
+        meta = torch.tensor(
+            [
+                [request.slot, lo, hi - lo, *row]
+                for (request, _, lo, hi), row in zip(jobs, tokens, strict=True)
+            ],
+            dtype=torch.int64,
+        ).to(device)
+        slot, ctx, count, ids = meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3:]  # [R], [R], [R], [R, E]
+        pair = torch.arange(width, device=device)
+        valid = pair[None, :] < count[:, None]  # [R, E]
+        position = ctx[:, None] + pair  # window positions [R, E]
+        features = self.features[slot[:, None], position.clamp_max(self.features.shape[1] - 1)]  # [R, E, d]
+        x = self.head.fuse(
+            self.target.embed_tokens(ids.reshape(-1)).to(features.dtype), features.reshape(rows * width, -1)
+        )  # [R*E, d]
+        causal = (2 << pair) - 1  # pair i sees pairs 0..i
+        bits = torch.where(valid, causal[None, :], 0)  # padding sees nothing new (and writes nowhere real)
+        out = self._layer(x, slot, ctx, position, valid, bits, width, cached=max(hi for *_, hi in jobs))
+        last = out.view(rows, width, -1)[torch.arange(rows, device=device), count - 1]  # [R, d]
+        for i, (request, _, _, hi) in enumerate(jobs):
+            self.cache.set_length(request.slot, hi)
+            request.cached, request.last_out = hi, last[i]
+
+    def _layer(
+        self,
+        x: Tensor,
+        slot: Tensor,
+        ctx: Tensor,
+        position: Tensor,
+        valid: Tensor,
+        bits: Tensor,
+        width: int,
+        *,
+        cached: int,
+    ) -> Tensor:
+        """The head's layer over x [R*N, d]: N new pairs a row at window positions `position` [R, N], each
+        row seeing its slot's first ctx [R] cached pairs plus the new pairs its `bits` [R, N] name; writes
+        the valid pairs' K/V (padding to the dummy slot). `cached`: the most positions any row reads (host
+        data: the table covers just those pages). Returns outputs [R*N, d]."""
+        rows = slot.shape[0]
+        config = self.head.config
+        heads, hd = config.num_attention_heads, config.head_dim
+        rope = position.reshape(-1)
+        cos, sin = self._cos[rope][:, None], self._sin[rope][:, None]  # [R*N, 1, hd]
+        q, k, v = self.head.layer.attn._qkv(x, cos, sin)  # the target's projection + RoPE arithmetic
+        dummy = self.cache.dummy_slot
+        assert dummy is not None
+        node = torch.arange(width, device=x.device)
+        store_kv(
+            self.cache.keys[0], self.cache.values[0], k, v,
+            torch.where(valid, slot[:, None], dummy).reshape(-1), torch.where(valid, position, node).reshape(-1),
+        )  # fmt: skip
+        pages = -(-cached // PAGE_SIZE)
+        table = slot[:, None] * (self.cache.storage_len // PAGE_SIZE) + torch.arange(pages, device=x.device)
+        attn = paged_attention(
+            q.reshape(rows, width, heads, hd), self.cache.keys[0], self.cache.values[0], table, ctx, bits,
+            scale=hd**-0.5, page_size=PAGE_SIZE,
+        )  # fmt: skip
+        return self.head.finish(x, attn.reshape(rows * width, heads * hd))
 
     # ----------------------------------------------------------------------------------------------
     # Draft pairs
@@ -351,24 +397,23 @@ class EagleDrafter(Drafter):
     def _draft_chains(
         self, requests: Sequence[_Request], states: Sequence[DraftState], k: int
     ) -> list[Tensor]:
-        """Chains of k tokens for several requests at once (k - 1 batched head passes): argmax tokens, or
-        keyed draws for sampling requests that verification draws with keyed noise."""
-        keys = _keys(states, self.head.fc.weight.device)
+        """Chains of k tokens for several requests at once (k - 1 batched head steps, each a fixed-shape
+        pass over one new pair a row): argmax tokens, or keyed draws for sampling requests that
+        verification draws with keyed noise. Tokens stay on the device until the caller reads them."""
+        device = self.head.fc.weight.device
+        keys = _keys(states, device)
         outs = torch.stack([request.last_out for request in requests])  # [B, d]
+        meta = torch.tensor([[r.slot, r.cached] for r in requests], dtype=torch.int64).to(device)
+        slot, cached = meta[:, 0], meta[:, 1]  # [B]
+        valid = torch.ones(len(requests), 1, dtype=torch.bool, device=device)
+        itself = torch.ones(len(requests), 1, dtype=torch.int64, device=device)
+        reach = max(r.cached for r in requests)
         tokens = [self._draft_pick(outs, keys, 0)]  # [B] per step
         for j in range(1, k):
-            nodes = [
-                _Node(
-                    request=request,
-                    token=int(tokens[-1][b]),
-                    parent_out=outs[b],
-                    position=request.cached + j - 1,
-                    write=request.cached + j - 1,
-                    visible=list(range(request.cached, request.cached + j)),
-                )
-                for b, request in enumerate(requests)
-            ]
-            outs = self._run_nodes(nodes)
+            # Draft pair j - 1 sits right after the committed ones: the pairs before it are its prefix.
+            x = self.head.fuse(self.target.embed_tokens(tokens[-1]).to(outs.dtype), outs)
+            ctx = cached + j - 1
+            outs = self._layer(x, slot, ctx, ctx[:, None], valid, itself, 1, cached=reach + j)
             tokens.append(self._draft_pick(outs, keys, j))
         return list(torch.stack(tokens, dim=1).cpu())  # B × [k]
 

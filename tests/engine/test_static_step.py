@@ -171,13 +171,46 @@ gen = Generator(model, static=True, spec=SpecConfig(method="self", depth=3, mode
 replayed = gen.generate(requests)
 assert [a.token_ids for a in replayed] == [b.token_ids for b in static], "self-draft"
 assert gen.stats["accepted"] == gen.stats["drafted"] > 0, gen.stats
+# The EAGLE drafter's batched passes (the same Triton attention and store) against the head's packed
+# causal forward (torch attention): chains of greedy drafts along a recorded run.
+from slipstream.engine.draft_vocab import draft_logits
+from slipstream.engine.drafters.base import DraftState
+from slipstream.engine.drafters.eagle import EagleDrafter
+from slipstream.engine.eagle import EagleHead, target_features
+from slipstream.engine.generator import Request
+from slipstream.engine.sampling import SamplingParams
+greedy = SamplingParams(temperature=0.0, max_tokens=16)
+run = Generator(model, return_hidden=True, **kwargs).generate(
+    [Request(request_id=f"e{i}", prompt_ids=[3 + i, 40, 7 * i + 1, 9], params=greedy) for i in range(2)])
+torch.manual_seed(0)
+head = EagleHead.for_target(model.config)
+drafter = EagleDrafter(head, model, num_slots=2, max_len=64)
+def state(c, j, hidden):
+    return DraftState(request_id=c.request_id, group_id=0, tokens=[*c.prompt_ids, *c.token_ids[: j + 1]],
+                      prompt_len=len(c.prompt_ids), params=greedy, hidden=hidden)
+with torch.no_grad():
+    for j in range(6):
+        for c in run:
+            drafter.observe(state(c, j, c.hidden[j : j + 1]))
+        chains = drafter.propose([state(c, j, c.hidden[:0]) for c in run], depth=3, topk=1, verify=3)
+        for c, chain in zip(run, chains):
+            tokens = torch.tensor([c.prompt_ids[-1], *c.token_ids[: j + 1]])
+            features = target_features(model, c.hidden[: j + 1])
+            expected = []
+            for _ in range(3):
+                outs = head(model.embed_tokens(tokens[1:]), features, torch.arange(len(features)), [0, len(features)])
+                expected.append(int(draft_logits(model, outs[-1]).argmax()))
+                tokens = torch.cat([tokens, torch.tensor(expected[-1:])])
+                features = torch.cat([features, outs[-1:]])
+            assert chain.tokens.tolist() == expected, (j, chain.tokens.tolist(), expected)
 print("ok")
 """
 
 
 def test_the_triton_kernels_in_the_step_equal_the_dynamic_path(make_checkpoint: Callable[..., Path]) -> None:
     """The step with its Triton attention and KV store (Triton's interpreter, fp32, six rows in an
-    eight-row bucket) decodes the dynamic path's tokens, and a self-draft replay is accepted whole. Rows
+    eight-row bucket) decodes the dynamic path's tokens, and a self-draft replay is accepted whole; the
+    EAGLE drafter's batched passes on the same kernels draft what the head's torch forward does. Rows
     past the first read their context lengths from a strided column of the packed input block: a kernel
     that read it as contiguous gave them wrong contexts (found on an H200, 2026-11-27)."""
     checkpoint = make_checkpoint("qwen2", seed=7)
