@@ -225,6 +225,24 @@ def test_completions_carry_logprobs_and_version_and_bad_requests_get_an_error(
     assert len(out.of(Idle)) == 1
 
 
+def test_a_requeue_decodes_exactly_the_missing_samples_with_their_own_seeds(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """A group requeued after its rollout died asks for the samples that never came back (here 1 and 3 of
+    4): the actor decodes those indices, each with its own seed, so they equal the same samples of a
+    whole group; renumbering them from 0 would hand back samples 0 and 1's tokens under other keys."""
+    whole, out = make_actor(tiny, tmp_path / "a", tuner={"arms": ["off"]})
+    whole.on_generate(request(3, PROMPTS[1], 4, temperature=0.9), "coordinator")
+    drain(whole)
+    full = responses(out)
+    assert len({tuple(v) for v in full.values()}) == 4  # four different samples: a renumbering would show
+    requeue, out = make_actor(tiny, tmp_path / "b", tuner={"arms": ["off"]})
+    partial = msgspec.structs.replace(request(3, PROMPTS[1], 4, temperature=0.9), sample_indices=[1, 3])
+    requeue.on_generate(partial, "coordinator")
+    drain(requeue)
+    assert responses(out) == {key: full[key] for key in ((3, 1), (3, 3))}
+
+
 def test_weight_update_is_staged_until_drained_then_applied_and_acked(tiny: Path, tmp_path: Path) -> None:
     actor, out = make_actor(tiny, tmp_path, max_batch=4)
     params = dict(actor.model.named_weights())  # a packed-only projection's value is a copy: re-read it
