@@ -133,12 +133,11 @@ def blas_rows(dtype: torch.dtype) -> frozenset[int]:
     """Row counts whose inference projections in `dtype` run faster through BLAS (`F.linear` on the plain
     weight: MKL's gemv) than through oneDNN's packed kernels.
 
-    Why: on an Intel Xeon with AMX (2 threads, fp32, SmolLM2's 120 layer projections streamed from memory,
-    2026-11-27) MKL took 16.0 / 19.0 / 19.9 ms at 1 / 2 / 3 rows against oneDNN's 23.4 / 22.5 / 24.5 (and
-    30.6 against 23.9 at 4 rows, 39.4 against 32.3 at 16); on AMD EPYC hosts MKL takes a generic path and
-    oneDNN was the faster (docs/engine.md, "Model"). By CPU vendor, not timed (start-up timings swung by
-    more than smaller effects on shared hosts): fp32 on Intel; elsewhere, and for other dtypes, none. A
-    projection whose plain weight was dropped (`keep_packed_only`) stays on oneDNN."""
+    Why: on Intel, MKL's gemv streams a few rows' weights at the memory's pace and oneDNN's packed kernels
+    do not, while from four rows oneDNN is the faster; on AMD, MKL takes a generic path and oneDNN wins
+    at every row count (figures: docs/engine.md, "Model"). By CPU vendor, not timed (start-up timings
+    swung by more than smaller effects on shared hosts): fp32 on Intel; elsewhere, and for other dtypes,
+    none. A projection whose plain weight was dropped (`keep_packed_only`) stays on oneDNN."""
     rows = _blas_rows.get(dtype)
     if rows is None:
         rows = _blas_rows[dtype] = (
