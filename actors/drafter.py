@@ -35,11 +35,11 @@ from slipstream.engine.buffer import OnlineBuffer
 from slipstream.engine.device import parse_device, require_device
 from slipstream.engine.drafter_train import DrafterTrainer
 from slipstream.engine.eagle import EagleHead
-from slipstream.engine.weight_delta import apply_xor_delta
+from slipstream.engine.weight_receiver import WeightReceiver, mistyped
 from slipstream.engine.weights import load_head_parts
 from slipstream.protocols.control import Lease, Preempt, Released, SaveCheckpoint, Status
 from slipstream.protocols.drafter import DrafterDelta, DrafterStats, DrafterUpdate, HiddenStates
-from slipstream.protocols.learner import XOR_ZSTD, WeightUpdate
+from slipstream.protocols.learner import WeightUpdate
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
 from slipstream.runtime.process import memory_now, pin_threads, release_freed_memory
@@ -47,21 +47,6 @@ from slipstream.runtime.transport import actor_name
 
 ROLE = "drafter"
 OWNER = actor_name(ROLE, 0)  # the rank that owns the one drafter of a run
-
-
-def _mistyped(
-    names: list[str], tensors: list[torch.Tensor], expected: dict[str, tuple[torch.Size, torch.dtype]]
-) -> str | None:
-    """None if every name is one of `expected` (name → shape, dtype) and its tensor has that shape and dtype."""
-    if len(names) != len(tensors):
-        return f"{len(names)} names for {len(tensors)} tensors"
-    for name, t in zip(names, tensors, strict=True):
-        if name not in expected:
-            return f"{name!r} is not one of {sorted(expected)}"
-        shape, dtype = expected[name]
-        if t.shape != shape or t.dtype != dtype:
-            return f"{name}: {tuple(t.shape)} {t.dtype}, expected {tuple(shape)} {dtype}"
-    return None
 
 
 def _crossed(last: int, now: int, every: int) -> bool:
@@ -135,6 +120,14 @@ class DrafterActor(Actor):
         self.head_version = 0
         self._head_params = dict(self.target.named_parameters())
         self._head_staged: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+        self.receiver = WeightReceiver(
+            expected={name: (p.shape, p.dtype) for name, p in self._head_params.items()},
+            base=lambda name: self._head_params[name].detach(),
+            checksum=checksum,
+            version=self.head_version,
+            held_as="the head's {}",
+            holds="the head is v{}",
+        )
         self._shapes = {name: (t.shape, t.dtype) for name, t in self.head.state_dict().items()}
         self._names = sorted(self._shapes)
         self._last_loss = float("nan")
@@ -317,35 +310,41 @@ class DrafterActor(Actor):
 
         Handlers run on the compute thread between two `step()`s, so weights never change mid-step. A bad
         bucket is refused (logged, and said to the coordinator); the weights held stay, and serving goes on.
+        What a bucket is (duplicate, dropped, refused, accepted) is the one receiver's call, as a rollout's.
         """
-        if msg.version == self.head_version:
+        verdict = self.receiver.receive(
+            version=msg.version, bucket=msg.bucket, num_buckets=msg.num_buckets, names=msg.names,
+            tensors=msg.tensors, checksum=msg.checksum, encoding=msg.encoding, base_version=msg.base_version,
+        )  # fmt: skip
+        if verdict.kind == "duplicate":
             # The head it holds, again: after a restart the learner's push in flight when it died (queued by
             # the learner's socket) and the coordinator's re-push both arrive; it applied one already.
             self.log.info("head_duplicate", version=msg.version, bucket=msg.bucket)
             return
-        why = None
-        if msg.encoding:
-            # A refused delta is not pushed again: the coordinator saw no ack, so the next push comes in full.
-            msg, why = self._decoded_head(msg)
-        why = why or self._check_head_bucket(msg)
-        if why is not None:
-            self._head_staged.pop(msg.version, None)  # that version can no longer complete
-            self._head_refused(msg.version, f"bucket {msg.bucket}: {why}")
+        if verdict.kind == "dropped":
+            self.log.info("head_delta_dropped", version=msg.version, bucket=msg.bucket, why=verdict.error)
             return
+        if verdict.kind == "refused":
+            self._head_staged.pop(msg.version, None)  # that version can no longer complete
+            self.receiver.forget(msg.version)
+            self._head_refused(msg.version, f"bucket {msg.bucket}: {verdict.error}")
+            return
+        assert verdict.tensors is not None
         buckets = self._head_staged.setdefault(msg.version, {})
-        this = dict(zip(msg.names, msg.tensors, strict=True))
+        this = dict(zip(msg.names, verdict.tensors, strict=True))
         received = {n: t for bucket in buckets.values() for n, t in bucket.items()} | this
         # Complete when it holds every head part: the head's buckets lead the learner's push to the rollouts
         # too (numbered over that whole push), or make a push of their own (numbered over themselves).
         if received.keys() != self._head_params.keys():
             if len(buckets) + (msg.bucket not in buckets) == msg.num_buckets:  # every bucket of the push
                 del self._head_staged[msg.version]
+                self.receiver.forget(msg.version)
                 missing = sorted(self._head_params.keys() - received.keys())
                 self._head_refused(msg.version, f"the buckets lack {missing}")
                 return
             # clone: the received tensors alias a zmq frame or a shared-memory slot of the sender, and this
             # bucket waits for the others. The completing bucket is copied once, into the parameters.
-            buckets[msg.bucket] = {n: t.clone() for n, t in this.items()}
+            buckets[msg.bucket] = this if verdict.decoded else {n: t.clone() for n, t in this.items()}
             return
         buckets[msg.bucket] = this
         for version in [v for v in self._head_staged if v <= msg.version]:
@@ -355,41 +354,12 @@ class DrafterActor(Actor):
                 # In place: the packed LM-head copies the trainer keeps follow the tensor's version counter.
                 param.copy_(received[name])
         self.head_version = msg.version
+        self.receiver.applied(msg.version)
         fields: dict[str, Any] = {"rank": self.rank, "version": msg.version}
         if self.config.verify_applied_head:
             fields["checksum"] = checksum(sorted(received), [self._head_params[n] for n in sorted(received)])
         self.log.info("head_synced", version=msg.version, buckets=len(buckets))
         self.send(COORDINATOR, Status(topic="head_synced", fields=fields))
-
-    def _decoded_head(self, msg: WeightUpdate) -> tuple[WeightUpdate, str | None]:
-        """A delta bucket of head parts as the full bucket it encodes (decoded against the parts held, which
-        must be its base), or the bucket as it came and why it cannot be."""
-        if msg.encoding != XOR_ZSTD:
-            return msg, f"unknown weight encoding {msg.encoding!r}"
-        if msg.base_version != self.head_version:
-            return msg, f"delta base mismatch: against v{msg.base_version}, the head is v{self.head_version}"
-        if unknown := [n for n in msg.names if n not in self._head_params]:
-            return msg, f"{unknown[0]!r} is not one of {sorted(self._head_params)}"
-        try:
-            tensors = [
-                apply_xor_delta(self._head_params[name], blob)
-                for name, blob in zip(msg.names, msg.tensors, strict=True)
-            ]
-        except ValueError as exc:
-            return msg, f"undecodable delta: {exc}"
-        return msgspec.structs.replace(msg, tensors=tensors, encoding="", base_version=0), None
-
-    def _check_head_bucket(self, msg: WeightUpdate) -> str | None:
-        """None if the bucket is newer than the head parts held and holds some of them, exactly typed."""
-        if msg.version <= self.head_version:
-            return f"version {msg.version} is not newer than the head's {self.head_version}"
-        if msg.bucket >= msg.num_buckets:
-            return f"out of range for num_buckets {msg.num_buckets}"
-        expected = {name: (p.shape, p.dtype) for name, p in self._head_params.items()}
-        why = _mistyped(list(msg.names), list(msg.tensors), expected)
-        if why is None and checksum(msg.names, msg.tensors) != msg.checksum:
-            why = "checksum mismatch"
-        return why
 
     def _head_refused(self, version: int, why: str) -> None:
         self.log.error("head_refused", version=version, why=why, head_version=self.head_version)
@@ -526,7 +496,7 @@ class DrafterActor(Actor):
         """None if names/shapes/dtypes are exactly the head's trainable weights and every value is finite."""
         if names != self._names:
             return f"names {names[:3]}… ({len(names)}) are not the head's {len(self._names)} weights"
-        why = _mistyped(names, tensors, self._shapes)
+        why = mistyped(names, tensors, self._shapes)
         if why is not None:
             return why
         for name, t in zip(names, tensors, strict=True):

@@ -40,11 +40,11 @@ from slipstream.engine.eagle import EagleHead
 from slipstream.engine.generator import Completion, Generator, Request
 from slipstream.engine.sampling import SamplingParams, sample_seed
 from slipstream.engine.tuner import STALE_METHODS, Tuner, TunerConfig
-from slipstream.engine.weight_delta import apply_xor_delta
+from slipstream.engine.weight_receiver import WeightReceiver
 from slipstream.engine.weights import load_model
 from slipstream.protocols.control import Idle
 from slipstream.protocols.drafter import DrafterUpdate, HiddenStates
-from slipstream.protocols.learner import XOR_ZSTD, WeightAck, WeightUpdate
+from slipstream.protocols.learner import WeightAck, WeightUpdate
 from slipstream.protocols.rollout import Completion as CompletionMsg
 from slipstream.protocols.rollout import GenerateRequest, IterationStats
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
@@ -142,7 +142,13 @@ class RolloutActor(Actor):
         self._staged: dict[int, dict[int, WeightUpdate]] = {}  # version -> bucket -> update (cloned)
         self._ready_version: int | None = None  # a complete, verified version waiting for a drained queue
         self._in_place_version: int | None = None  # a version being written into the parameters: no decoding
-        self._delta_refused: set[int] = set()  # versions whose deltas were refused (want_full said once)
+        # What each pushed bucket is: duplicate, dropped, refused or accepted (the drafter uses the same).
+        self.receiver = WeightReceiver(
+            expected={name: (p.shape, p.dtype) for name, p in self.model.named_parameters()},
+            base=self.model.weight,
+            checksum=checksum,
+            version=self.policy_version,
+        )
         self._hidden_dtype = dtype_from_name(cfg.hidden_dtype)
         if cfg.warm_up:
             self._warm_up()
@@ -301,20 +307,22 @@ class RolloutActor(Actor):
 
     @handler
     def on_weights(self, msg: WeightUpdate, sender: str) -> None:
-        if msg.version == self.policy_version:
+        verdict = self.receiver.receive(
+            version=msg.version, bucket=msg.bucket, num_buckets=msg.num_buckets, names=msg.names,
+            tensors=msg.tensors, checksum=msg.checksum, encoding=msg.encoding, base_version=msg.base_version,
+        )  # fmt: skip
+        if verdict.kind == "duplicate":
             # The version it holds, again: after a restart both the push in flight when it died (queued by
             # the learner's socket) and the coordinator's re-push arrive. It applied and acked one already.
             self.log.info("weights_duplicate", version=msg.version, bucket=msg.bucket)
             return
-        decoded = bool(msg.encoding)
-        if decoded:
-            full = self._decode_delta(msg)
-            if full is None:
-                return  # refused, or dropped after a refusal of its version: said already
-            msg = full
-        elif (error := self._check_weights(msg)) is not None:
-            self._refuse(msg, error)
+        if verdict.kind == "dropped":
+            self.log.info("delta_dropped", version=msg.version, bucket=msg.bucket, why=verdict.error)
             return
+        if verdict.kind == "refused":
+            self._refuse(msg, f"bucket {msg.bucket}: {verdict.error}", want_full=verdict.want_full)
+            return
+        assert verdict.tensors is not None
         if self._in_place_version is not None and msg.version < self._in_place_version:
             # A newer version is already being written over it (a re-push after a learner restart).
             self.log.warning("weights_superseded", version=msg.version, by=self._in_place_version)
@@ -326,13 +334,13 @@ class RolloutActor(Actor):
             # the parameters, with no staged copy (a model's worth of memory); `step` decodes nothing until
             # the version's last bucket is in, so no token comes from a mix of two versions.
             self._in_place_version = msg.version
-            for name, tensor in zip(msg.names, msg.tensors, strict=True):
+            for name, tensor in zip(msg.names, verdict.tensors, strict=True):
                 self.model.write_parameter(name, tensor)
             kept: list[torch.Tensor] = []  # applied: only the names and checksum stay, to verify
         else:
             # Clone: received tensors alias a frame or shared-memory slot that is recycled after this handler
             # (decoded ones are this actor's own already).
-            kept = list(msg.tensors) if decoded else [t.clone() for t in msg.tensors]
+            kept = verdict.tensors if verdict.decoded else [t.clone() for t in verdict.tensors]
         buckets[msg.bucket] = WeightUpdate(
             version=msg.version,
             bucket=msg.bucket,
@@ -356,70 +364,6 @@ class RolloutActor(Actor):
         )
         self.send(COORDINATOR, ack)
 
-    def _decode_delta(self, msg: WeightUpdate) -> WeightUpdate | None:
-        """The full bucket a delta encodes, checked as one (`_check_weights`), or None: refused (`want_full`,
-        once per version: the coordinator then sends the version in full) or dropped."""
-        if msg.version in self._delta_refused:
-            self.log.info("delta_dropped", version=msg.version, bucket=msg.bucket, why="version refused")
-            return None
-        if msg.version <= self.policy_version:
-            self._refuse(
-                msg, f"version {msg.version} is not newer than the loaded version {self.policy_version}"
-            )
-            return None
-        if msg.bucket in self._staged.get(msg.version, {}):
-            # Decoding it again would XOR a base it may have overwritten (in place): once is all it needs.
-            self.log.info("delta_duplicate", version=msg.version, bucket=msg.bucket)
-            return None
-        error = None
-        if msg.encoding != XOR_ZSTD:
-            error = f"unknown weight encoding {msg.encoding!r}"
-        elif msg.base_version != self.policy_version:
-            error = (
-                f"delta base mismatch: against v{msg.base_version}, this rollout holds v{self.policy_version}"
-            )
-        else:
-            try:
-                tensors = [
-                    apply_xor_delta(self._held(name), blob)
-                    for name, blob in zip(msg.names, msg.tensors, strict=True)
-                ]
-            except ValueError as exc:
-                error = f"bucket {msg.bucket}: undecodable delta: {exc}"
-            else:
-                full = msgspec.structs.replace(msg, tensors=tensors, encoding="", base_version=0)
-                error = self._check_weights(full)  # a checksum mismatch here: the bases differed
-                if error is None:
-                    return full
-        self._delta_refused.add(msg.version)
-        self._refuse(msg, f"{error}; full weights wanted", want_full=True)
-        return None
-
-    def _held(self, name: str) -> torch.Tensor:
-        """Parameter `name` as decoding uses it (the base a delta is against); ValueError for an unknown one."""
-        try:
-            return self.model.weight(name)
-        except AttributeError:
-            raise ValueError(f"unknown parameter {name!r}") from None
-
-    def _check_weights(self, msg: WeightUpdate) -> str | None:
-        if msg.version <= self.policy_version:
-            return f"version {msg.version} is not newer than the loaded version {self.policy_version}"
-        if msg.bucket >= msg.num_buckets:
-            return f"bucket {msg.bucket} out of range for num_buckets {msg.num_buckets}"
-        if len(msg.names) != len(msg.tensors):
-            return f"{len(msg.names)} names for {len(msg.tensors)} tensors"
-        params = dict(self.model.named_parameters())
-        for name, tensor in zip(msg.names, msg.tensors, strict=True):
-            param = params.get(name)
-            if param is None:
-                return f"unknown parameter {name!r}"
-            if tuple(tensor.shape) != tuple(param.shape) or tensor.dtype != param.dtype:
-                return f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, expected {tuple(param.shape)} {param.dtype}"
-        if checksum(msg.names, msg.tensors) != msg.checksum:
-            return f"bucket {msg.bucket}: checksum mismatch"
-        return None
-
     def _apply_weights(self) -> None:
         version = self._ready_version
         assert version is not None
@@ -430,9 +374,9 @@ class RolloutActor(Actor):
             for name, tensor in zip(update.names, update.tensors, strict=True):
                 self.model.write_parameter(name, tensor)
         self.policy_version = version
+        self.receiver.applied(version)
         self._ready_version = None
         self._in_place_version = None
-        self._delta_refused = {v for v in self._delta_refused if v > version}
         error = None
         if self.config.verify_applied_weights:
             held = dict(self.model.named_weights())  # packed-only projections unpacked: what decoding uses

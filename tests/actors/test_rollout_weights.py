@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -115,3 +116,30 @@ def test_an_idle_rollout_writes_buckets_in_place_and_a_busy_one_stages_them(
     drain(actor)
     assert actor.policy_version == 3 and [a.version for a in out.of(WeightAck)] == [2, 1, 3]
     assert {c.policy_version for c in out.of(Completion)} == {2}
+
+
+def test_a_full_bucket_that_fails_its_checks_is_refused_and_changes_nothing(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """A bucket in full whose checksum, names or shapes are wrong is refused with the reason (no `want_full`:
+    it was full already) and no weight moves; the next good push applies. The checks are the one weight
+    receiver's (engine/weight_receiver.py), which the drafter's head sync uses too."""
+    actor, out = make_actor(tiny, tmp_path, max_batch=4)
+    params = dict(actor.model.named_weights())
+    held = {n: p.clone() for n, p in params.items()}
+    good = shifted(params, 1, 0.5)
+    name = good.names[0]
+    bad = {
+        "checksum mismatch": msgspec.structs.replace(good, checksum="0" * 64),
+        "is not one of": msgspec.structs.replace(good, names=["nope", *good.names[1:]]),
+        "expected": msgspec.structs.replace(good, tensors=[good.tensors[0][:1], *good.tensors[1:]]),
+        "out of range": msgspec.structs.replace(good, bucket=1),
+    }
+    for why, update in bad.items():
+        actor.on_weights(update, "learner:0")
+        ack = out.of(WeightAck)[-1]
+        assert not ack.ok and not ack.want_full and why in (ack.error or ""), (why, ack)
+    assert actor.policy_version == 0
+    assert all(torch.equal(p, held[n]) for n, p in actor.model.named_weights()), name
+    actor.on_weights(good, "learner:0")
+    assert out.of(WeightAck)[-1].ok and actor.policy_version == 1
