@@ -211,9 +211,17 @@ def speculation(run: RunData) -> Figure | str:
     for color, bucket in zip(palette, buckets, strict=True):
         values = [(r.get("accept_by_batch") or {}).get(bucket, math.nan) for r in run.records]
         top.plot(all_steps, values, "o-", color=color, label=f"batch {bucket}", alpha=0.85)
+    steps, speculated = _series(run, "spec_accept_length")
+    if steps and any(speculated):
+        # Where the drafts ran: the average over every iteration counts the tuner's plain ones as 1.0.
+        shares = [
+            r.get("spec_token_share") or 0.0 for r in run.records if r.get("spec_accept_length") is not None
+        ]
+        label = f"speculated iterations ({100 * sum(shares) / len(shares):.0f}% of tokens)"
+        top.plot(steps, [v or math.nan for v in speculated], "k-", linewidth=2.5, label=label)
     steps, overall = _series(run, "accept_length")
     if steps:
-        top.plot(steps, overall, "k-", linewidth=2.5, label="all iterations")
+        top.plot(steps, overall, "--", color="gray", linewidth=1.5, label="all iterations")
     top.axhline(1.0, color="gray", linestyle=":", linewidth=1)
     top.set_ylim(bottom=0.9)
     top.set_ylabel("accept length\n(tokens / seq / target pass)")

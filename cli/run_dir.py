@@ -51,8 +51,10 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     reward_s: float  # from the last completion to the last reward
     learn_s: float
     sync_s: float  # weight push until every rollout acknowledged
-    accept_length: float
+    accept_length: float  # over every decode iteration: 1.0 where the tuner ran plain decoding
     arms: dict[str, int]
+    spec_accept_length: float = 0.0  # over the iterations that speculated (0.0: none did)
+    spec_token_share: float = 0.0  # share of decoded tokens that speculating iterations committed
     # batch-size bucket -> tokens per sequence per target pass over the iterations that speculated there
     accept_by_batch: dict[str, float] = {}
     # batch-size bucket -> tuner arm -> decode iterations
@@ -196,19 +198,26 @@ def summary(
     }
 
 
+def _spec_accept(record: dict[str, Any]) -> str:
+    """The accept length over the step's speculating iterations, "-" where none speculated."""
+    value = record.get("spec_accept_length", 0.0)
+    return f"{value:.2f}" if value else "-"
+
+
 def render(summary: dict[str, Any]) -> str:
-    """The run's summary as a table, one row per step."""
+    """The run's summary as a table, one row per step: `accept` over the iterations that speculated and
+    `spec` the share of tokens they committed."""
     head = (
         f"{'step':>4} {'reward':>7} {'correct':>7} {'mixed':>6} {'inval':>5} {'tok':>6} {'step s':>7} "
-        f"{'roll':>6} {'rew':>5} {'learn':>6} {'sync':>5} {'accept':>6} {'idle s':>6} {'reclaim':>7}"
+        f"{'roll':>6} {'rew':>5} {'learn':>6} {'sync':>5} {'accept':>6} {'spec':>5} {'idle s':>6} {'reclaim':>7}"
     )
     lines = [head]
     for r in summary["steps"]:
         lines.append(
             f"{r['step']:>4} {r['reward_mean']:>7.3f} {r['correct_share']:>7.3f} {r['nonzero_adv_share']:>6.2f} "
             f"{r['invalid']:>5} {r['tokens']:>6} {r['step_s']:>7.1f} {r['rollout_s']:>6.1f} {r['reward_s']:>5.2f} "
-            f"{r['learn_s']:>6.1f} {r['sync_s']:>5.2f} {r['accept_length']:>6.2f} {r['idle_device_s']:>6.1f} "
-            f"{r['reclaimed_s']:>7.1f}"
+            f"{r['learn_s']:>6.1f} {r['sync_s']:>5.2f} {_spec_accept(r):>6} {r.get('spec_token_share', 0.0):>5.0%} "
+            f"{r['idle_device_s']:>6.1f} {r['reclaimed_s']:>7.1f}"
         )
     lines.append(
         f"reward {summary['first_reward']} -> {summary['last_reward']} over {len(summary['steps'])} steps; "

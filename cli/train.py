@@ -440,6 +440,8 @@ async def _step(
         learn_s=0.0,
         sync_s=0.0,
         accept_length=round(metrics.accept_length, 3),
+        spec_accept_length=round(metrics.spec_accept_length, 3),
+        spec_token_share=round(metrics.spec_token_share, 4),
         arms=dict(metrics.arms),
         accept_by_batch=metrics.speculated_accept_length(),
         arms_by_batch={bucket: dict(arms) for bucket, arms in metrics.arms_by_batch.items()},
@@ -500,8 +502,16 @@ def _step_line(r: StepRecord, steps: int) -> str:
     invalid = f"  {r.invalid} invalid" if r.invalid else ""
     return (
         f"step {r.step + 1}/{steps}  reward {r.reward_mean:.3f}  correct {r.correct_share:.3f}  {r.tokens} tok  "
-        f"{r.step_s:.1f} s ({split})  accept {r.accept_length:.2f}{invalid}"
+        f"{r.step_s:.1f} s ({split})  {_speculation(r)}{invalid}"
     )
+
+
+def _speculation(r: StepRecord) -> str:
+    """What speculation did in the step: its accept length where it ran, and the share of tokens it decoded
+    (an average over every iteration would count the tuner's plain ones as 1.0)."""
+    if not r.spec_token_share:
+        return "no speculation"
+    return f"accept {r.spec_accept_length:.2f} on {r.spec_token_share:.0%} of tokens"
 
 
 def _explain(errors: dict[str, int]) -> str:

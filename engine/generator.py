@@ -12,9 +12,11 @@ same pass as the prefill chunks, verified losslessly; only the accepted path sta
 (`KVCache.commit_path`), and a run of accepted tokens is cut where plain decoding would stop. Drafters are
 built by the caller and held per method (`drafters=`, `hold`); `set_spec` switches between them.
 
-One code path for every device: cache, batch plan, sampling and verification run where the model is; the
-host reads the sampled tokens and log-probs, and a completion's hidden states once, when it finishes. The
-KV cache grows with the live batch and is released when idle, except on CUDA (`grow_cache`).
+Two ways to run an iteration, the same results: the dynamic pass above (the CPU's, tuned for it; its KV
+cache grows with the live batch), or, on CUDA (`static`), the pending tokens and their drafts in one
+fixed-shape step (`StaticStep`: sampling, verification and commit on the device, replayed as a CUDA graph)
+with prompts prefilled in eager passes of their own. Either way the host reads the sampled tokens and
+log-probs once an iteration, and a completion's hidden states once, when it finishes.
 Finish reasons: "stop" (a stop or EOS id, kept in token_ids: the policy must learn to emit it), "length"
 (max_tokens, or prompt + response filled the slot's max_len).
 """

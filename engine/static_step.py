@@ -180,7 +180,8 @@ class StaticStep:
         )
 
     def run(self, rows: Sequence[StepRow], *, nodes: int | None = None) -> StepResult:
-        """Score and decide `rows` (at most max_batch, each at most max_nodes nodes) in one step."""
+        """Score and decide `rows` (at most max_batch, each at most max_nodes nodes) in one step. The result's
+        arrays are views of a pinned buffer: valid until the next `run`."""
         if not rows or len(rows) > self.max_batch:
             raise ValueError(f"a step takes 1..{self.max_batch} rows, got {len(rows)}")
         started = time.perf_counter()

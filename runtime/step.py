@@ -46,6 +46,8 @@ class StepMetrics:
     positions: list[list[int]] = field(default_factory=list)
     # the drafters' newest training loss as reported in the step (owner rank's last step), None if none trained
     drafter_loss: float | None = None
+    committed: int = 0  # tokens committed by decode iterations
+    speculated_committed: int = 0  # of those, by iterations that speculated (any arm but "off")
     requeued: int = 0  # samples and score requests dealt again after their actor died
     duplicates: int = 0  # completions and rewards dropped: their (group, sample) had come back already
 
@@ -78,10 +80,12 @@ class StepMetrics:
         spent = self.decode_by_batch.setdefault(bucket, [0.0, 0])
         spent[0] += iter_s
         spent[1] += committed
+        self.committed += committed
         if arm != "off":
             cell = self.speculated.setdefault(bucket, [0, 0])
             cell[0] += batch_size
             cell[1] += accepted
+            self.speculated_committed += committed
         for depth, (offered, took) in enumerate(zip(offered_at, accepted_at, strict=False)):
             if depth == len(self.positions):
                 self.positions.append([0, 0])
@@ -96,6 +100,18 @@ class StepMetrics:
         """Per batch-size bucket, in bucket order: [decode device-seconds, committed tokens]."""
         cells = _in_bucket_order(self.decode_by_batch)
         return {label: [round(seconds, 3), int(tokens)] for label, (seconds, tokens) in cells}
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Tokens per sequence per target pass over the iterations that speculated (0.0: none did): what
+        the drafts bought where they were used, which `accept_length` dilutes with the plain iterations."""
+        seqs = sum(cell[0] for cell in self.speculated.values())
+        return 1.0 + sum(cell[1] for cell in self.speculated.values()) / seqs if seqs else 0.0
+
+    @property
+    def spec_token_share(self) -> float:
+        """The share of decoded tokens that iterations which speculated committed."""
+        return self.speculated_committed / self.committed if self.committed else 0.0
 
     def speculated_accept_length(self) -> dict[str, float]:
         """Per batch-size bucket: tokens per sequence per target pass over the iterations that speculated."""

@@ -41,6 +41,9 @@ from slipstream.engine.tree import build_tree, tree_depths
 __all__ = ["EagleDrafter"]
 
 
+EXTEND_PAIRS = 32
+"""Committed pairs a row in one pass of the head (more wait for the next pass)."""
+
 # (temperature [B], seeds [B], positions [B] of the first draft token) for keyed draws; temperature 0
 # where a row drafts its argmax.
 _Keys = tuple[Tensor, Tensor, Tensor]
@@ -292,16 +295,26 @@ class EagleDrafter(Drafter):
         request.num_features = lo + new.shape[0]
 
     def _extend(self, work: Sequence[tuple[_Request, DraftState]]) -> None:
-        """Run the head over every request's uncached pairs in one fixed-shape pass ([rows, pairs], padding
-        masked out): K/V into the cache, each request's newest output kept. No host read."""
+        """Run the head over every request's uncached pairs in fixed-shape passes ([rows, pairs], padding
+        masked out) of at most EXTEND_PAIRS pairs a row: K/V into the cache, each request's newest output
+        kept. No host read."""
         jobs = []
         for request, state in work:
             # A pair at window position p needs the token after it; the newest state pairs with the pending one.
             end = min(request.num_features, len(state.tokens) - 1 - request.start, self.cache.max_len)
             if end > request.cached:
                 jobs.append((request, state, request.cached, end))
-        if not jobs:
-            return
+        while jobs:
+            # A request that drafted nothing for a while (the tuner ran plain decoding) has many pairs to
+            # catch up on: passes of a bounded width (the attention's tree bits hold 63 pairs).
+            chunk = [(r, s, lo, min(hi, lo + EXTEND_PAIRS)) for r, s, lo, hi in jobs]
+            self._extend_pass(chunk)
+            jobs = [
+                (r, s, cut, hi) for (r, s, _, hi), (_, _, _, cut) in zip(jobs, chunk, strict=True) if cut < hi
+            ]
+
+    def _extend_pass(self, jobs: Sequence[tuple[_Request, DraftState, int, int]]) -> None:
+        """One pass over pairs [lo, hi) of each job's request."""
         device = self.head.fc.weight.device
         width = max(hi - lo for _, _, lo, hi in jobs)  # pairs a row
         rows = len(jobs)

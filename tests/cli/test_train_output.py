@@ -31,7 +31,7 @@ SINKS = ["tensorboard"] if importlib.util.find_spec("tensorboard") else []
 STEP = re.compile(
     r"^step (?P<i>\d+)/2  reward (?P<reward>\S+)  correct (?P<correct>\S+)  (?P<tokens>\d+) tok  "
     r"(?P<step_s>[\d.]+) s \(rollout [\d.]+, reward [\d.]+, learn [\d.]+, sync [\d.]+(, ckpt [\d.]+)?\)  "
-    r"accept (?P<accept>[\d.]+)$"
+    r"(no speculation|accept (?P<accept>[\d.]+) on (?P<share>\d+)% of tokens)$"
 )
 
 
@@ -105,7 +105,12 @@ def test_each_step_prints_its_line_as_it_finishes_when_stdout_is_a_pipe(run: dic
         assert m["correct"] == f"{record['correct_share']:.3f}"
         assert int(m["tokens"]) == record["tokens"]
         assert m["step_s"] == f"{record['step_s']:.1f}"
-        assert m["accept"] == f"{record['accept_length']:.2f}"
+        # What speculation did where it ran, not an average that counts the tuner's plain iterations as 1.0.
+        if record["spec_token_share"]:
+            assert m["accept"] == f"{record['spec_accept_length']:.2f}"
+            assert m["share"] == f"{100 * record['spec_token_share']:.0f}"
+        else:
+            assert m["accept"] is None and record["spec_accept_length"] == 0.0
 
 
 @pytest.mark.skipif(not SINKS, reason="tensorboard is not installed: pip install 'slipstream[tensorboard]'")

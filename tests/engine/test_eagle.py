@@ -192,6 +192,24 @@ def test_states_in_one_chunk_equal_states_one_by_one(
             assert a.tokens.tolist() == b.tokens.tolist()
 
 
+def test_a_long_catch_up_drafts_as_one_kept_current(target: Transformer) -> None:
+    """A request that drafted nothing for a while (the tuner ran plain decoding) catches up on more pairs
+    than one pass takes (passes of EXTEND_PAIRS; the attention's tree bits hold 63): its draft equals the
+    one a drafter kept current commit by commit drafts."""
+    prompt = list(range(30, 40))
+    params = SamplingParams(temperature=0.0, max_tokens=90)
+    gen = Generator(target, num_slots=1, max_len=128, eos_token_ids=(), return_hidden=True)
+    c = gen.generate([Request(request_id="long", prompt_ids=prompt, params=params)])[0]
+    head = make_head(target)
+    current = EagleDrafter(head, target, num_slots=1, max_len=128)
+    for j in range(80):  # a draft after every commit: its cache never falls behind
+        ahead = current.propose([state(c, j, c.hidden[j : j + 1])], 4, 1, 4)[0]
+    late = EagleDrafter(head, target, num_slots=1, max_len=128)
+    late.observe(state(c, 79, c.hidden[:80]))
+    caught_up = late.propose([state(c, 79, c.hidden[:0])], 4, 1, 4)[0]
+    assert len(ahead) == 4 and caught_up.tokens.tolist() == ahead.tokens.tolist()
+
+
 def test_tree_nodes_are_top_k_of_their_path(target: Transformer, completions: list[Completion]) -> None:
     head = make_head(target)
     drafter = EagleDrafter(head, target, num_slots=2, max_len=64)

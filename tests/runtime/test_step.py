@@ -32,3 +32,17 @@ def test_a_step_reports_decode_seconds_and_tokens_per_batch_bucket() -> None:
     m.add_iteration(0, "off", 0, iter_s=0.4, committed=5)  # prefill only: not a decode iteration
     assert m.decode_seconds_by_batch() == {"1": [0.11, 4], "3-4": [0.07, 4], "9-16": [0.1, 12]}
     assert list(m.decode_seconds_by_batch()) == ["1", "3-4", "9-16"]  # bucket order, not arrival order
+
+
+def test_a_step_reports_speculation_where_it_ran_and_the_share_of_tokens_it_decoded() -> None:
+    """The step line's figures: the accept length over the iterations that speculated (the average over
+    every iteration counts the tuner's plain ones as 1.0) and the share of tokens those committed."""
+    m = StepMetrics()
+    assert m.spec_accept_length == 0.0 and m.spec_token_share == 0.0  # nothing decoded yet
+    m.add_iteration(16, "off", 0, committed=16)
+    m.add_iteration(2, "hybrid:d3", 3, committed=5)
+    m.add_iteration(1, "hybrid:d3", 2, committed=3)
+    m.add_iteration(4, "off", 0, committed=4)
+    assert m.spec_accept_length == 1.0 + 5 / 3
+    assert m.spec_token_share == 8 / 28
+    assert m.accept_length == 1.0 + 5 / 23  # diluted by the plain iterations
