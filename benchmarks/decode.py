@@ -244,13 +244,15 @@ def _generator(
     arm: Arm,
     recorded: dict[str, list[int]],
     drafter_dir: Path | None = None,
+    *,
+    static: bool | None = None,
 ) -> Generator:
     # max_batch: every request at once. for_requests' default (32) would decode a larger batch in waves of
     # 32, which `bench gpu`'s rows from batch 64 up did until 2026-11-26 (docs/gpu.md). share_prompts off: a
     # row's prompts may repeat, and shared ones would join the decode batch a pass after the first.
     if arm.spec == "off":
         return Generator.for_requests(
-            model, requests, max_batch=len(requests), eos_token_ids=(), share_prompts=False
+            model, requests, max_batch=len(requests), eos_token_ids=(), share_prompts=False, static=static
         )
     spec = SpecConfig(method=arm.spec, depth=arm.depth, topk=arm.topk, verify=arm.verify, mode=arm.mode)  # type: ignore[arg-type]
     drafter: Drafter
@@ -269,6 +271,7 @@ def _generator(
         drafters={arm.spec: drafter},
         eos_token_ids=(),
         share_prompts=False,
+        static=static,
     )
 
 

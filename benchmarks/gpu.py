@@ -33,20 +33,17 @@ from typing import Any
 import msgspec
 import torch
 
-from slipstream.benchmarks.decode import Arm, Tally, bench_requests, record_outputs
-from slipstream.engine.batch import BatchLayout
+from slipstream.benchmarks.decode import Arm, Tally, _generator, bench_requests, record_outputs
 from slipstream.engine.config import ModelConfig
 from slipstream.engine.device import require_device
-from slipstream.engine.drafters import OracleDrafter
-from slipstream.engine.generator import Generator, Request
+from slipstream.engine.generator import Request
 from slipstream.engine.kv_cache import KVCache
 from slipstream.engine.model import Transformer
 from slipstream.engine.sampling import SamplingParams
-from slipstream.engine.speculator import SpecConfig
 from slipstream.engine.static_step import PAGE_SIZE, StaticStep, StepRow
 from slipstream.engine.weights import hf_state_dict
 
-__all__ = ["SHAPES", "GpuResult", "ShapeRow", "bench_shape", "main", "random_model", "run", "verify_cost"]
+__all__ = ["SHAPES", "GpuResult", "ShapeRow", "bench_shape", "main", "random_model", "run", "step_costs"]
 
 _QWEN = {"model_type": "qwen2", "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0}
 SHAPES: dict[str, dict[str, Any]] = {
@@ -241,54 +238,6 @@ def step_costs(
     return round(plain_ms, 3), round(statistics.median(host), 3), costs
 
 
-def verify_cost(
-    model: Transformer, batch: int, context: int, ks: Sequence[int] = VERIFY_KS, repeats: int = 5
-) -> dict[str, float]:
-    """cost(pass of k+1 tokens per sequence) / cost(pass of 1) of the DYNAMIC eager path at `batch`
-    sequences of `context` cached tokens, logits at every new row; medians of `repeats` timed passes (the
-    fixed-shape step's costs: `step_costs`)."""
-    device = model.lm_head_weight.device
-    dtype = model.lm_head_weight.dtype
-    longest = 1 + max(ks)
-    cache = KVCache.for_model(
-        model.config, num_slots=batch, max_len=context + longest, dtype=dtype, device=device
-    )
-    slots = [cache.allocate() for _ in range(batch)]
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    vocab = model.config.vocab_size
-
-    def run_pass(n_new: int) -> float:
-        layout = BatchLayout.build(cache, slots, [n_new] * batch, logit_rows=range(batch * n_new))
-        ids = torch.randint(0, vocab, (batch * n_new,), generator=gen).to(device)
-        _sync(device)
-        started = time.perf_counter()
-        model(ids, layout.positions, layout, cache)
-        _sync(device)
-        return time.perf_counter() - started
-
-    # Prefill the context in chunks that keep one pass under ~16k tokens.
-    step = max(1, min(context, 16384 // batch))
-    filled = 0
-    while filled < context:
-        n = min(step, context - filled)
-        layout = BatchLayout.build(cache, slots, [n] * batch, logit_rows=[])
-        model(
-            torch.randint(0, vocab, (batch * n,), generator=gen).to(device), layout.positions, layout, cache
-        )
-        filled += n
-
-    def timed(n_new: int) -> float:
-        seconds = []
-        for _ in range(repeats + 1):  # the first pass of a shape warms kernels up: not counted
-            seconds.append(run_pass(n_new))
-            for slot in slots:
-                cache.set_length(slot, context)  # roll the pass back: every pass sees the same context
-        return statistics.median(seconds[1:])
-
-    one = timed(1)
-    return {str(k): round(timed(k + 1) / one, 3) for k in ks}
-
-
 def _hf_tokens_per_s(model: Transformer, prompts: list[list[int]], max_tokens: int) -> float | None:
     """transformers' generate on the same weights, static cache, sampling at T = 1, EOS ignored."""
     try:
@@ -345,9 +294,6 @@ def _hf_tokens_per_s(model: Transformer, prompts: list[list[int]], max_tokens: i
     return (out.shape[1] - ids.shape[1]) * len(prompts) / seconds
 
 
-_captured: list[float] = []  # capture seconds of the generators `timed_generate` built for a shape
-
-
 def timed_generate(
     model: Transformer,
     requests: list[Request],
@@ -355,35 +301,25 @@ def timed_generate(
     recorded: dict[str, list[int]],
     *,
     static: bool | None = None,
-) -> Tally:
-    """One generator for `arm`, run over `requests` twice: the first warms it up (graphs captured, kernels
-    compiled), the second is timed. static: as `Generator`'s (None: the device's default)."""
-    spec = None
-    drafters: dict[str, Any] = {}
-    if arm.spec != "off":
-        spec = SpecConfig(method=arm.spec, depth=arm.depth, topk=arm.topk, verify=arm.verify, mode=arm.mode)  # type: ignore[arg-type]
-        drafters[arm.spec] = OracleDrafter(recorded, device=model.lm_head_weight.device)
-    slack = 0 if spec is None else spec.verify_budget + 2
-    longest = max(len(r.prompt_ids) + r.params.max_tokens for r in requests)
-    gen = Generator(
-        model, num_slots=len(requests), max_len=longest + slack, spec=spec, drafters=drafters,
-        eos_token_ids=(), share_prompts=False, static=static,
-        max_draft=None if spec is None else spec.verify_budget,
-    )  # fmt: skip
+) -> tuple[Tally, float]:
+    """One generator for `arm` (bench decode's), run over `requests` twice: the first warms it up (graphs
+    captured, kernels compiled), the second is timed. Returns the timed run's tally and the seconds spent
+    capturing graphs. static: as `Generator`'s (None: the device's default)."""
+    gen = _generator(model, requests, arm, recorded, static=static)
     gen.generate(requests)
     device = model.lm_head_weight.device
     tally = Tally()
-    if gen._static is not None:
-        _captured.append(gen._static.runner.capture_s)
     _sync(device)
     started = time.perf_counter()
     for completion in gen.generate(requests):
         tally.add(completion)
     _sync(device)
     tally.seconds = time.perf_counter() - started
+    capture_s = 0.0
     if gen._static is not None:
+        capture_s = gen._static.runner.capture_s
         gen._static.runner.reset()  # its graphs' memory goes now, not at some later collection
-    return tally
+    return tally, capture_s
 
 
 def bench_shape(
@@ -408,11 +344,13 @@ def bench_shape(
     gen = torch.Generator(device="cpu").manual_seed(0)
     prompts = torch.randint(0, model.config.vocab_size, (max(batches), prompt_tokens), generator=gen).tolist()
     rows = []
-    _captured.clear()
+    capture_s = 0.0
     for batch in batches:
         requests = bench_requests(prompts[:batch], max_tokens)
         recorded = record_outputs(model, requests)  # the oracle's script (the static path when on)
-        tallies = [timed_generate(model, requests, arm, recorded, static=static) for arm in SELF_ARMS]
+        timed = [timed_generate(model, requests, arm, recorded, static=static) for arm in SELF_ARMS]
+        tallies = [tally for tally, _ in timed]
+        capture_s += sum(seconds for _, seconds in timed)
         plain = tallies[0].tokens / tallies[0].seconds
         self_draft = {
             f"d{a.depth}": round(t.tokens / t.seconds / plain, 3)
@@ -424,7 +362,7 @@ def bench_shape(
         }
         eager = None
         if batch in eager_batches:
-            t = timed_generate(model, requests, SELF_ARMS[0], recorded, static=False)
+            t, _ = timed_generate(model, requests, SELF_ARMS[0], recorded, static=False)
             eager = round(t.tokens / t.seconds, 1)
         run_peer = peer_batches is None or batch in peer_batches
         hf = _hf_tokens_per_s(model, prompts[:batch], max_tokens) if run_peer else None
@@ -465,7 +403,7 @@ def bench_shape(
         weight_gb=round(weight_bytes / 1e9, 3),
         roofline_b1=roofline,
         hbm_tb_s=bandwidth,
-        capture_s=round(sum(_captured), 2),
+        capture_s=round(capture_s, 2),
         rows=rows,
     )
 

@@ -304,20 +304,16 @@ class Generator:
             )
         ]
 
-    def _speculative_step(self, decodes: list[_Sequence], prefills: list[_Sequence]) -> list[StepOutput]:
-        """Draft for every decode, verify all drafts in one pass with the prefill chunks, commit."""
-        spare = self.token_budget - len(decodes)
-        draft_budget = spare
-        if prefills:
-            # Prefill keeps half the spare budget (or what it needs): drafts never starve newcomers.
-            pending = sum(len(seq.tokens) - seq.num_cached for seq in prefills)
-            draft_budget -= min(pending, max(1, spare // 2))
+    def _draft(self, decodes: list[_Sequence], budget: int, max_nodes: int | None = None) -> list[Proposal]:
+        """Every decode's draft, `budget` nodes in all and at most `max_nodes` each (None: what its cache
+        slot has room for); the time it took adds to `last_draft_ns`."""
         # Every node needs a cache position; a level beyond what the request may still emit is wasted.
-        node_caps = [self.cache.max_len - len(seq.tokens) for seq in decodes]
+        rooms = [self.cache.max_len - len(seq.tokens) for seq in decodes]
         depth_caps = [
             min(seq.request.params.max_tokens - seq.num_generated, room) - 1
-            for seq, room in zip(decodes, node_caps, strict=True)
+            for seq, room in zip(decodes, rooms, strict=True)
         ]
+        node_caps = rooms if max_nodes is None else [min(room, max_nodes) for room in rooms]
         states = [seq.draft_state for seq in decodes]
         if self.speculator.needs_hidden:  # every commit was observed with its states: none are new
             none_new = torch.empty(
@@ -325,8 +321,26 @@ class Generator:
             )
             states = [replace(state, hidden=none_new) for state in states]
         drafting = time.perf_counter_ns()
-        proposals = self.speculator.draft(states, depth_caps, node_caps, draft_budget)
-        self.last_draft_ns = time.perf_counter_ns() - drafting
+        proposals = self.speculator.draft(states, depth_caps, node_caps, budget)
+        self.last_draft_ns += time.perf_counter_ns() - drafting
+        return proposals
+
+    def _speculative_step(
+        self,
+        decodes: list[_Sequence],
+        prefills: list[_Sequence],
+        proposals: list[Proposal] | None = None,
+    ) -> list[StepOutput]:
+        """Draft for every decode (unless `proposals` are given), verify all drafts in one pass with the
+        prefill chunks, commit."""
+        spare = self.token_budget - len(decodes)
+        if proposals is None:
+            draft_budget = spare
+            if prefills:
+                # Prefill keeps half the spare budget (or what it needs): drafts never starve newcomers.
+                pending = sum(len(seq.tokens) - seq.num_cached for seq in prefills)
+                draft_budget -= min(pending, max(1, spare // 2))
+            proposals = self._draft(decodes, draft_budget)
         plan = self._prefill_plan(prefills, spare - sum(p.size for p in proposals))
         self.last_prefill_tokens = sum(n for _, n in plan)
 
@@ -410,25 +424,12 @@ class Generator:
         proposals = [EMPTY] * len(decodes)
         spec = self.speculator.config
         if self.speculator.enabled:
-            rooms = [self.cache.max_len - len(seq.tokens) for seq in decodes]
-            depth_caps = [
-                min(seq.request.params.max_tokens - seq.num_generated, room) - 1
-                for seq, room in zip(decodes, rooms, strict=True)
-            ]
-            node_caps = [min(room, step.max_nodes - 1) for room in rooms]  # the step's node bucket
-            states = [seq.draft_state for seq in decodes]
-            if self.speculator.needs_hidden:
-                none_new = torch.empty(
-                    0, self.model.config.hidden_size, dtype=self.cache.dtype, device=self.cache.device
-                )
-                states = [replace(state, hidden=none_new) for state in states]
-            drafting = time.perf_counter_ns()
-            proposals = self.speculator.draft(states, depth_caps, node_caps, self.token_budget - len(decodes))
-            self.last_draft_ns += time.perf_counter_ns() - drafting
+            # At most the step's node bucket a row, the pending token aside.
+            proposals = self._draft(decodes, self.token_budget - len(decodes), step.max_nodes - 1)
             if any(p.draft_probs is not None for p in proposals):
                 # Stochastic drafts (a [n, V] distribution per draft) verify on the dynamic path: no
                 # drafter in this package makes them, and a buffer of B x N x V floats is not worth keeping.
-                return self._speculative_step(decodes, [])
+                return self._speculative_step(decodes, [], proposals)
         rows = [
             StepRow(
                 slot=seq.slot,
@@ -493,12 +494,13 @@ class Generator:
         eos_token_ids: Sequence[int] | None = None,
         return_hidden: bool = False,
         share_prompts: bool = True,
+        static: bool | None = None,
     ) -> Generator:
         """A generator sized for `requests`: slots and length fit the job (a static cache's bytes, a grown
         one's limits).
 
         eos_token_ids: stop ids for every request (None: the model config's; () decodes to max_tokens);
-        share_prompts: as in `__init__`.
+        share_prompts, static: as in `__init__`.
         """
         num_slots = max(1, min(max_batch, len(requests)))
         longest = max(len(r.prompt_ids) + r.params.max_tokens for r in requests)
@@ -513,6 +515,7 @@ class Generator:
             spec=spec,
             drafters=drafters,
             share_prompts=share_prompts,
+            static=static,
         )
 
     def _forward(self, input_ids: list[int], layout: BatchLayout) -> tuple[Tensor, Tensor]:

@@ -92,12 +92,6 @@ def test_hbm_bandwidth_by_part() -> None:
     assert gpu.hbm_bandwidth("NVIDIA A10") is None
 
 
-def test_verify_cost_rolls_the_cache_back(device: torch.device) -> None:
-    model = gpu.random_model(TINY_QWEN, device, torch.float32)
-    cost = gpu.verify_cost(model, batch=2, context=10, ks=(1, 3), repeats=2)
-    assert set(cost) == {"1", "3"} and all(v > 0 for v in cost.values())
-
-
 def test_random_model_is_reproducible_and_on_its_device(device: torch.device) -> None:
     a = gpu.random_model(TINY_QWEN, device, torch.float32, seed=3)
     b = gpu.random_model(TINY_QWEN, device, torch.float32, seed=3)
