@@ -6,7 +6,7 @@
     python -m slipstream.benchmarks.rollout --json                   # without the CLI (the same defaults)
 
 Real processes: 2 rollout actors, one core and one thread each ("2 devices"), and in the adaptive mode
-2 drafter actors that train one EAGLE head. The bench is a client of `runtime/coordinator.py`, as the RL
+2 drafter actors that train one EAGLE head. The bench is a client of `rl/coordinator.py`, as the RL
 loop is: whole groups are dealt by expected work (GRPO siblings share one rollout's n-gram tables), an idle
 device is leased to its drafter, and every lease is preempted when the last completion arrives. Each mode
 runs `steps` RL steps on fresh prompts, the same for every mode; the first warms the tuner and the online
@@ -44,11 +44,11 @@ from slipstream.engine.tuner import Tuner, TunerConfig
 from slipstream.engine.warmup import warmup
 from slipstream.engine.weights import load_model
 from slipstream.protocols.rollout import GenerateRequest, IterationStats, SamplingSpec
+from slipstream.rl.coordinator import Coordinator
+from slipstream.rl.step import rollout_step
 from slipstream.runtime import config as run_config
-from slipstream.runtime.coordinator import Coordinator
 from slipstream.runtime.placement import Placement, place
 from slipstream.runtime.progress import bar
-from slipstream.runtime.step import rollout_step
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
 from slipstream.runtime.transport import actor_name
 from slipstream.tasks.datasets import task_prompts

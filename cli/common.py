@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 if TYPE_CHECKING:
-    from slipstream.cli.train import TrainConfig
+    from slipstream.rl.run_config import TrainConfig
 
 T = TypeVar("T")
 

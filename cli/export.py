@@ -47,7 +47,7 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 def checkpoints(run_dir: Path) -> dict[int, Path]:
     """Every complete learner checkpoint of a run: step → checkpoints/step-N/learner.pt (the learner writes
     it atomically, so one that exists is whole)."""
-    from slipstream.cli.run_dir import CHECKPOINT_FILE, checkpoint_dirs  # torch: not with the parser
+    from slipstream.rl.run_dir import CHECKPOINT_FILE, checkpoint_dirs  # torch: not with the parser
 
     files = {step: path / CHECKPOINT_FILE for step, path in checkpoint_dirs(run_dir).items()}
     return {step: path for step, path in files.items() if path.is_file()}

@@ -30,7 +30,6 @@ from slipstream.cli import bench as bench_cli
 from slipstream.cli import export as export_cli
 from slipstream.cli import report as report_cli
 from slipstream.cli import trace as trace_cli
-from slipstream.cli.common import packaged_config, run_training, until_sigterm
 
 
 def _cmd_smoke(args: argparse.Namespace) -> int:
@@ -55,64 +54,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    import msgspec
-
     from slipstream.cli import train
-    from slipstream.runtime.cluster import resolve_cluster
-    from slipstream.runtime.turns import Turns
 
-    cluster = resolve_cluster(nnodes=args.nnodes, node_rank=args.node_rank, head=args.head)
-    if cluster.multi and args.run_dir is None and args.resume is None:
-        raise ValueError(
-            f"--run-dir: a run on {cluster.nnodes} nodes needs one run directory that every node sees "
-            "(a shared filesystem), the same on each node's command line"
-        )
-    overrides = list(args.overrides)
-    config_path = args.config
-    if config_path is not None and "=" in config_path and not Path(config_path).exists():
-        overrides.insert(0, config_path)  # `slipstream train steps=3`: no file, an override
-        config_path = None
-    if args.resume is not None:
-        run_dir = args.resume
-        resolved = run_dir / "config.json"
-        if not resolved.is_file():
-            raise ValueError(f"--resume {run_dir}: not a training run directory (no config.json)")
-        # The run's own config, then this command line's overrides (`--resume RUN steps=20`), recorded in it.
-        cfg = train.load_config(resolved, overrides)
-        if overrides:
-            resolved.write_text(json.dumps(msgspec.to_builtins(cfg)))
-            with (run_dir / "overrides.log").open("a") as log_file:
-                log_file.write(json.dumps({"resumed_at": time.time(), "overrides": overrides}) + "\n")
-    else:
-        cfg = train.load_config(config_path or packaged_config("demo.yaml"), overrides)
-        run_dir = args.run_dir or Path(f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}")
-    if cluster.node_rank > 0:  # a node agent: starts what the head places here, until the run ends
-        import uvloop
-
-        from slipstream.runtime import logs
-
-        log = logs.configure(role="agent", rank=cluster.node_rank, run_dir=run_dir, echo=args.verbose)
-        return uvloop.run(
-            until_sigterm(
-                train.serve_node(
-                    cfg, run_dir, cluster, keys_dir=args.keys, log=log, join_timeout_s=args.join_timeout
-                )
-            )
-        )
-    summary = run_training(
-        cfg,
-        run_dir,
-        baseline=args.baseline,
-        resume=args.resume is not None,
-        echo=args.verbose,
-        step_lines=sys.stdout,  # a line per step as it finishes, on a terminal or not
-        cluster=cluster,
-        keys_dir=args.keys,
-        join_timeout_s=args.join_timeout,
-        turns=Turns.parse(args.turns) if args.turns else None,
-    )
-    print(train.render(summary))
-    return 0
+    return train.run(args)
 
 
 def _cmd_models(args: argparse.Namespace) -> int:

@@ -1,6 +1,6 @@
 """Metric sinks: each step's record also as TensorBoard event files or an offline wandb run (both off).
 
-The loop (cli/train.py) appends a step's record to metrics.jsonl, then hands the same record to each sink
+The loop (rl/loop.py) appends a step's record to metrics.jsonl, then hands the same record to each sink
 that `metrics.sinks` names. A sink keeps the numeric scalars, nested dicts flattened with "/" (arms/off,
 accept_by_batch/1), and skips the rest (lists, strings). Each sink's package is an extra, looked for when
 the run starts (`require_sinks`): a missing one is named, with its `pip install`, before anything spawns.

@@ -1,7 +1,8 @@
 """The import direction of the layout (STYLE.md): imports point down, and entry points live in cli/.
 
-cli → everything; benchmarks → all but cli; actors → engine, runtime, protocols, tasks (never another
-actor); tasks → engine (its tokenizer); runtime → protocols; engine → engine; protocols → protocols.
+cli → everything; benchmarks → all but cli; rl (the RL control plane) → actors (their configs), runtime,
+protocols, engine, tasks; actors → engine, runtime, protocols, tasks (never another actor); tasks → engine
+(its tokenizer); runtime → protocols; engine → engine; protocols → protocols.
 Every import of `slipstream.*` counts, lazy ones inside functions too.
 """
 
@@ -11,14 +12,15 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("protocols", "runtime", "engine", "tasks", "actors", "benchmarks", "cli", "deploy")
+LAYERS = ("protocols", "runtime", "engine", "tasks", "actors", "rl", "benchmarks", "cli", "deploy")
 ALLOWED: dict[str, set[str]] = {
     "protocols": {"protocols"},
     "runtime": {"protocols", "runtime"},
     "engine": {"engine"},
     "tasks": {"tasks", "engine"},
     "actors": {"actors", "engine", "runtime", "protocols", "tasks"},  # `actors` itself: see below
-    "benchmarks": {"protocols", "runtime", "engine", "tasks", "actors", "benchmarks"},
+    "rl": {"rl", "protocols", "runtime", "engine", "tasks", "actors"},
+    "benchmarks": {"protocols", "runtime", "engine", "tasks", "actors", "rl", "benchmarks"},
     "cli": set(LAYERS),
     "deploy": set(),
 }
@@ -66,10 +68,22 @@ def test_a_planted_upward_edge_is_caught(tmp_path: Path) -> None:
     (tmp_path / "runtime" / "planted.py").write_text("def f():\n    from slipstream.engine import model\n")
     (tmp_path / "actors").mkdir()
     (tmp_path / "actors" / "a.py").write_text("from slipstream.actors.drafter import weights_checksum\n")
+    (tmp_path / "actors" / "up.py").write_text("from slipstream.rl.coordinator import Coordinator\n")
     (tmp_path / "benchmarks").mkdir()
     (tmp_path / "benchmarks" / "b.py").write_text("from slipstream import cli\n")
+    (tmp_path / "rl").mkdir()
+    (tmp_path / "rl" / "r.py").write_text("from slipstream.cli import train\n")
+    for layer in ("runtime", "engine", "tasks", "protocols"):  # none of them may import the RL plane
+        (tmp_path / layer).mkdir(exist_ok=True)
+        (tmp_path / layer / "to_rl.py").write_text("from slipstream import rl\n")
     assert sorted(violations(tmp_path)) == [
         "actors/a.py:1: actors -> slipstream.actors.drafter (an actor imports another actor)",
+        "actors/up.py:1: actors -> slipstream.rl.coordinator",
         "benchmarks/b.py:1: benchmarks -> slipstream.cli",
+        "engine/to_rl.py:1: engine -> slipstream.rl",
+        "protocols/to_rl.py:1: protocols -> slipstream.rl",
+        "rl/r.py:1: rl -> slipstream.cli",
         "runtime/planted.py:2: runtime -> slipstream.engine",
+        "runtime/to_rl.py:1: runtime -> slipstream.rl",
+        "tasks/to_rl.py:1: tasks -> slipstream.rl",
     ]

@@ -22,8 +22,8 @@ from slipstream.actors.learner import LearnerActor
 from slipstream.actors.rollout import RolloutActor
 from slipstream.protocols.control import Status
 from slipstream.protocols.learner import XOR_ZSTD, PushWeights, ScoredGroup, WeightAck, WeightUpdate
+from slipstream.rl.coordinator import Coordinator
 from slipstream.runtime.codec import checksum
-from slipstream.runtime.coordinator import Coordinator
 from slipstream.runtime.inbox import Inbox
 from slipstream.runtime.launcher import ActorLaunch, LocalLauncher, ProcessHandle
 from slipstream.runtime.supervisor import ActorSpec, Supervisor

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from slipstream.benchmarks import rollout
-from slipstream.cli.main import main, packaged_config
+from slipstream.cli.common import packaged_config
+from slipstream.cli.main import main
 from slipstream.engine import eagle_export
 from slipstream.engine.config import ModelConfig
 from slipstream.engine.eagle import EagleHead

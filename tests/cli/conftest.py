@@ -12,8 +12,8 @@ import msgspec
 import pytest
 
 from slipstream.benchmarks.soak import near_tie
-from slipstream.cli import train
 from slipstream.engine import hub
+from slipstream.rl import run_config
 from slipstream.tasks.rewards import reasoning_gym
 from tests.engine.conftest import build_checkpoint
 
@@ -40,7 +40,7 @@ def tiny_chat(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def config(model: Path, **overrides: Any) -> train.TrainConfig:
+def config(model: Path, **overrides: Any) -> run_config.TrainConfig:
     base = {
         "model": str(model),
         "task": "chain_sum",
@@ -58,7 +58,7 @@ def config(model: Path, **overrides: Any) -> train.TrainConfig:
         "rollout": {"verify_weights": True},
         "learner": {"threads": 1, "optim": {"lr": 1e-3}},
     }
-    return msgspec.convert({**base, **overrides}, train.TrainConfig)
+    return msgspec.convert({**base, **overrides}, run_config.TrainConfig)
 
 
 Recorded = dict[tuple[int, int, int], tuple[list[int], list[float], float | None]]

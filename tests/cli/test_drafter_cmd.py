@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 
 from slipstream.cli import drafter as drafter_cli
-from slipstream.cli import train
-from slipstream.cli.main import build_parser, main, packaged_config
+from slipstream.cli.common import packaged_config
+from slipstream.cli.main import build_parser, main
 from slipstream.engine import hub
 from slipstream.engine.tokenizer import Tokenizer
+from slipstream.rl import run_config
 from slipstream.runtime.config import ConfigError
 from slipstream.tasks.datasets import chat_prompt_ids, load_rows
 
@@ -49,7 +50,7 @@ def test_task_options_and_system_prompt_reach_the_prompts_as_train_builds_them(
     system = "Answer with the number."
     assert _warmup(tmp_path, "--task-options", json.dumps(DEMO_OPTIONS), "--system-prompt", system) == 0
     # train's prompts: its data source (load_rows with task_options), then chat_prompt_ids with its system turn
-    cfg = train.TrainConfig(task="chain_sum", task_options=DEMO_OPTIONS, system_prompt=system, seed=0)
+    cfg = run_config.TrainConfig(task="chain_sum", task_options=DEMO_OPTIONS, system_prompt=system, seed=0)
     rows, _ = load_rows(cfg.task, seed=cfg.seed, size=5, options=cfg.task_options)
     tokenizer = Tokenizer.from_dir(hub.resolve("smollm2-135m"))
     expected = [chat_prompt_ids(tokenizer, r.question, system=cfg.system_prompt) for r in rows]
@@ -98,7 +99,7 @@ def test_every_warmup_flag_is_documented() -> None:
 
 
 def test_the_demo_starts_from_the_shipped_drafter() -> None:
-    cfg = train.load_config(packaged_config("demo.yaml"))
+    cfg = run_config.load_config(packaged_config("demo.yaml"))
     assert cfg.drafter.init_from in hub.DRAFTERS
     assert hub.DRAFTERS[cfg.drafter.init_from].model == cfg.model
     assert cfg.task_options == DEMO_OPTIONS
@@ -106,7 +107,7 @@ def test_the_demo_starts_from_the_shipped_drafter() -> None:
 
 def test_an_unknown_drafter_fails_at_start_naming_the_field(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^drafter: init_from: unknown drafter 'smollm2-135m-chain-sun'"):
-        train.load_config(packaged_config("demo.yaml"), ["drafter.init_from=smollm2-135m-chain-sun"])
+        run_config.load_config(packaged_config("demo.yaml"), ["drafter.init_from=smollm2-135m-chain-sun"])
     with pytest.raises(ConfigError, match=r"^drafter: init_from: unknown drafter"):
-        train.load_config(packaged_config("demo.yaml"), [f"drafter.init_from={tmp_path / 'absent'}"])
-    train.load_config(packaged_config("demo.yaml"), ["drafter.init_from="])  # "" = untrained: fine
+        run_config.load_config(packaged_config("demo.yaml"), [f"drafter.init_from={tmp_path / 'absent'}"])
+    run_config.load_config(packaged_config("demo.yaml"), ["drafter.init_from="])  # "" = untrained: fine

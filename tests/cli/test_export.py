@@ -19,12 +19,12 @@ import torch
 from torch import Tensor
 
 from slipstream.cli import export
-from slipstream.cli import run_dir as run_dir_files
-from slipstream.cli.train import TrainConfig
 from slipstream.engine import hf_export
 from slipstream.engine.model import Transformer
 from slipstream.engine.weights import load_model
 from slipstream.protocols.control import SaveCheckpoint, Status
+from slipstream.rl import run_dir as run_dir_files
+from slipstream.rl.run_config import TrainConfig
 from tests.actors.test_learner import make_learner
 from tests.engine.conftest import build_checkpoint
 from tests.engine.test_hf_export import assert_same_logits, moved, write_tokenizer

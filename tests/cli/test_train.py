@@ -21,6 +21,7 @@ import uvloop
 from slipstream.cli import trace as trace_cli
 from slipstream.cli import train
 from slipstream.engine.tokenizer import Tokenizer
+from slipstream.rl import run_config
 from slipstream.tasks.datasets import chat_prompt_ids
 from tests.cli.conftest import brevity, config
 from tests.cli.test_trace import check_chrome_trace
@@ -28,13 +29,13 @@ from tests.cli.test_trace import check_chrome_trace
 pytestmark = pytest.mark.timeout(600)
 
 
-def own_rewards(cfg: train.TrainConfig, run_dir: Path) -> list[tuple[dict[str, Any], float]]:
+def own_rewards(cfg: run_config.TrainConfig, run_dir: Path) -> list[tuple[dict[str, Any], float]]:
     """Every recorded sample (a samples/step-N.jsonl line, with its step) beside the reward of its own
     completion: the run's reward, brevity, applied to the sample's tokens decoded as the verifier gets them
     (special tokens dropped) and to the fields, through JSON as sent, of the row whose prompt it answers."""
     assert cfg.reward == "tests.cli.conftest:brevity"
     tokenizer = Tokenizer.from_dir(Path(cfg.model))
-    dealt = train.data_stream(cfg, {}).take(cfg.steps * cfg.prompts_per_step)
+    dealt = run_config.data_stream(cfg, {}).take(cfg.steps * cfg.prompts_per_step)
     rows = {tuple(chat_prompt_ids(tokenizer, row.question)): row for row in dealt}
     out = []
     for step in range(cfg.steps):
@@ -144,7 +145,7 @@ def check_run_trace(run_dir: Path, *, rollouts: int, steps: int) -> None:
 def test_a_request_the_rollout_cannot_serve_is_recorded_invalid(tiny_chat: Path, tmp_path: Path) -> None:
     rows = [
         {"question": r.question, "answer": r.answer, "metadata": r.metadata}
-        for r in train.data_stream(config(tiny_chat), {}).take(3)
+        for r in run_config.data_stream(config(tiny_chat), {}).take(3)
     ]
     # Padded, the second question's prompt outgrows the rollouts' max_len (1024 + max_tokens): its group comes
     # back as "error" completions. Their empty text would still score (brevity gives it 0.0): only the finish
@@ -254,10 +255,10 @@ def test_a_run_that_takes_turns_computes_only_in_its_own(tiny_chat: Path, tmp_pa
 
 
 def test_the_gpu_config_is_checked_and_refused_at_start_naming_the_device(tmp_path: Path) -> None:
-    from slipstream.cli.main import packaged_config
+    from slipstream.cli.common import packaged_config
     from slipstream.engine.tuner import parse_arm
 
-    cfg = train.load_config(packaged_config("gpu-7b.yaml"))  # every key valid: a typo would fail here
+    cfg = run_config.load_config(packaged_config("gpu-7b.yaml"))  # every key valid: a typo would fail here
     assert cfg.device == "cuda" and cfg.group_size == 16 and cfg.learner.loss.tis_cap == 2.0
     assert all(parse_arm(arm) for arm in cfg.rollout.tuner.arms)
     with pytest.raises(ValueError, match="device: 'cuda' is not available"):
@@ -268,12 +269,13 @@ def test_the_gpu_config_is_checked_and_refused_at_start_naming_the_device(tmp_pa
 def test_rollout_max_batch_caps_a_rollouts_slots_and_a_negative_one_is_refused(tmp_path: Path) -> None:
     from slipstream.runtime.config import ConfigError
 
-    def rollout_slots(cfg: train.TrainConfig) -> list[int]:
-        specs = train.actor_specs(cfg, tmp_path, baseline=True, resume_from="")
+    def rollout_slots(cfg: run_config.TrainConfig) -> list[int]:
+        specs = run_config.actor_specs(cfg, tmp_path, baseline=True, resume_from="")
         return [s.config.max_batch for s in specs if s.actor.endswith(":RolloutActor")]
 
     base = ["prompts_per_step=3", "group_size=4", "rollout.devices=2"]
-    assert rollout_slots(train.load_config(None, base)) == [8, 8]  # 0: all a rollout can be dealt (2 groups)
-    assert rollout_slots(train.load_config(None, [*base, "rollout.max_batch=4"])) == [4, 4]
+    # 0: all a rollout can be dealt (2 groups)
+    assert rollout_slots(run_config.load_config(None, base)) == [8, 8]
+    assert rollout_slots(run_config.load_config(None, [*base, "rollout.max_batch=4"])) == [4, 4]
     with pytest.raises(ConfigError, match=r"^rollout\.max_batch: expected `int` >= 0"):
-        train.load_config(None, [*base, "rollout.max_batch=-1"])
+        run_config.load_config(None, [*base, "rollout.max_batch=-1"])

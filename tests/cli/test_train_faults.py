@@ -24,6 +24,7 @@ import uvloop
 from slipstream.cli import train
 from slipstream.protocols.control import SaveCheckpoint
 from slipstream.protocols.learner import TrainStep
+from slipstream.rl import run_config
 from slipstream.runtime.process import pid_alive
 from slipstream.runtime.supervisor import Supervisor
 from tests.cli.conftest import assert_same_samples, config
@@ -79,7 +80,7 @@ def clean_run(tiny_chat: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     return clean
 
 
-def _config(tiny_chat: Path) -> train.TrainConfig:
+def _config(tiny_chat: Path) -> run_config.TrainConfig:
     # Four slots a rollout: the one dealt 2 groups (8 samples) decodes them one after the other, so the other
     # rollout's device idles for about half of every step, and a lease (in step 0 first) is certain. With 8
     # slots both finished 48 tokens in lockstep, and in a loaded CI run step 0's window was 1 ms: no lease.

@@ -21,6 +21,8 @@ import pytest
 import uvloop
 
 from slipstream.cli import train
+from slipstream.rl import run_config
+from slipstream.runtime.cluster import Cluster
 from tests import netns
 from tests.cli.conftest import assert_same_samples, config
 
@@ -145,8 +147,8 @@ def test_plaintext_across_hosts_is_refused_at_start_naming_transport_insecure(
     )  # before anything started
     # Said allowed, it passes that check; on one host there is nothing to refuse.
     insecure = msgspec.structs.replace(
-        cfg, transport=train.TransportSection(security="plaintext", insecure=True)
+        cfg, transport=run_config.TransportSection(security="plaintext", insecure=True)
     )
-    cluster = train.Cluster(nnodes=2, node_rank=0, head_host="10.0.0.1", address="10.0.0.1")
-    train.require_transport(insecure, cluster)
-    train.require_transport(cfg, train.Cluster())
+    cluster = Cluster(nnodes=2, node_rank=0, head_host="10.0.0.1", address="10.0.0.1")
+    run_config.require_transport(insecure, cluster)
+    run_config.require_transport(cfg, Cluster())

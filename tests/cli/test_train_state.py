@@ -10,7 +10,8 @@ import msgspec
 import pytest
 import uvloop
 
-from slipstream.cli import run_dir, train
+from slipstream.cli import train
+from slipstream.rl import loop, run_config, run_dir
 from tests.cli.conftest import config
 
 pytestmark = pytest.mark.timeout(300)
@@ -22,13 +23,15 @@ def bad_signature(prompt: str, completion: str, answer: str) -> float:
 
 
 def test_checkpoints_are_due_by_steps_by_time_and_at_the_end() -> None:
-    cfg = msgspec.convert({"steps": 10, "checkpoint_every": 4, "checkpoint_minutes": 1.0}, train.TrainConfig)
-    assert [s for s in range(10) if train._checkpoint_due(cfg, s, since_last_s=0)] == [3, 7, 9]
-    assert train._checkpoint_due(cfg, 0, since_last_s=61)  # a minute passed: protect the work
-    never = msgspec.convert(
-        {"steps": 10, "checkpoint_every": 0, "checkpoint_minutes": 0.0}, train.TrainConfig
+    cfg = msgspec.convert(
+        {"steps": 10, "checkpoint_every": 4, "checkpoint_minutes": 1.0}, run_config.TrainConfig
     )
-    assert [s for s in range(10) if train._checkpoint_due(never, s, since_last_s=1e9)] == [9]
+    assert [s for s in range(10) if loop._checkpoint_due(cfg, s, since_last_s=0)] == [3, 7, 9]
+    assert loop._checkpoint_due(cfg, 0, since_last_s=61)  # a minute passed: protect the work
+    never = msgspec.convert(
+        {"steps": 10, "checkpoint_every": 0, "checkpoint_minutes": 0.0}, run_config.TrainConfig
+    )
+    assert [s for s in range(10) if loop._checkpoint_due(never, s, since_last_s=1e9)] == [9]
 
 
 def test_only_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:
@@ -82,11 +85,11 @@ def test_a_short_jsonl_is_read_in_epochs_and_resumed_at_its_cursor(tmp_path: Pat
     data = tmp_path / "data.jsonl"
     rows = [{"question": f"q{i}", "answer": str(i)} for i in range(3)]
     data.write_text("\n".join([json.dumps(rows[0]), "{not json", *map(json.dumps, rows[1:])]))
-    cfg = msgspec.convert({"task": str(data), "steps": 4, "prompts_per_step": 2}, train.TrainConfig)
-    stream = train.data_stream(cfg, {})
+    cfg = msgspec.convert({"task": str(data), "steps": 4, "prompts_per_step": 2}, run_config.TrainConfig)
+    stream = run_config.data_stream(cfg, {})
     read = [r.question for _ in range(2) for r in stream.take(cfg.prompts_per_step)]
     cursor = stream.state()
     rest = [r.question for _ in range(2) for r in stream.take(cfg.prompts_per_step)]
     assert sorted(read[:3]) == ["q0", "q1", "q2"]  # an epoch is every usable row once (the bad line skipped)
-    resumed = train.data_stream(cfg, {"step": 2, "data": json.loads(json.dumps(cursor))})
+    resumed = run_config.data_stream(cfg, {"step": 2, "data": json.loads(json.dumps(cursor))})
     assert [r.question for _ in range(2) for r in resumed.take(cfg.prompts_per_step)] == rest

@@ -18,6 +18,7 @@ import pytest
 import uvloop
 
 from slipstream.cli import train
+from slipstream.rl import run_config
 from slipstream.runtime.config import ConfigError
 from slipstream.runtime.sinks import MetricsConfig, open_sinks, require_sinks, scalars
 
@@ -98,12 +99,12 @@ def test_a_resumed_run_appends_to_the_same_directory_each_step_once(tmp_path: Pa
 )
 def test_a_bad_metrics_value_fails_at_load_naming_the_field(override: str, error: str) -> None:
     with pytest.raises(ConfigError, match=error):
-        train.load_config(None, [override])
+        run_config.load_config(None, [override])
 
 
 def test_the_sinks_are_off_by_default_and_named_in_a_config() -> None:
-    assert train.load_config(None).metrics == MetricsConfig(sinks=[], wandb_project="")
-    cfg = train.load_config(None, ["metrics.sinks=[tensorboard, wandb]", "metrics.wandb_project=grpo"])
+    assert run_config.load_config(None).metrics == MetricsConfig(sinks=[], wandb_project="")
+    cfg = run_config.load_config(None, ["metrics.sinks=[tensorboard, wandb]", "metrics.wandb_project=grpo"])
     assert cfg.metrics == MetricsConfig(sinks=["tensorboard", "wandb"], wandb_project="grpo")
 
 
@@ -121,7 +122,7 @@ def test_train_refuses_a_missing_sink_before_anything_starts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)
-    cfg = train.load_config(None, ["metrics.sinks=[wandb]"])
+    cfg = run_config.load_config(None, ["metrics.sinks=[wandb]"])
     with pytest.raises(ConfigError, match=r"slipstream\[wandb\]"):
         uvloop.run(train.train(cfg, tmp_path / "run"))
     assert not (tmp_path / "run").exists()  # no run directory, no process

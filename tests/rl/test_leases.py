@@ -1,11 +1,11 @@
-"""The lease table (runtime/leases.py): one drafter may hold several devices at once, as a CPU host's one
+"""The lease table (rl/leases.py): one drafter may hold several devices at once, as a CPU host's one
 drafter does, and what it reclaims is its training device-seconds capped by its devices' idle windows."""
 
 from __future__ import annotations
 
 import pytest
 
-from slipstream.runtime.leases import LeaseTable
+from slipstream.rl.leases import LeaseTable
 
 
 def test_one_drafter_holds_the_idle_devices_of_several_rollouts() -> None:

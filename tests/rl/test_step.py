@@ -1,8 +1,8 @@
-"""A step's rollout metrics (runtime/step.py): what speculation accepted, per batch-size bucket."""
+"""A step's rollout metrics (rl/step.py): what speculation accepted, per batch-size bucket."""
 
 from __future__ import annotations
 
-from slipstream.runtime.step import StepMetrics, batch_bucket
+from slipstream.rl.step import StepMetrics, batch_bucket
 
 
 def test_a_step_reports_what_speculation_accepted_per_batch_bucket() -> None:

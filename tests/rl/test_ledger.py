@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from slipstream.runtime.ledger import Ledger
+from slipstream.rl.ledger import Ledger
 
 
 def test_results_are_taken_once_and_what_a_dead_actor_owed_is_known() -> None:

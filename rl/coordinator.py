@@ -2,10 +2,10 @@
 
 A `Coordinator` runs one dispatcher task that takes every message and every death from the supervisor and
 routes them by type: completions and rewards to the step that waits for them, weight acks, learner stats
-and checkpoint answers to their waiters, Idle/Released/DrafterStats to the `LeaseTable` (runtime/leases.py),
+and checkpoint answers to their waiters, Idle/Released/DrafterStats to the `LeaseTable` (rl/leases.py),
 IterationStats to the step's metrics. Its verbs: `rollout` (deal, stream completions), `finish_step`,
 `score`/`reward`, `train`, `push_weights`, `weights_applied`, `save_checkpoint`, `restart_learners`. The RL
-loop (`cli/train.py`) and `bench rollout` are its clients; it imports protocols/ and runtime/ only.
+loop (`rl/loop.py`) and `bench rollout` are its clients; it imports protocols/ and runtime/ only.
 
 Non-obvious choices:
 - Nothing is lost for lack of room: the supervisor's receive loop blocks on a full inbox (backpressure to
@@ -44,10 +44,10 @@ from slipstream.protocols.drafter import DrafterStats
 from slipstream.protocols.learner import PushWeights, ScoredGroup, StepStats, TrainStep, WeightAck
 from slipstream.protocols.reward import Reward, ScoreRequest
 from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats
-from slipstream.runtime.leases import LeaseTable
-from slipstream.runtime.ledger import Ledger
+from slipstream.rl.leases import LeaseTable
+from slipstream.rl.ledger import Ledger
+from slipstream.rl.step import StepMetrics
 from slipstream.runtime.spans import NULL_RECORDER, SpanRecorder
-from slipstream.runtime.step import StepMetrics
 
 
 class ActorDiedError(RuntimeError):
@@ -643,4 +643,4 @@ class Coordinator:
             getattr(self.log, level)(event, **fields)
 
 
-__all__ = ["ActorDiedError", "Coordinator", "LeaseTable", "StepMetrics"]  # LeaseTable: runtime/leases.py
+__all__ = ["ActorDiedError", "Coordinator", "LeaseTable", "StepMetrics"]  # LeaseTable: rl/leases.py

@@ -13,7 +13,7 @@ from slipstream.protocols.control import Idle, Lease, Preempt, Released, Status
 from slipstream.protocols.drafter import DrafterStats
 from slipstream.protocols.learner import PushWeights, ScoredGroup, StepStats, TrainStep, WeightAck
 from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats, SamplingSpec
-from slipstream.runtime.coordinator import ActorDiedError, Coordinator
+from slipstream.rl.coordinator import ActorDiedError, Coordinator
 
 
 @dataclass(frozen=True)

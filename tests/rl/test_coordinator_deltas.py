@@ -11,8 +11,8 @@ import pytest
 
 from slipstream.protocols.control import Status
 from slipstream.protocols.learner import PushWeights, StepStats, TrainStep, WeightAck
-from slipstream.runtime.coordinator import Coordinator
-from tests.runtime.test_coordinator import FakeSupervisor, run
+from slipstream.rl.coordinator import Coordinator
+from tests.rl.test_coordinator import FakeSupervisor, run
 
 ROLLOUTS = ["rollout:0", "rollout:1"]
 

@@ -4,7 +4,7 @@ The coordinator owns one `LeaseTable` and tells it what happened (a rollout went
 a drafter reported its training seconds, a drafter died); the table answers with the messages to send
 (a `Lease`, the `Preempt`s) and, at the end of a step, the idle device-seconds and the share of them that
 drafter training reclaimed. Pure bookkeeping: no sockets, no clock of its own (times are passed in), so
-`tests/runtime/test_coordinator.py` drives it through the coordinator and its arithmetic is plain.
+`tests/rl/test_coordinator.py` drives it through the coordinator and its arithmetic is plain.
 
 One drafter may hold several leases at once: on a CPU host one drafter process trains on whichever
 rollout cores are idle (runtime/placement.py), so `drafter_of` maps many rollouts to it, and each lease

@@ -1,6 +1,6 @@
 """What a `slipstream train` run is made of: its typed config (`TrainConfig` and its sections, every field
 documented where it is declared) and how that config maps onto actors (placement, names, the lease plan,
-each actor's spec). cli/train.py, the loop, starts from these; `bench e2e` and the tests read them too.
+each actor's spec). rl/loop.py, the loop, starts from these; `bench e2e` and the tests read them too.
 
 The non-obvious choice: placement lives in runtime/placement.py (cores or GPUs per role); this module only
 turns a config and a placement into `ActorSpec`s, so the loop reads top to bottom without them.
@@ -26,6 +26,7 @@ from slipstream.engine.policy_train import OptimConfig
 from slipstream.engine.sampling import GROUP_BITS, MAX_SEED
 from slipstream.engine.tuner_config import TunerConfig
 from slipstream.runtime import config as run_config
+from slipstream.runtime.cluster import Cluster
 from slipstream.runtime.placement import Host, NodeShare, Placement, default_shares, place, place_nodes
 from slipstream.runtime.sinks import MetricsConfig
 from slipstream.runtime.supervisor import ActorSpec
@@ -165,6 +166,15 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
 
 def load_config(path: Path | str | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     return run_config.load(path, TrainConfig, overrides)
+
+
+def require_transport(cfg: TrainConfig, cluster: Cluster) -> None:
+    """Refuses plaintext TCP between nodes unless the config says the network is trusted."""
+    if cluster.multi and cfg.transport.security == "plaintext" and not cfg.transport.insecure:
+        raise run_config.ConfigError(
+            "transport.insecure: plaintext TCP across hosts is refused; use transport.security: curve (the "
+            "default), or say transport.insecure: true for a network you trust"
+        )
 
 
 def data_stream(cfg: TrainConfig, state: dict[str, Any], log: Any = None) -> DataStream:

@@ -1,0 +1,8 @@
+"""The RL control plane: the GRPO loop and what it is made of, above the actors and the process runtime.
+
+loop (the loop top to bottom), run_config (TrainConfig and the actors it makes), run_dir (metrics records,
+samples, checkpoints, resume state), coordinator (the one reader of the supervisor's inbox: dealing,
+rewards, acks, the verbs), step (a step's rollout and its metrics), leases (idle devices to drafters),
+ledger (exactly-once results). It imports actors' configs, engine, tasks, runtime and protocols; cli/
+and benchmarks/ import it, nothing below does (tests/test_layers.py).
+"""
