@@ -3,7 +3,6 @@
     slipstream bench decode --json                                    # smollm2-135m, the full run
     slipstream bench decode --drafter DIR --batches 1,4 --json        # with eagle rows
     slipstream bench decode --model DIR --batches 1 --max-tokens 16 --repeats 1 --json   # a quick one
-    python -m slipstream.benchmarks.decode --json                     # the same without the CLI
 
 Workload (DESIGN §11): B prompts of exactly 64 tokens of "think step by step" questions through the chat
 template, 256 new tokens each at temperature 1 with EOS ignored, so every config decodes the same number
@@ -16,7 +15,6 @@ decode iteration each in turn, so drift and the neighbours' load hit every confi
 
 from __future__ import annotations
 
-import argparse
 import gc
 import random
 import statistics
@@ -50,7 +48,6 @@ __all__ = [
     "bench_prompts",
     "bench_requests",
     "interleaved_round",
-    "main",
     "record_outputs",
     "render",
     "run",
@@ -429,51 +426,3 @@ def render(result: DecodeResult) -> str:
             f"{ratio:>6} {accept:>6}"
         )
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m slipstream.benchmarks.decode", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--model", default=None, help=f"model directory or name (default {DEFAULT_MODEL})")
-    p.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)), help="comma-separated")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument(
-        "--drafter",
-        type=Path,
-        default=None,
-        help="an exported EAGLE head (a directory or a shipped name): adds eagle rows",
-    )
-    p.add_argument("--json", action="store_true", help="one JSON object (DecodeResult) on stdout")
-    args = p.parse_args(argv)
-    result = run(
-        args.model,
-        batches=parse_batches(args.batches),
-        max_tokens=args.max_tokens,
-        repeats=args.repeats,
-        threads=args.threads,
-        drafter=args.drafter,
-        temperature=args.temperature,
-        device=args.device,
-    )
-    print(msgspec.json.encode(result).decode() if args.json else render(result))
-    return 0
-
-
-def parse_batches(text: str) -> list[int]:
-    """ "1,4,16" → [1, 4, 16]; a clear error otherwise."""
-    try:
-        batches = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"--batches must be comma-separated integers, got {text!r}") from None
-    if not batches or min(batches) < 1:
-        raise ValueError(f"--batches must list positive integers, got {text!r}")
-    return batches
-
-
-if __name__ == "__main__":
-    sys.exit(main())

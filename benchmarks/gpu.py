@@ -17,7 +17,6 @@ has the set-up and what waits for a GPU.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import gc
 import platform
@@ -43,7 +42,7 @@ from slipstream.engine.sampling import SamplingParams
 from slipstream.engine.static_step import PAGE_SIZE, StaticStep, StepRow
 from slipstream.engine.weights import hf_state_dict
 
-__all__ = ["SHAPES", "GpuResult", "ShapeRow", "bench_shape", "main", "random_model", "run", "step_costs"]
+__all__ = ["SHAPES", "GpuResult", "ShapeRow", "bench_shape", "random_model", "run", "step_costs"]
 
 _QWEN = {"model_type": "qwen2", "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0}
 SHAPES: dict[str, dict[str, Any]] = {
@@ -489,57 +488,3 @@ def run(
         context_tokens=256,
         wall_s=round(time.perf_counter() - started, 1),
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="slipstream bench gpu", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="one shape, batches 1/16/128")
-    p.add_argument("--shapes", default="", help=f"comma-separated subset of {','.join(SHAPES)}")
-    p.add_argument("--no-tests", action="store_true", help="skip the gpu-marked tests")
-    p.add_argument("--no-peer", action="store_true", help="skip transformers' generate")
-    p.add_argument("--batches", default="", help=f"comma-separated batch sizes (default {BATCHES})")
-    p.add_argument(
-        "--peer-batches", default=",".join(map(str, PEER_BATCHES)),
-        help="batch sizes where HF generate runs ('all': every one)",
-    )  # fmt: skip
-    p.add_argument(
-        "--eager-batches", default=",".join(map(str, EAGER_BATCHES)),
-        help="batch sizes where the dynamic eager path runs too",
-    )  # fmt: skip
-    p.add_argument("--tests-log", type=Path, default=None, help="write the gpu tests' whole output here")
-    p.add_argument("--tests-timeout", type=int, default=600, help="seconds the gpu tests may take")
-    p.add_argument("--json", action="store_true", help="one JSON object (GpuResult) on stdout")
-    args = p.parse_args(argv)
-    try:
-        require_device("cuda", field="device")
-    except ValueError as exc:
-        print(f"slipstream bench gpu: {exc}", file=sys.stderr)
-        return 2
-    say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
-    shapes = [n for n in args.shapes.split(",") if n]
-    result = run(
-        quick=args.quick,
-        shapes=shapes,
-        tests=not args.no_tests,
-        peer=not args.no_peer,
-        peer_batches=None if args.peer_batches == "all" else _ints(args.peer_batches),
-        eager_batches=_ints(args.eager_batches),
-        batches=_ints(args.batches) or None,
-        tests_log=args.tests_log,
-        tests_timeout_s=args.tests_timeout,
-        say=say,
-    )
-    print(
-        msgspec.json.encode(result).decode()
-        if args.json
-        else msgspec.json.format(msgspec.json.encode(result)).decode()
-    )
-    return 0
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,7 +3,6 @@
     slipstream bench rollout --json                                  # deploy/configs/bench-rollout.yaml
     slipstream bench rollout prompts=4 max_tokens=128 --json         # key.sub=value overrides (or --prompts 4)
     slipstream bench rollout --config my.yaml --trace iters.jsonl    # plus every decode iteration, JSON lines
-    python -m slipstream.benchmarks.rollout --json                   # without the CLI (the same defaults)
 
 Real processes: 2 rollout actors, one core and one thread each ("2 devices"), and in the adaptive mode
 2 drafter actors that train one EAGLE head. The bench is a client of `rl/coordinator.py`, as the RL
@@ -20,7 +19,6 @@ docs/benchmarks.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -59,7 +57,6 @@ __all__ = [
     "RolloutBenchConfig",
     "RolloutBenchResult",
     "load_config",
-    "main",
     "render",
     "run",
 ]
@@ -560,49 +557,3 @@ def render(result: RolloutBenchResult) -> str:
             lines.append(f"  {key}: {value:.3f}x")
     lines.append(f"  identical outputs across modes: {result.identical_outputs}")
     return "\n".join(lines)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags both command lines take; every one is a shorthand for a field of RolloutBenchConfig."""
-    p.add_argument("--config", type=Path, default=None, help="a YAML RolloutBenchConfig")
-    p.add_argument(
-        "overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. tuner.buckets=[1,4]"
-    )
-    p.add_argument("--json", action="store_true", help="one JSON object (RolloutBenchResult) on stdout")
-    p.add_argument(
-        "--trace", type=Path, default=None, help="write every decode iteration's stats here (JSONL)"
-    )
-    p.add_argument("--model", default=None)
-    p.add_argument("--task", default=None)
-    p.add_argument("--prompts", type=int, default=None)
-    p.add_argument("--samples", type=int, default=None)
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--modes", default=None, help="comma-separated subset of plain,ngram,adaptive")
-    p.add_argument("--drafter", type=Path, default=None)
-
-
-def config_from_args(args: argparse.Namespace) -> RolloutBenchConfig:
-    """The config the parsed command line describes: --config, then the shorthand flags, then KEY=VALUE."""
-    flags = {key: getattr(args, key) for key in SHORTHANDS}
-    if flags["drafter"] is not None:
-        flags["drafter"] = str(flags["drafter"])
-    modes = None if args.modes is None else [m.strip() for m in args.modes.split(",") if m.strip()]
-    return load_config(args.config, args.overrides, **flags, modes=modes)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m slipstream.benchmarks.rollout", description=__doc__.split("\n")[0]
-    )
-    add_arguments(p)
-    args = p.parse_intermixed_args(argv)  # KEY=VALUE overrides before or after the options
-    result = run(config_from_args(args), trace=args.trace)
-    print(msgspec.json.encode(result).decode() if args.json else render(result))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

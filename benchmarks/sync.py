@@ -15,7 +15,6 @@ bits changed, a bitwise check of every applied tensor, and the same XOR compress
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 import time
@@ -33,7 +32,7 @@ from slipstream.engine.weight_delta import LEVEL, apply_xor_delta, xor_delta
 from slipstream.engine.weights import load_model
 from slipstream.tasks.datasets import chat_prompt_ids
 
-__all__ = ["DEMO_LR", "SyncResult", "SyncStep", "main", "run"]
+__all__ = ["DEMO_LR", "SyncResult", "SyncStep", "run"]
 
 DEMO_LR = 2.0e-5  # deploy/configs/demo.yaml learner.optim.lr (a test keeps the two equal)
 GROUPS, GROUP_SIZE = 8, 4  # the demo's prompts_per_step and group_size
@@ -197,25 +196,3 @@ def run(
         apply_mb_s=round(full_all / 1e6 / max(sum(r.apply_s for r in rows), 1e-9), 1),
     )
     return msgspec.to_builtins(result)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m slipstream.benchmarks.sync", description=__doc__.splitlines()[0]
-    )
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--lr", type=float, default=DEMO_LR)
-    p.add_argument(
-        "--dtype", default="", help="push dtype (float32, bfloat16, float16); '': the checkpoint's"
-    )
-    p.add_argument("--threads", type=int, default=0, help="zstd threads (0: one)")
-    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    args = p.parse_args(argv)
-    result = run(args.model, args.steps, args.lr, args.dtype, threads=args.threads)
-    print(msgspec.json.encode(result).decode() if args.json else result)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,7 +15,6 @@ result is `TransportResult` (fields documented there); measured figures: docs/be
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -34,6 +33,8 @@ from slipstream.runtime.shm import ShmArena, ShmReader, cleanup
 from slipstream.runtime.transport import CurveKeys, make_socket, start_authenticator
 
 TENSOR_MIB = 64
+_SERVE = "import sys; from slipstream.benchmarks.transport import serve; serve(*sys.argv[1:])"
+"""The receiving child's program (`python -c _SERVE ENDPOINT KEY_FILE`): `serve`, nothing else."""
 
 
 class PathResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,8 +119,8 @@ def _tensor_rate(
 def _serve(endpoint: str, key_file: str = "") -> tuple[subprocess.Popen, str]:
     """A receiving child process at `endpoint` ("tcp://127.0.0.1:*": a free port); its bound endpoint."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "slipstream.benchmarks.transport", "--serve", endpoint]
-    child = subprocess.Popen(cmd + (["--key", key_file] if key_file else []), stdout=subprocess.PIPE, env=env)
+    cmd = [sys.executable, "-c", _SERVE, endpoint, key_file]
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env)
     assert child.stdout is not None
     ready, _, bound = child.stdout.readline().decode().strip().partition(" ")
     assert ready == "ready", ready
@@ -234,19 +235,3 @@ def run(
         torch_threads=torch.get_num_threads(),
         across=paths,
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--serve", default=None)
-    p.add_argument("--key", default="")
-    args = p.parse_args(argv)
-    if args.serve:
-        serve(args.serve, args.key)
-        return 0
-    print(msgspec.json.encode(run()).decode())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,11 +1,16 @@
-"""`slipstream bench …`: the benchmarks' subcommand, its arguments and dispatch (each bench lives in benchmarks/).
+"""`slipstream bench NAME`: every benchmark's flags, one subcommand each, and the calls into benchmarks/.
 
-    slipstream bench transport --json      # ipc, shared-memory lane, tcp and tcp+CURVE between nodes
-    slipstream bench e2e [--config F] [key=value …] --json   # train vs --baseline, each a child process
-    slipstream bench sync [--dtype bfloat16] --json          # a cross-host push: full vs XOR delta
+    slipstream bench transport --json                           # ipc, shared-memory lane, tcp, tcp+CURVE
+    slipstream bench decode [--drafter DIR] --json              # plain vs speculative tokens/s per batch
+    slipstream bench rollout [--config F] [key=value …] --json  # deploy/configs/bench-rollout.yaml
+    slipstream bench e2e [--config F] [key=value …] --json      # train vs --baseline, each a child process
+    slipstream bench soak [--steps N] --json                    # a run under random SIGKILLs vs without
+    slipstream bench sync [--dtype bfloat16] --json             # a cross-host push: full vs XOR delta
+    slipstream bench gpu --json [--quick] [--shapes S]          # the GPU runbook (docs/gpu.md)
 
-Each prints one JSON object with --json (fields: docs/benchmarks.md). `bench gpu` and `bench sync` parse
-their own flags; rollout, e2e and soak take a config and key=value overrides.
+Only this module parses a bench's command line (`slipstream bench NAME --help` lists NAME's flags); it
+calls the typed `run` of benchmarks/NAME.py. Each bench prints one JSON object with --json (fields:
+docs/benchmarks.md); rollout, e2e and soak also take a config and key=value overrides.
 """
 
 from __future__ import annotations
@@ -16,12 +21,88 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slipstream.cli.common import packaged_config, run_training
 
+if TYPE_CHECKING:  # the benchmarks import torch; the command line imports them only to run one
+    from slipstream.benchmarks.rollout import RolloutBenchConfig
 
-def _bench_e2e(args: argparse.Namespace) -> int:
+CONFIGURED = ("rollout", "e2e", "soak")
+"""The benches that read a config: --config F and key=value overrides."""
+
+
+def _print(result: Any, as_json: bool, render: Any) -> None:
+    """One JSON object with --json, else `render(result)`."""
+    import msgspec
+
+    print(msgspec.json.encode(result).decode() if as_json else render(result))
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    """ "1,4,16" → [1, 4, 16] ("" → []); a clear error naming `flag` otherwise."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if values and min(values) < 1:
+        raise ValueError(f"{flag} must list positive integers, got {text!r}")
+    return values
+
+
+# -- the benches -----------------------------------------------------------------------------------------
+
+
+def _transport(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from slipstream.benchmarks import transport
+
+    figures = transport.run()
+    table = lambda f: "\n".join(f"{k:>16}  {v}" for k, v in msgspec.structs.asdict(f).items())  # noqa: E731
+    _print(figures, args.json, table)
+    return 0
+
+
+def _decode(args: argparse.Namespace) -> int:
+    from slipstream.benchmarks import decode
+
+    result = decode.run(
+        args.model,
+        batches=_ints(args.batches, "--batches") or decode.DEFAULT_BATCHES,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        threads=args.threads,
+        drafter=args.drafter,
+        temperature=args.temperature,
+        device=args.device,
+    )
+    _print(result, args.json, decode.render)
+    return 0
+
+
+def rollout_config(args: argparse.Namespace) -> RolloutBenchConfig:
+    """The config a parsed `bench rollout` line describes: --config (default: the packaged
+    bench-rollout.yaml), then the shorthand flags, then KEY=VALUE; a bad key or value raises here."""
+    from slipstream.benchmarks import rollout
+
+    flags = {key: getattr(args, key) for key in rollout.SHORTHANDS}
+    if flags["drafter"] is not None:
+        flags["drafter"] = str(flags["drafter"])
+    modes = None if args.modes is None else [m.strip() for m in args.modes.split(",") if m.strip()]
+    path = args.config or packaged_config("bench-rollout.yaml")
+    return rollout.load_config(path, args.overrides, **flags, modes=modes)
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    from slipstream.benchmarks import rollout
+
+    config = rollout_config(args)  # before any process starts
+    _print(rollout.run(config, trace=args.trace), args.json, rollout.render)
+    return 0
+
+
+def _e2e(args: argparse.Namespace) -> int:
     import msgspec
     import yaml
 
@@ -29,7 +110,7 @@ def _bench_e2e(args: argparse.Namespace) -> int:
     from slipstream.cli import train
 
     # The demo's config at 4 steps unless the command line says otherwise (a bad key fails here).
-    # No HF copy of each run's last checkpoint: four runs a bench, ~0.5 GB each, and nothing reads them.
+    # No HF copy of each run's last checkpoint: four runs a bench, each a model's size, nothing reads them.
     cfg = train.load_config(
         args.config or packaged_config("demo.yaml"), ["steps=4", "checkpoint_hf=false", *args.overrides]
     )
@@ -57,19 +138,17 @@ def _bench_e2e(args: argparse.Namespace) -> int:
         isolated=True,
         interleave=not args.sequential,
     )
-    print(msgspec.json.encode(result).decode() if args.json else e2e.render(result))
+    _print(result, args.json, e2e.render)
     return 0
 
 
-def _bench_soak(args: argparse.Namespace) -> int:
-    import msgspec
-
+def _soak(args: argparse.Namespace) -> int:
     from slipstream.benchmarks import soak
     from slipstream.cli import train
 
     root = Path(args.run_dir or f"runs/bench-soak-{time.strftime('%Y%m%d-%H%M%S')}")
     model = args.model or str(soak.tiny_model(root / "model"))
-    overrides = [*soak.OVERRIDES, f"model={model}", f"steps={args.steps or 30}", *args.overrides]
+    overrides = [*soak.OVERRIDES, f"model={model}", f"steps={args.steps}", *args.overrides]
     cfg = train.load_config(args.config or packaged_config("demo.yaml"), overrides)
     plan = soak.SoakPlan(
         actors=[a for names in train.actor_names(cfg, baseline=False) for a in names],
@@ -80,173 +159,217 @@ def _bench_soak(args: argparse.Namespace) -> int:
         max_restarts=cfg.faults.max_restarts,
         kill_every_s=args.kill_every,
         kills=args.kills,
-        seed=args.seed or 0,
+        seed=args.seed,
     )
     result = soak.run(lambda run_dir: run_training(cfg, run_dir, baseline=False), root, plan)
-    print(msgspec.json.encode(result).decode() if args.json else soak.render(result))
+    _print(result, args.json, soak.render)
     return 0 if result.ok else 1
 
 
-def run(args: argparse.Namespace) -> int:
-    """`slipstream bench WHAT`: one benchmark, its JSON on stdout with --json."""
-    if args.what not in ("rollout", "e2e", "soak") and (args.config is not None or args.overrides):
-        raise ValueError(
-            f"--config and key=value overrides are for bench rollout, e2e and soak, not {args.what}"
-        )
-    import msgspec
+def _sync(args: argparse.Namespace) -> int:
+    from slipstream.benchmarks import sync
 
-    if args.what == "e2e":
-        return _bench_e2e(args)
-    if args.what == "soak":
-        return _bench_soak(args)
-    if args.what == "sync":  # its own flags (--lr, --dtype), and bench's --model, --steps, --threads
-        from slipstream.benchmarks import sync
-
-        shared = [(flag, value) for flag, value in
-                  (("--model", args.model), ("--steps", args.steps), ("--threads", args.threads)) if value is not None]  # fmt: skip
-        return sync.main(
-            [*(str(x) for pair in shared for x in pair), *args.gpu_args] + (["--json"] if args.json else [])
-        )
-    if args.what == "gpu":
-        from slipstream.benchmarks import gpu
-
-        # Exits 2 at once, naming the missing device, on a host without CUDA. --batches is bench's own
-        # flag (decode's), so it is passed on when given.
-        given = ["--batches", args.batches] if args.batches is not None else []
-        return gpu.main(given + args.gpu_args + (["--json"] if args.json else []))
-
-    if args.what == "rollout":
-        from slipstream.benchmarks import rollout
-
-        if args.config is None:
-            args.config = packaged_config("bench-rollout.yaml")
-        config = rollout.config_from_args(args)  # a bad key or value fails here, before any process starts
-        result = rollout.run(config, trace=args.trace)
-        print(msgspec.json.encode(result).decode() if args.json else rollout.render(result))
-        return 0
-    if args.what == "decode":
-        from slipstream.benchmarks import decode
-
-        result = decode.run(
-            args.model,
-            batches=decode.parse_batches(args.batches or "1,4,16,32"),
-            max_tokens=args.max_tokens if args.max_tokens is not None else 256,
-            repeats=args.repeats,
-            threads=args.threads,
-            drafter=args.drafter,
-            temperature=args.temperature if args.temperature is not None else 1.0,
-            device=args.device,
-        )
-        print(msgspec.json.encode(result).decode() if args.json else decode.render(result))
-        return 0
-    from slipstream.benchmarks import transport
-
-    figures = transport.run()
-    if args.json:
-        print(msgspec.json.encode(figures).decode())
-    else:
-        for key, value in msgspec.structs.asdict(figures).items():
-            print(f"{key:>16}  {value}")
+    lr = sync.DEMO_LR if args.lr is None else args.lr
+    result = sync.run(args.model, args.steps, lr, args.dtype, threads=args.threads)
+    _print(result, args.json, str)  # without --json: the dict as Python prints it
     return 0
 
 
+def _gpu(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from slipstream.benchmarks import gpu
+    from slipstream.engine.device import require_device
+
+    try:  # exit 2 at once, naming the missing device, on a host without CUDA
+        require_device("cuda", field="device")
+    except ValueError as exc:
+        print(f"slipstream bench gpu: {exc}", file=sys.stderr)
+        return 2
+    peers = args.peer_batches
+    result = gpu.run(
+        quick=args.quick,
+        shapes=[n for n in args.shapes.split(",") if n],
+        tests=not args.no_tests,
+        peer=not args.no_peer,
+        peer_batches=gpu.PEER_BATCHES if peers is None else None if peers == "all" else _ints(peers, "--peer-batches"),
+        eager_batches=gpu.EAGER_BATCHES if args.eager_batches is None else _ints(args.eager_batches, "--eager-batches"),
+        batches=_ints(args.batches, "--batches") or None,
+        tests_log=args.tests_log,
+        tests_timeout_s=args.tests_timeout,
+        say=lambda message: print(message, file=sys.stderr, flush=True),
+    )  # fmt: skip
+    _print(result, args.json, lambda r: msgspec.json.format(msgspec.json.encode(r)).decode())
+    return 0
+
+
+BENCHES = {
+    "transport": _transport,
+    "decode": _decode,
+    "rollout": _rollout,
+    "e2e": _e2e,
+    "soak": _soak,
+    "gpu": _gpu,
+    "sync": _sync,
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    """`slipstream bench NAME`: one benchmark, its JSON on stdout with --json."""
+    if args.what not in CONFIGURED and args.overrides:
+        raise ValueError(f"key=value overrides are for bench rollout, e2e and soak, not {args.what}")
+    return BENCHES[args.what](args)
+
+
+# -- the command line ------------------------------------------------------------------------------------
+
+
+def _json(p: argparse.ArgumentParser, result: str) -> None:
+    p.add_argument("--json", action="store_true", help=f"one JSON object ({result}) on stdout")
+
+
+def _configured(p: argparse.ArgumentParser, default: str) -> None:
+    """--config and KEY=VALUE overrides (rollout, e2e, soak)."""
+    p.add_argument("--config", type=Path, default=None, help=f"a YAML config (default: {default})")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. key.sub=value")
+
+
+def rollout_arguments(p: argparse.ArgumentParser) -> None:
+    """`bench rollout`'s flags; each but --trace is a shorthand for a field of RolloutBenchConfig."""
+    _configured(p, "deploy/configs/bench-rollout.yaml")
+    _json(p, "RolloutBenchResult")
+    p.add_argument(
+        "--trace", type=Path, default=None, help="write every decode iteration's stats here (JSONL)"
+    )
+    p.add_argument("--model", default=None, help="model directory or name (model=)")
+    p.add_argument("--task", default=None, help="reasoning-gym task (task=)")
+    p.add_argument("--prompts", type=int, default=None, help="prompts (GRPO groups) per step (prompts=)")
+    p.add_argument("--samples", type=int, default=None, help="responses per prompt, G (samples=)")
+    p.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (max_tokens=)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (temperature=)")
+    p.add_argument("--seed", type=int, default=None, help="prompt and sampling seed (seed=)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="RL steps per mode; all but the first are measured (steps=)")  # fmt: skip
+    p.add_argument("--modes", default=None, help="comma-separated subset of plain,ngram,adaptive (modes=)")
+    p.add_argument("--drafter", type=Path, default=None, help="an exported EAGLE drafter (drafter=)")
+
+
 def add_parser(sub: Any) -> None:
-    """The `bench` subcommand on `sub` (the `slipstream` command's subparsers)."""
-    s = sub.add_parser(
+    """The `bench` subcommand on `sub` (the `slipstream` command's subparsers), a subcommand per bench."""
+    bench = sub.add_parser(
         "bench",
-        help="benchmarks printing JSON: transport, decode, rollout, e2e, soak, gpu",
+        help="benchmarks printing JSON: transport, decode, rollout, e2e, soak, sync, gpu",
         description="Benchmarks; each prints one JSON object with --json (fields: docs/benchmarks.md). "
-        "bench rollout reads deploy/configs/bench-rollout.yaml (or --config F), then its flags, then "
-        "KEY=VALUE overrides such as prompts=4 or tuner.buckets=[1,4]. bench e2e runs `slipstream train` "
-        "and its --baseline on the same config (default: deploy/configs/demo.yaml with steps=4, then "
-        "KEY=VALUE overrides), then times the learner against a forward pass on the run's samples. bench soak "
-        "trains a tiny random model (or --model) under random SIGKILLs of rollout, verifier and drafter actors, "
-        "then without, and compares the samples (exit 1 if any was lost or differs). bench gpu "
-        "is the GPU runbook (docs/gpu.md); it exits at once where there is no CUDA device. bench sync measures "
-        "a cross-host weight push, full vs XOR delta, after real optimizer steps (--dtype, --lr, --steps).",
+        "`slipstream bench NAME --help` lists a bench's flags.",
     )
-    s.add_argument("what", choices=["transport", "decode", "rollout", "e2e", "soak", "gpu", "sync"])
-    s.add_argument("--device", default="cpu", help="decode: cpu, cuda or cuda:N")
-    s.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="KEY=VALUE",
-        help="rollout, e2e, soak: config overrides (key.sub=value)",
+    names = bench.add_subparsers(dest="what", required=True, metavar="NAME")
+
+    p = names.add_parser(
+        "transport",
+        help="tensor-message GB/s vs memcpy, RTT p50/p99, msgs/s; tcp and tcp+CURVE",
+        description="Two processes over ipc:// (the shared-memory lane, then plain frames), then tcp:// and "
+        "tcp+CURVE on loopback: tensor-message GB/s against memcpy, small-message round trip and rate.",
     )
-    s.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    s.add_argument(
-        "--config",
-        type=Path,
-        default=None,
-        help="rollout, e2e, soak: a YAML config (default: the packaged one)",
+    _json(p, "TransportResult")
+
+    p = names.add_parser(
+        "decode",
+        help="plain vs speculative decode tokens/s at batch 1/4/16/32",
+        description="Plain vs n-gram vs self-draft (and, with --drafter, EAGLE) tokens/s per batch size, "
+        "the configs of a batch size interleaved iteration by iteration.",
     )
-    s.add_argument(
-        "--model",
-        default=None,
-        help="decode, rollout, soak: model directory or name (default smollm2-135m; soak: a tiny random one)",
+    _json(p, "DecodeResult")
+    p.add_argument("--model", default=None, help="model directory or name (default smollm2-135m)")
+    p.add_argument("--batches", default="", help="comma-separated batch sizes (default 1,4,16,32)")
+    p.add_argument("--max-tokens", type=int, default=256, help="new tokens per request")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--repeats", type=int, default=1, help="interleaved rounds (median per config)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default OMP_NUM_THREADS)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--drafter", type=Path, default=None,
+                   help="an exported EAGLE head (a directory or a shipped name): adds eagle rows")  # fmt: skip
+
+    p = names.add_parser(
+        "rollout",
+        help="long-tail GRPO rollout: plain vs n-gram vs adaptive",
+        description="A long-tail GRPO rollout on real actor processes, plain vs n-gram vs adaptive. Reads "
+        "deploy/configs/bench-rollout.yaml (or --config F), then its flags, then KEY=VALUE overrides such as "
+        "prompts=4 or tuner.buckets=[1,4].",
     )
-    s.add_argument(
-        "--batches", default=None, help="decode (default 1,4,16,32), gpu: comma-separated batch sizes"
+    rollout_arguments(p)
+
+    p = names.add_parser(
+        "e2e",
+        help="RL steps, Slipstream vs --baseline, and the learner's cost",
+        description="Runs `slipstream train` and its --baseline on the same config (default: "
+        "deploy/configs/demo.yaml with steps=4, then KEY=VALUE overrides), each a child process, then times "
+        "the learner against a forward pass on the run's samples.",
     )
-    s.add_argument(
-        "--max-tokens", type=int, default=None, help="decode, rollout: new tokens per request (256, 512)"
-    )
-    s.add_argument("--repeats", type=int, default=1, help="decode: interleaved rounds (median per config)")
-    s.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="decode: torch threads (default OMP_NUM_THREADS); e2e: learner-cost threads (learner.threads)",
-    )
-    s.add_argument("--task", default=None, help="rollout: reasoning-gym task (task=)")
-    s.add_argument(
-        "--prompts", type=int, default=None, help="rollout: prompts (GRPO groups) per step (prompts=)"
-    )
-    s.add_argument("--samples", type=int, default=None, help="rollout: responses per prompt, G (samples=)")
-    s.add_argument(
-        "--temperature", type=float, default=None, help="decode, rollout: sampling temperature (1.0, 0.7)"
-    )
-    s.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help="rollout: prompt and sampling seed (seed=); soak: the kills' RNG",
-    )
-    s.add_argument(
-        "--steps",
-        type=int,
-        default=None,
-        help="rollout: RL steps per mode; all but the first are measured (steps=); soak: steps per run (30)",
-    )
-    s.add_argument(
-        "--modes", default=None, help="rollout: comma-separated subset of plain,ngram,adaptive (modes=)"
-    )
-    s.add_argument(
-        "--trace", type=Path, default=None, help="rollout: write every decode iteration's stats here (JSONL)"
-    )
-    s.add_argument(
-        "--drafter",
-        type=Path,
-        default=None,
-        help="decode, rollout: an exported EAGLE drafter (decode: adds eagle rows)",
-    )
-    s.add_argument(
-        "--run-dir",
-        type=Path,
-        default=None,
-        help="e2e, soak: where both runs go (runs/bench-e2e-…, bench-soak-…)",
-    )
-    s.add_argument("--kill-every", type=float, default=3.0, help="soak: mean seconds between kills")
-    s.add_argument("--kills", type=int, default=0, help="soak: the most kills (0 = no cap)")
-    s.add_argument(
-        "--rounds",
-        type=int,
-        default=2,
-        help="e2e: 2 (default) runs Slipstream, baseline, baseline, Slipstream and pools them; 1: S, B only",
-    )
-    s.add_argument(
+    _configured(p, "deploy/configs/demo.yaml")
+    _json(p, "E2EResult")
+    p.add_argument("--run-dir", type=Path, default=None, help="where both runs go (runs/bench-e2e-…)")
+    p.add_argument("--threads", type=int, default=None, help="learner-cost threads (learner.threads)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="2: runs Slipstream, baseline, baseline, Slipstream and pools them; 1: S, B only")  # fmt: skip
+    p.add_argument(
         "--sequential",
         action="store_true",
-        help="e2e: a round's two runs one after the other, each alone on the host (default: both at once, "
+        help="a round's two runs one after the other, each alone on the host (default: both at once, "
         "taking turns step by step, so a drifting host slows both alike; two resident runs must fit)",
     )
+
+    p = names.add_parser(
+        "soak",
+        help="a training run under random SIGKILLs vs one without",
+        description="Trains a tiny random model (or --model) under random SIGKILLs of rollout, verifier, "
+        "drafter and learner actors, then without, and compares the samples (exit 1 if any was lost or "
+        "differs).",
+    )
+    _configured(p, "deploy/configs/demo.yaml")
+    _json(p, "SoakResult")
+    p.add_argument("--run-dir", type=Path, default=None, help="where both runs go (runs/bench-soak-…)")
+    p.add_argument("--model", default=None, help="model directory or name (default: a tiny random one)")
+    p.add_argument("--steps", type=int, default=30, help="steps per run")
+    p.add_argument("--kill-every", type=float, default=3.0, help="mean seconds between kills")
+    p.add_argument("--kills", type=int, default=0, help="the most kills (0 = no cap)")
+    p.add_argument("--seed", type=int, default=0, help="the kills' RNG")
+
+    p = names.add_parser(
+        "sync",
+        help="a cross-host weight push: full vs XOR delta bytes",
+        description="Bytes per cross-host weight push, full vs XOR delta, after real optimizer steps.",
+    )
+    _json(p, "SyncResult")
+    p.add_argument("--model", default="smollm2-135m", help="model directory or name")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps, each one push")
+    p.add_argument(
+        "--lr", type=float, default=None, help="learning rate (default: the demo's learner.optim.lr)"
+    )
+    p.add_argument(
+        "--dtype", default="", help="push dtype (float32, bfloat16, float16); '': the checkpoint's"
+    )
+    p.add_argument("--threads", type=int, default=0, help="zstd threads (0: one)")
+
+    p = names.add_parser(
+        "gpu",
+        help="the GPU runbook (docs/gpu.md)",
+        description="The GPU runbook (docs/gpu.md): the gpu-marked tests, then per model shape and batch "
+        "size plain decode vs HF generate, verify costs and the self-draft ceiling. Exits 2 at once where "
+        "there is no CUDA device.",
+    )
+    _json(p, "GpuResult")
+    p.add_argument("--quick", action="store_true", help="one shape, batches 1/16/128")
+    p.add_argument("--shapes", default="", help="comma-separated subset of qwen2.5-1.5b,qwen2.5-7b")
+    p.add_argument("--no-tests", action="store_true", help="skip the gpu-marked tests")
+    p.add_argument("--no-peer", action="store_true", help="skip transformers' generate")
+    p.add_argument("--batches", default="", help="comma-separated batch sizes (default 1,4,16,64,128,256)")
+    p.add_argument("--peer-batches", default=None,
+                   help="batch sizes where HF generate runs ('all': every one; default 1,64)")  # fmt: skip
+    p.add_argument("--eager-batches", default=None,
+                   help="batch sizes where the dynamic eager path runs too (default 1,16)")  # fmt: skip
+    p.add_argument("--tests-log", type=Path, default=None, help="write the gpu tests' whole output here")
+    p.add_argument("--tests-timeout", type=int, default=600, help="seconds the gpu tests may take")
+
+    for name, p in names.choices.items():
+        if name not in CONFIGURED:  # KEY=VALUE left over by the parser lands here, and is refused
+            p.set_defaults(overrides=[])

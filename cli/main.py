@@ -312,14 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # bench's KEY=VALUE overrides may come after options too, which argparse leaves over.
     args, rest = parser.parse_known_args(argv)
-    if args.command == "bench" and args.what in ("gpu", "sync"):
-        args.gpu_args, rest = (
-            [*args.overrides, *rest],
-            [],
-        )  # bench gpu and bench sync parse their own flags (benchmarks/gpu.py, sync.py)
-    elif (
-        rest and args.command in ("bench", "train") and all("=" in a and not a.startswith("-") for a in rest)
-    ):
+    if rest and args.command in ("bench", "train") and all("=" in a and not a.startswith("-") for a in rest):
         args.overrides = [*args.overrides, *rest]
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from slipstream.benchmarks import rollout
+from slipstream.cli import bench
 from slipstream.cli.common import packaged_config
 from slipstream.cli.main import main
 from slipstream.engine import eagle_export
@@ -85,12 +86,12 @@ def test_flags_and_overrides_map_onto_the_config(tmp_path: Path) -> None:
     path = tmp_path / "bench.yaml"
     path.write_text("prompts: 2\nsamples: 2\ntuner:\n  arms:\n    ngram: ['off', 'ngram:d5']\n")
     parser = argparse.ArgumentParser()
-    rollout.add_arguments(parser)
+    bench.rollout_arguments(parser)  # `slipstream bench rollout`'s flags
     args = parser.parse_intermixed_args(
         ["--config", str(path), "--prompts", "4", "--modes", "plain,ngram", "--model", "true", "steps=2",
          "--max-tokens", "128", "drafter_actors.batch_tokens=256", "samples=3"]
     )  # fmt: skip
-    config = rollout.config_from_args(args)
+    config = bench.rollout_config(args)
     assert (config.prompts, config.samples, config.steps, config.max_tokens) == (4, 3, 2, 128)
     assert config.modes == ["plain", "ngram"] and config.model == "true"  # a flag's value is never re-typed
     assert config.tuner.arms.ngram == ["off", "ngram:d5"] and config.tuner.arms.plain == ["off"]
