@@ -245,7 +245,7 @@ def _generator(
     static: bool | None = None,
 ) -> Generator:
     # max_batch: every request at once. for_requests' default (32) would decode a larger batch in waves of
-    # 32, which `bench gpu`'s rows from batch 64 up did until 2026-11-26 (docs/gpu.md). share_prompts off: a
+    # 32, as `bench gpu`'s large-batch rows once did (docs/gpu.md). share_prompts off: a
     # row's prompts may repeat, and shared ones would join the decode batch a pass after the first.
     if arm.spec == "off":
         return Generator.for_requests(

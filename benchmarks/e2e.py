@@ -5,20 +5,13 @@
 
 The same config, seeds, prompts and reward run twice: with speculation and drafter training in idle device
 time, and as the baseline (plain decoding, no drafter); by default both at once, taking turns step by step
-(runtime/turns.py), so a host whose speed drifts over minutes slows both alike. Reported per run: seconds
-per step and its split (rollout / reward / learn / sync), rollout tokens/s, accept length, idle and
-reclaimed device-seconds, each actor's peak resident memory (its log's `stopped` event) and their sum — an
-upper bound of the run's simultaneous peak: processes peak at different moments, and a shared-memory page
-counts in every process that maps it — and what the processes held at once (the peak of their summed Pss,
-sampled each second: `MemorySampler`); across runs: speedups, and how many steps' samples were
-token-identical (all of them in reproducible mode: speculation changes speed, never tokens). Then the
-learner's cost per token: on each of the first steps' real samples, the forward pass that computes their
-log-probs (`PolicyTrainer.logprobs`) and a full training step (forward, backward, AdamW) over the same
-micro-batches, interleaved; the cost is their ratio. Runs the loop through a callable the CLI passes in
-(benchmarks do not import cli/): the CLI's starts each run as a child `slipstream train`, as a user would,
-so the run's memory is its own processes' (`isolated`; in process, this one was counted as the coordinator
-with what the bench itself held).
-Fields: docs/benchmarks.md.
+(runtime/turns.py), so a host whose speed drifts slows both alike. Reported per run: step time and its
+split, rollout tokens/s, accept length, idle and reclaimed device-seconds, peak memory (`MemorySampler`);
+across runs: speedups and token-identical steps (reproducible mode: speculation changes speed, never
+tokens); then the learner's cost per token, a training step against the forward pass on the same real
+samples. `run` takes the loop as a callable (benchmarks do not import cli/); the CLI's starts each run as a
+child `slipstream train`, so the run's memory is its own processes' (`isolated`). Fields and the memory
+figures' meaning: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -214,9 +207,9 @@ def _run_dir_of(pid: int) -> str | None:
 
 @contextlib.contextmanager
 def _sampling(sampler: MemorySampler, every_s: float = 1.0) -> Iterator[MemorySampler]:
-    """Sample `sampler` from a daemon thread every `every_s` while the body runs (statm alone, ~15 µs a
-    process, where no process grew enough for a new peak; smaps_rollup, ~15 ms a resident GB, where one
-    did: `MemorySampler`)."""
+    """Sample `sampler` from a daemon thread every `every_s` while the body runs (`MemorySampler`: the cheap
+    statm where no process grew enough for a new peak, smaps_rollup where one did; costs in
+    docs/benchmarks.md)."""
     done = threading.Event()
 
     def loop() -> None:

@@ -1,18 +1,16 @@
 """The GPU runbook: `slipstream bench gpu --json` measures where speculation pays on a CUDA device.
 
-    slipstream bench gpu --json                  # on a CUDA host: ≤ 20 minutes on one H100
-    slipstream bench gpu --json --quick          # one shape, batches 1/16/128, a few minutes
-    slipstream bench gpu --json --shapes qwen2.5-7b --no-tests   # one shape (a device call is ≤ 10 min)
+    slipstream bench gpu --json                  # every shape and batch size, the gpu tests first
+    slipstream bench gpu --json --quick          # one shape, batches 1/16/128
+    slipstream bench gpu --json --shapes qwen2.5-7b --no-tests   # one shape, no tests
 
-One JSON object (`GpuResult`): the device, versions and date; the `gpu`-marked tests (pytest -m gpu); then
-per model shape (Qwen2.5-1.5B and -7B layouts with random bf16 weights, built here: nothing downloaded)
-and batch size: plain decode tokens/s, the same weights under HF transformers' `generate` with a static
-cache (the plain-decode peer), the verify cost cost(k+1)/cost(1) of one target pass scoring k+1 tokens
-per sequence at a 256-token context, and the self-draft ceiling (the target's own recorded output
-replayed as drafts, reproducible mode: the engine's mechanical limit). Exits at once, naming the missing
-device, where torch sees no CUDA. The measuring functions take the device: the CPU suite runs them on
-tiny shapes (tests/benchmarks/test_gpu_bench.py), so what runs on the GPU has run before. docs/gpu.md
-has the set-up and what waits for a GPU.
+One JSON object (`GpuResult`): the device, versions and date; the `gpu`-marked tests; then per model shape
+(Qwen2.5-1.5B and -7B layouts, random bf16 weights built here: nothing downloaded) and batch size: plain
+decode tokens/s, HF transformers' `generate` with a static cache on the same weights (the peer), the
+verify cost cost(k+1)/cost(1) at a 256-token context, and the self-draft ceiling (the target's own
+output replayed as drafts, reproducible mode). `run` refuses a host without CUDA, naming the device; the
+measuring functions take the device, and the CPU suite runs them on tiny shapes
+(tests/benchmarks/test_gpu_bench.py). Set-up and results: docs/gpu.md; run lengths: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -73,7 +71,8 @@ SHAPES: dict[str, dict[str, Any]] = {
 BATCHES = (1, 4, 16, 64, 128, 256)
 QUICK_BATCHES = (1, 16, 128)
 PEER_BATCHES = (1, 64)
-"""HF generate compiles per batch size (~30 s each): a call measures it where it calibrates the card."""
+"""HF generate compiles per batch size (tens of seconds each, docs/benchmarks.md): a call measures it where
+it calibrates the card."""
 EAGER_BATCHES = (1, 16)
 """The dynamic eager path (before graphs) on the same card, for the before/after ratio."""
 VERIFY_KS = (1, 3, 7)
@@ -134,11 +133,11 @@ def hbm_bandwidth(name: str) -> float | None:
 
 
 PEAK = 5.0
-"""The final norm's weight in `random_model`: N(0, 0.02) weights give logits of std ~0.8 (1.5B) over 152k
-tokens, so every token has p < 2**-10 and the sampler picks by inverse CDF over the whole vocabulary,
-where any kernel's last-bit rounding moves the pick; a self-draft replay then measures rounding, not the
-engine (docs/gpu.md, 2026-11-27). Scaled by 5, the logits' std is 4-6 and the distributions are peaked,
-as a trained model's are. It changes no cost."""
+"""The final norm's weight in `random_model`. N(0, 0.02) weights give nearly flat logits over a 152k
+vocabulary, so the sampler picks by inverse CDF over all of it, where any kernel's last-bit rounding moves
+the pick, and a self-draft replay measures rounding, not the engine. Scaled by `PEAK` the distributions
+are peaked, as a trained model's are (the logits' spread either way: docs/benchmarks.md). It changes no
+cost."""
 
 
 def random_model(
@@ -282,7 +281,7 @@ def _hf_tokens_per_s(model: Transformer, prompts: list[list[int]], max_tokens: i
     }
     with torch.inference_mode():
         # Warm-up with the timed call itself: generate with a static cache compiles (transformers 5), and a
-        # shorter warm-up left the compile inside the timed call (3 tok/s at batch 1 on an H100).
+        # shorter warm-up left the compile inside the timed call (docs/benchmarks.md).
         hf.generate(ids, **kwargs)
         _sync(device)
         started = time.perf_counter()

@@ -6,15 +6,12 @@
 
 Real processes: 2 rollout actors, one core and one thread each ("2 devices"), and in the adaptive mode
 2 drafter actors that train one EAGLE head. The bench is a client of `rl/coordinator.py`, as the RL
-loop is: whole groups are dealt by expected work (GRPO siblings share one rollout's n-gram tables), an idle
-device is leased to its drafter, and every lease is preempted when the last completion arrives. Each mode
-runs `steps` RL steps on fresh prompts, the same for every mode; the first warms the tuner and the online
-drafter, the others are measured and summed (one step's makespan is noisy on a shared machine).
-
-Verification is reproducible, so every mode decodes the responses plain decoding does and the makespans
-compare the same work (`differing_responses` counts the rare exceptions). Configuration:
-`RolloutBenchConfig`; result fields: `RolloutBenchResult`; why this workload, and measured figures:
-docs/benchmarks.md.
+loop is: whole groups are dealt by expected work, an idle device is leased to its drafter, and every lease
+is preempted when the last completion arrives. Each mode runs `steps` RL steps on the same fresh prompts;
+the first warms the tuner and the online drafter, the others are measured and summed. Verification is
+reproducible, so every mode decodes the responses plain decoding does (`differing_responses` counts the
+rare exceptions). Configuration: `RolloutBenchConfig`; result: `RolloutBenchResult`; why this workload,
+and measured figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -5,13 +5,12 @@
 
 A seeded RNG picks each victim among the rollout, verifier, drafter and learner actors; a thread SIGKILLs
 it about every `kill_every_s` seconds, by the pid its log's "ready" event names, if that pid is a child of
-this process. Non-obvious choices: no
-actor is killed more often than `faults.max_restarts`; kills stop when the last step begins, so every
-kill is recovered within the run. Then the same config runs without kills, and the samples are compared
-per (step, group, sample): reproducible mode makes them identical, up to a keyed near tie that float
-rounding in another batch shape flips (`near_tie`). The default model is a tiny random
-Llama with SmolLM2's tokenizer, built into the run directory (its answers are noise, rewards mostly 0: a
-soak does not mind). Runs the loop through a callable the CLI passes in (benchmarks do not import cli/).
+this process. No actor is killed more often than `faults.max_restarts`, and kills stop when the last step
+begins, so every kill is recovered within the run. Then the same config runs without kills, and the
+samples are compared per (step, group, sample): reproducible mode makes them identical, up to a keyed near
+tie that float rounding in another batch shape flips (`near_tie`). The default model is a tiny random
+Llama with SmolLM2's tokenizer, built into the run directory (its answers are noise: a soak does not
+mind). `run` takes the loop as a callable (benchmarks do not import cli/).
 """
 
 from __future__ import annotations

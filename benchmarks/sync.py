@@ -1,7 +1,7 @@
 """Sync benchmark: bytes per cross-host weight push, full vs XOR delta, after real optimizer steps.
 
-    python -m slipstream.benchmarks.sync --json                   # smollm2-135m, 3 steps at the demo's lr
-    python -m slipstream.benchmarks.sync --dtype bfloat16 --json  # pushed in bf16 (a GPU rollout's dtype)
+    slipstream bench sync --json                   # smollm2-135m, 3 steps at the demo's lr
+    slipstream bench sync --dtype bfloat16 --json  # pushed in bf16 (a GPU rollout's dtype)
 
 What a push across hosts moves (actors/learner.py): each parameter cast to the push dtype, sent as
 `engine.weight_delta.xor_delta` against the previous version. Here the learner's side is replayed in one

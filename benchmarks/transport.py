@@ -3,14 +3,14 @@
     slipstream bench transport --json
 
 Two real processes over ipc:// with the production socket factory and codec: this process connects a
-DEALER, a child process (`python -m slipstream.benchmarks.transport --serve ENDPOINT`) binds a ROUTER
-and decodes everything it receives. Large tensors are timed sender to decoded-at-receiver on the
-same-host production path (the shared-memory lane), against an in-process memcpy of the same buffer
-with the same count and warm-up, and again as plain ZeroMQ frames (the cross-host path). Then the paths
-between the nodes of a multi-node run, side by side in the same run: tcp:// on loopback, plaintext and
-with CURVE (what every socket of such a run uses), round trip and tensor frames (`across`). A node agent
-relays nothing (runtime/agent.py), so these are the whole cost of crossing nodes, less the wire. The
-result is `TransportResult` (fields documented there); measured figures: docs/benchmarks.md.
+DEALER, a child process (`serve`, started by `_serve` through `python -c`) binds a ROUTER and decodes
+everything it receives. Large tensors are timed sender to decoded-at-receiver on the same-host production
+path (the shared-memory lane), against an in-process memcpy of the same buffer with the same count and
+warm-up, and again as plain ZeroMQ frames (the cross-host path). Then the paths between the nodes of a
+multi-node run, side by side in the same run: tcp:// on loopback, plaintext and with CURVE (what every
+socket of such a run uses), round trip and tensor frames (`across`). A node agent relays nothing
+(runtime/agent.py), so these are the whole cost of crossing nodes, less the wire. The result is
+`TransportResult` (fields documented there); measured figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
