@@ -1,7 +1,8 @@
 """Rollout channel: generation requests in, completions and per-iteration statistics out.
 
-Every data message carries its ids and the policy version that produced it, so the learner can
-bound staleness and the drafter buffer can weigh samples by age.
+Requests and completions carry their group id and the policy version that produced them (each sample
+is recorded with its version, and the drafter's buffer takes the newest version's samples first).
+`IterationStats` is a rollout's record of one decode iteration, which the coordinator reduces per step.
 """
 
 from enum import StrEnum

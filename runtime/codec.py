@@ -1,22 +1,17 @@
 """The wire codec: a message becomes frames `[kind][MessagePack body][tensor buffer 0][buffer 1]…`.
 
-A tensor field is encoded in the body as `[dtype, shape, ref]`, where `ref` is either the raw bytes
-(tensors of at most `inline_bytes`) or the index of the frame that holds them. Large tensors are
-therefore never copied into the body: the sender hands zmq a view of the tensor's memory and the
-receiver gets a tensor that *aliases* the received frame (clone what you keep). bf16 and every other
-dtype travel as raw bytes; nothing is ever pickled.
+A tensor field is encoded in the body as `[dtype, shape, ref]`, `ref` being the raw bytes (at most
+`inline_bytes`) or the index of the frame that holds them: the sender hands zmq a view of the tensor's
+memory and the receiver gets a tensor that *aliases* the received frame (clone what you keep). Every
+dtype, bf16 included, travels as raw bytes; nothing is ever pickled. Same host, a tensor of at least
+`shm_min_bytes` can take the shared-memory lane (runtime/shm.py) instead: the body carries a `ShmRef`,
+the sender pays one memcpy and the receiver's tensor aliases the shared slot, released when the tensor
+is freed (ZeroMQ alone moves large frames far below memcpy speed: docs/benchmarks.md, Transport).
 
-Decoding is a trust boundary: anything malformed — unknown kind, truncated or extra frames, a body of
-the wrong shape, a tensor header whose size disagrees with its frame or exceeds the limit — raises
-`ProtocolError` naming the problem, which the receiver logs and drops.
-
-Same host, a tensor of at least `shm_min_bytes` can instead travel through the shared-memory bulk lane
-(`slipstream.runtime.shm`): the body then carries a `ShmRef` descriptor, the sender pays one memcpy
-and the receiver's tensor aliases the shared slot (it is released when the tensor is freed). ZeroMQ
-alone moves large frames at a few percent of memcpy on small hosts (every receive buffer is freshly
-mapped and page-faulted), which is why same-host bulk data takes the lane.
-
-A `Codec` keeps per-call scratch state, so it belongs to one thread (as its sockets do).
+Decoding is a trust boundary: anything malformed (unknown kind, truncated or extra frames, a body of the
+wrong shape, a tensor header that disagrees with its frame or exceeds the limit) raises `ProtocolError`
+naming the problem, which the receiver logs and drops. A `Codec` keeps per-call scratch state, so it
+belongs to one thread (as its sockets do).
 """
 
 from __future__ import annotations
@@ -93,7 +88,7 @@ def checksum(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name, t in zip(names, tensors, strict=True):
         h.update(name.encode())
-        h.update(memoryview(tensor_bytes(t).numpy()))  # no tobytes(): a 540 MB model hashed 25% faster
+        h.update(memoryview(tensor_bytes(t).numpy()))  # no tobytes(): no copy (docs/benchmarks.md)
     return h.hexdigest()
 
 

@@ -52,7 +52,7 @@ from slipstream.runtime.transport import (
 
 # The shared-memory lane for same-host bulk tensors grows on demand up to this much per actor. Not smaller:
 # a receiver may hold a slot for long (the drafters kept their head bucket's slot), and a lane capped at
-# 256 MiB filled with two such slots and failed a push (2026-11-25; docs/training.md).
+# 256 MiB filled with two such slots and failed a push (docs/training.md).
 SHM_SLOT_MAX = 1 << 30
 SHM_CAPACITY = 2 << 30
 
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 span_path(Path(args.run_dir), label), actor=label, role=cls.role, rank=args.rank
             )
             # Same host (ipc://): one CLOCK_MONOTONIC, offset 0 exactly; an estimate would only add the
-            # asymmetry of the two legs' delays (1-3 ms measured here). Across hosts, NTP-style:
+            # asymmetry of the two legs' delays (docs/benchmarks.md). Across hosts, NTP-style:
             # ((t1 - t0) + (t2 - t3)) / 2, the supervisor's clock minus ours.
             if init.sent_ns and args.control.startswith("tcp://"):
                 actor.spans.set_clock_offset(

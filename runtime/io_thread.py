@@ -1,18 +1,18 @@
 """An actor process's IO thread: the only code that touches the actor's sockets.
 
-It owns the control DEALER (to the coordinator), the data ROUTER (peers send here), one DEALER per
-peer it sends to, and the PULL end of an inproc pipe whose PUSH end is the compute thread's `Outbox`.
-Incoming frames are decoded here (malformed ones are logged and dropped, and the loop serves the next)
-and queued in the `Inbox`; outgoing frames are forwarded without copies.
+It owns the DEALER to the coordinator (control, and the coordinator's work and results), the data
+ROUTER (peers send here), one DEALER per peer it sends to, and the PULL end of an inproc pipe whose PUSH
+end is the compute thread's `Outbox`. Incoming frames are decoded here (malformed ones are logged and
+dropped) and queued in the `Inbox`: the coordinator's control kinds in its control lane, all else in the
+data lane; outgoing frames are forwarded without copies.
 
-Backpressure, both ways: when the inbox's data lane is full the thread stops reading the data socket,
-so ZeroMQ's high-water marks push back on the senders; when a peer is slow (EAGAIN on send) the thread
-parks that message and stops taking new ones from the compute thread until it drains, so `send`
-blocks the compute loop instead of growing memory.
+Backpressure, both ways: with the inbox's data lane full the thread stops reading the data socket
+(ZeroMQ's high-water marks push back on the senders); a slow peer's message (EAGAIN) is parked and
+nothing more is taken from the compute thread until it drains, so `send` blocks instead of growing memory.
 
 Liveness: a heartbeat goes to the coordinator every interval from this thread (it proves the process is
-alive; `handled`/`queued`/`ticks` in it show whether the compute loop moves). If the coordinator falls silent
-for `supervisor_timeout_s`, the actor is told to shut down — an orphan never outlives its run.
+alive; `handled`/`queued`/`ticks` in it show whether the compute loop moves). If the coordinator falls
+silent for `supervisor_timeout_s`, the actor is told to shut down: an orphan never outlives its run.
 """
 
 from __future__ import annotations

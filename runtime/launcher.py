@@ -9,7 +9,7 @@ builds the command line itself with `actor_command` (its own interpreter, its ow
 node no launcher serves is refused before anything starts, naming `node`.
 
     sup = Supervisor(run_dir)                                  # LocalLauncher: this host alone
-    sup = Supervisor(run_dir, cluster=c, curve=keys, remote=agents)   # and the agents' nodes
+    sup = Supervisor(run_dir, cluster=c, curve_key=key_file, remote=agents)   # and the agents' nodes
 """
 
 from __future__ import annotations

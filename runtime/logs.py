@@ -6,7 +6,8 @@ durable record; the live stream is a PUB socket connected to the coordinator's e
 XPUB), which `slipstream logs RUN --follow` subscribes to. PUB drops instead of blocking when nobody
 keeps up, so logging never stalls a compute loop.
 
-Metrics are logs with `event="metric"`; the coordinator reduces them per step.
+Metrics are not logs: the coordinator reduces its actors' stats messages per step into the record the
+loop appends to metrics.jsonl (rl/loop.py).
 """
 
 from __future__ import annotations

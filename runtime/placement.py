@@ -1,21 +1,14 @@
 """Placement: which device, cores and threads each actor of a run gets. Decided here, never in an actor.
 
 A *device* is what one rollout actor owns: a GPU on a CUDA host, a core on a CPU host. A drafter trains
-on a rollout's device only while that rollout is idle (the coordinator's lease); `drafter_of[r]` says
-which drafter rollout r's device is lent to. On a CUDA host each rollout has a drafter on its GPU. On a
-CPU host one drafter serves every core: its process may run on all the rollouts' cores and pins its
-threads to the cores it is leased (each lease carries them), so the host holds one drafter's weights,
-optimizer and buffer instead of one per core (~0.6 GB each for SmolLM2, docs/training.md), and the
-drafter is one copy, never averaged. Learner ranks get GPUs of their own when the host has enough
-(rollouts + ranks ≤ GPUs), else they share the rollouts' GPUs from the first (synchronous RL: the
-rollouts are idle while the learner trains). On a CPU host rollout r is pinned to core r mod cores with
-one thread, and the learner takes `learner_threads` unpinned threads.
-
-A run across nodes (runtime/cluster.py) is placed node by node (`place_nodes`): each node's share of the
-rollouts, verifiers and learner ranks (`NodeShare`; default: rollouts and verifiers spread evenly, every
-learner rank on node 0, where the ranks' rendezvous is) goes through `place` with that node's cores and
-GPUs; ranks are numbered across the nodes in order, and each node's rollouts lend their devices to a
-drafter on their own node.
+on a rollout's device only while that rollout is idle (the coordinator's lease); `drafter_of[r]` names
+the drafter rollout r's device is lent to. On a CUDA host each rollout has a drafter on its GPU; on a CPU
+host one drafter serves every core, pinning its threads to the cores it is leased, so the host holds one
+drafter's weights, optimizer and buffer (docs/training.md), never copies to average. Learner ranks get
+GPUs of their own when the host has enough, else share the rollouts' from the first (synchronous RL). On
+a CPU host rollout r is pinned to core r mod cores, one thread; the learner takes `learner_threads`. A run
+across nodes is placed node by node (`place_nodes`): each node's `NodeShare` (default: rollouts and
+verifiers spread evenly, every learner rank on node 0) goes through `place` with its cores and GPUs.
 
     place("cuda", rollouts=6, learners=2, learner_threads=2, cores=16, gpus=8)
     place_nodes("cpu", default_shares(2, rollouts=4, verifiers=2, learners=1), [Host(2, 0)] * 2, 2)

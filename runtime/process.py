@@ -1,24 +1,17 @@
 """What /proc says about processes: whether a pid still runs, peak resident memory, a process tree's Pss.
 
-`pid_alive` is the one check of whether a pid still names a running process, used wherever a pid outlives
-its process's usefulness: shared-memory slots claimed by a receiver that died (runtime/shm.py). The
-non-obvious choice: a zombie (exited, not yet reaped by its parent) still answers `kill(pid, 0)` but will
-never run again, so where /proc exists its state letter decides; where it does not, `kill(pid, 0)` alone
-does. Pids are only meaningful within one pid namespace (one host).
+`pid_alive` is the one check of whether a pid still runs (shared-memory slots claimed by a receiver that
+died: runtime/shm.py). The non-obvious choice: a zombie still answers `kill(pid, 0)` but will never run
+again, so where /proc exists its state letter decides. Pids mean something within one pid namespace.
+`peak_rss_mb` reads VmHWM, not `ru_maxrss`: Linux carries that across exec, so a child forked from a
+large parent would report the parent's size until it outgrew it. `MemorySampler` follows the summed Pss
+of a process tree: what the tree holds at once.
 
-`peak_rss_mb` reads VmHWM, the high-water mark of this process's own address space. Not `ru_maxrss`
-first: Linux carries that across exec from the pre-exec image, so a child forked from a large parent
-(the coordinator) would report the parent's size until it outgrew it.
-
-`keep_freed_memory` tells glibc's malloc to keep what a process frees for reuse instead of handing it
-back to the kernel: a learner step allocates and frees gigabytes of activations, and with glibc's
-defaults each buffer over its (dynamic, at most 32 MiB) threshold is a fresh mmap whose pages fault in,
-zeroed by the kernel, on every step (docs/training.md, "The learner's kernel time"). A process that idles
-while another peaks (a rollout between steps, a drafter between leases) hands what it kept back with
-`release_freed_memory`; `memory_now` says what a log line needs: resident size, heap in use, heap kept.
-
-`pin_threads` pins every thread of this process: `sched_setaffinity(0)` moves only the caller, and an
-OpenMP pool made earlier would stay where it was (the CPU host's one drafter narrows to its leased cores).
+`keep_freed_memory` makes glibc's malloc keep freed memory for reuse: with its defaults each buffer over
+the (dynamic) mmap threshold is a fresh mmap whose pages fault in, zeroed, on every learner step
+(docs/training.md, "The learner's kernel time"). An idle process hands it back with
+`release_freed_memory`; `memory_now` reports resident size, heap in use and heap kept. `pin_threads` pins
+every thread of the process (`sched_setaffinity(0)` moves only the caller; an OpenMP pool would stay).
 """
 
 from __future__ import annotations
@@ -159,10 +152,10 @@ class MemorySampler:
     is the largest sum seen and `at_peak_mb` its split by process label (`label(pid)`, default the pid; a
     process labelled None is not counted, e.g. a benchmark's own process beside the run it measures).
 
-    A smaps_rollup read walks the process's page tables under its mmap lock: ~15 ms of CPU a resident GB
-    (2026-11-26), so reading a two-run bench's ~14 GB each second took a fifth of a core from the runs it
-    timed, and held each process's lock while it allocated. So each reading first takes every process's
-    resident pages, private and shared (/proc/PID/statm, ~15 µs): the tree's Pss grows only by pages some
+    A smaps_rollup read walks the process's page tables under its mmap lock, at a CPU cost per resident GB
+    that took a noticeable share of a core from the runs a bench timed, and held each process's lock while
+    it allocated (docs/benchmarks.md, bench e2e). So each reading first takes every process's resident
+    pages, private and shared (/proc/PID/statm, far cheaper): the tree's Pss grows only by pages some
     process newly maps, so since a process's last full read its share can have grown by at most the growth
     of its private part plus that of its shared part. If even that bound on the sum is no new peak, nothing
     more is read (`skipped`). (A process that unmaps one shared page and maps another within one interval

@@ -5,17 +5,13 @@ far below memcpy speed (docs/benchmarks.md). Here the sender copies the bytes on
 pre-faulted /dev/shm segment it keeps reusing, and the body carries a `ShmRef` (segment, offset, nbytes,
 slot, generation); the receiver maps the segment once and gets a tensor that *aliases* the slot.
 
-The non-obvious choice: release needs no message. Each segment starts with a header page holding, per
-slot, its `generation`, the claims still `pending` and one cell per reader holding its pid; a receiver
-clears its cell when the last tensor (or view) over the slot is freed, and the sender simply sees it.
-That is the credit. A slot may be written once for several receivers (`put(readers=n)`: a weight bucket
-for every rollout of the host is one copy, not n). The slot protocol, its locking and ordering rules: the
-comment above the header layout below.
-
-`ShmArena` (sender) grows in power-of-two size classes up to a capacity, then `put` blocks until a slot
-frees (`ShmFullError` after its timeout): that is the backpressure. `ShmReader` is the receiving side.
-Segments are named `slipstream-{run_tag}-{pid}-{n}`, mode 0600; `close()` unlinks a sender's segments
-and `cleanup(run_tag)` removes what a crashed process left behind.
+The non-obvious choice: release needs no message. A segment's header page holds per slot its
+`generation`, the claims still `pending` and one pid cell per reader; a receiver clears its cell when the
+last tensor (or view) over the slot is freed, and the sender simply sees it. A slot may be written once
+for several receivers (`put(readers=n)`). The protocol, its locking and ordering: the comment above the
+header layout. `ShmArena` (sender) grows in power-of-two size classes up to a capacity, then `put` blocks
+until a slot frees (`ShmFullError` after its timeout): the backpressure. `ShmReader` receives. Segments
+are `slipstream-{run_tag}-{pid}-{n}`, mode 0600; `cleanup(run_tag)` removes what a crash left.
 """
 
 from __future__ import annotations

@@ -5,11 +5,10 @@ that `metrics.sinks` names. A sink keeps the numeric scalars, nested dicts flatt
 accept_by_batch/1), and skips the rest (lists, strings). Each sink's package is an extra, looked for when
 the run starts (`require_sinks`): a missing one is named, with its `pip install`, before anything spawns.
 
-TensorBoard: RUN/tensorboard/, flushed after every step, so a crash loses none it wrote. Each start of a
-run adds a file there that opens with a purge at its first step (a resumed run's checkpoint): TensorBoard
-then shows each step once, those done again with their new values, as metrics.jsonl holds them. wandb: mode="offline",
-dir=RUN (RUN/wandb/, uploaded by `wandb sync`), named after the run directory. wandb cannot resume an
-offline run (wandb/wandb#2423): a resumed run is a second wandb run of the same name, from its step on.
+TensorBoard: RUN/tensorboard/, flushed after every step. Each start of a run adds a file there that
+opens with a purge at its first step, so TensorBoard shows each step once, as metrics.jsonl holds them.
+wandb: mode="offline", dir=RUN (uploaded by `wandb sync`), named after the run directory; it cannot resume
+an offline run (wandb/wandb#2423), so a resumed run is a second wandb run of the same name.
 
     metrics: {sinks: [tensorboard, wandb], wandb_project: grpo}     # in a config, or as overrides:
     slipstream train 'metrics.sinks=[tensorboard]'    # needs pip install 'slipstream[tensorboard]'

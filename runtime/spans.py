@@ -1,17 +1,12 @@
 """Spans: what each process spent its time on, for latency analysis (`slipstream trace`, `report`).
 
 A span is (name, start, duration, step, fields) for work that costs time: a decode iteration, a reward
-call, a drafter training step, a learner micro-batch, a weight push. Each process appends its spans to
-RUN/spans/<actor>.jsonl: one `meta` line naming the process (role, rank, pid, host), then one line a
-span. The non-obvious choices:
-- Recording costs a clock read and a list append; lines are encoded and written in batches (every
-  `flush_every` spans or `flush_s` seconds, at the latest on close), never on the hot path's critical
-  section. A recorder made with no path is a no-op, so call sites need no `if`.
-- Times are the process's `time.monotonic_ns()`. On one host every process shares that clock; across
-  hosts the coordinator measures each actor's offset at the handshake and the actor records it as a
-  `clock` line, which `read_spans` adds, so every span is on the coordinator's clock.
-- Flows (a weight push reaching a rollout) are not ids on the wire: a push span and an apply span carry
-  the same `version` field, which the trace exporter joins.
+call, a drafter step, a learner micro-batch, a weight push. Each process appends its spans to
+RUN/spans/<actor>.jsonl (a `meta` line naming the process, then a line a span). Recording costs a clock
+read and a list append; lines are written in batches (`flush_every` spans, `flush_s` seconds, on close).
+A recorder with no path is a no-op. Times are `time.monotonic_ns()`: one clock per host; across hosts
+the actor records the offset measured at the handshake as a `clock` line, which `read_spans` adds. Flows
+(a weight push reaching a rollout) are joined by the spans' shared `version` field, not ids on the wire.
 
     rec = SpanRecorder(run_dir / "spans" / "rollout-0.jsonl", actor="rollout-0", role="rollout", rank=0)
     with rec.span("decode", step=3, batch=16, arm="eagle:d3"):

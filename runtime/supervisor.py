@@ -1,22 +1,18 @@
 """The supervisor: spawns actor processes, shakes hands, watches them, restarts on request, stops all.
 
-It lives in the coordinator's asyncio loop and owns the control ROUTER. Start-up is all or nothing:
-every actor sends Hello, then gets Init with its config and its peer directory, and must answer Ready
-within the handshake timeout — otherwise every process is killed and `SupervisorError` names the actor
-and its reason (a bad config names its field). A multi-node run (runtime/cluster.py) also listens on the
+It lives in the coordinator's asyncio loop and owns the coordinator's ROUTER (control, and the work
+that goes on `inbox`). Start-up is all or nothing: every actor sends Hello, gets Init (its config, its
+peers) and must answer Ready within the handshake timeout, else every process is killed and
+`SupervisorError` names the actor and why. A multi-node run (runtime/cluster.py) also listens on the
 head's TCP port, CURVE on every socket; the other nodes' actors start through `remote` (node agents).
 
-Death is seen as a process exit (awaited, so SIGKILL is seen at once), as `missed_beats` silent
-heartbeat intervals (a stopped process), or, with a spec's `hang_s`, as a compute loop whose ticks froze
-while its IO thread still beats (a hang); a silent or hung process is killed. The owner gets an
-`ActorDied` on `deaths` and decides: `await restart(name)` respawns the actor from its `ActorSpec` after
-a backoff (`restart_backoff_s * 2**(k-1)`, ≤ 30 s) and shakes hands with it alone. Its data endpoints
-(ipc path, tcp port) are fixed per actor, so peers reconnect by themselves. Each actor gets
-`max_restarts` tries per run; past them, `SupervisorError` quotes the death and the tail of its log.
-
-Shutdown goes from the top: Shutdown to everyone, a grace period, then SIGTERM, then SIGKILL; no
-process is left behind. Also runs the live event proxy: actors' log PUBs → XSUB here → XPUB that
-`slipstream logs --follow` subscribes to.
+Death is a process exit (awaited: SIGKILL is seen at once), `missed_beats` silent heartbeat intervals, or,
+with a spec's `hang_s`, ticks that froze while the IO thread still beats (a hang, killed). The owner gets
+an `ActorDied` on `deaths` and decides: `await restart(name)` respawns the actor from its `ActorSpec`
+after a backoff (`restart_backoff_s * 2**(k-1)`, at most `MAX_BACKOFF_S`), at the same data endpoints, so
+peers reconnect by themselves; past `max_restarts`, `SupervisorError` quotes the death and its log's tail.
+Shutdown: Shutdown to everyone, a grace period, SIGTERM, SIGKILL. Also runs the live event proxy
+(actors' log PUBs → XSUB → XPUB, for `slipstream logs --follow`).
 """
 
 from __future__ import annotations
@@ -55,9 +51,9 @@ from slipstream.runtime.transport import (
     watch_handshakes,
 )
 
-# oneDNN's primitive and ideep's computation caches, 1024 entries each by default at ~0.3-0.5 MB an entry,
-# grow for hundreds of steps (new shapes every step). At 256: a rollout's heap after 10 demo steps 929 MB
-# against 1089, decode time equal (2026-11-26, docs/training.md); a miss costs ~1.2 ms.
+# oneDNN's primitive and ideep's computation caches (1024 entries each by default) grow for hundreds of
+# steps, a rollout meeting new shapes every step; 256 holds a rollout's heap lower at equal decode time
+# (docs/training.md; a miss's cost: docs/benchmarks.md).
 ONEDNN_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "256"}
 
 
@@ -404,7 +400,7 @@ class Supervisor:
                         reason = f"no heartbeat for {now - p.last_seen:.2f}s"
                     # Ticks are seen at heartbeats: a tick just after one shows at the next, up to one
                     # interval late. Judged against hang_s alone, a hang deadline equal to the interval killed
-                    # a ticking actor whose heartbeat came a little late (a loaded CI host, 2026-11-26).
+                    # a ticking actor whose heartbeat came a little late (on a loaded CI host).
                     elif hang > 0 and now - p.moved_at > hang + self.heartbeat_s:
                         reason = (
                             f"hung: no progress for {now - p.moved_at:.1f}s (hang_s {hang:g}) while its "

@@ -1,7 +1,8 @@
 """Sockets: the one factory every ZeroMQ socket in Slipstream comes from, endpoints, and CURVE keys.
 
-Topology: the coordinator binds a ROUTER for control; each actor connects a DEALER with identity
-"role:rank" to it, and binds a ROUTER of its own for bulk data that peers reach with DEALERs. Every
+Topology: the coordinator binds one ROUTER for control and for the work it deals and collects
+(requests, completions, stats); each actor connects a DEALER with identity "role:rank" to it, and binds a
+ROUTER of its own for the bulk data its peers send it (weights, hidden states) through DEALERs. Every
 socket gets finite high-water marks (backpressure instead of unbounded memory), linger 0 (shutdown
 never hangs on unsent data) and a receive-size limit (zmq disconnects a peer that sends more).
 

@@ -1,11 +1,10 @@
 """Turns: runs on one host that take turns, phase by phase, through one small file (a baton).
 
-`slipstream bench e2e` runs Slipstream and its baseline at once, in lockstep: one run's step, then the other's,
-then the next step of the first. On a shared host the speed drifts by 10-30% over minutes (other tenants,
-memory bandwidth); two runs timed one after the other meet different minutes, and their ratio carries that
-drift. Interleaved step by step, each pair of steps meets the same minute. While one run has the turn the
-other's processes are idle (between steps every actor waits on its inbox), so nothing is timed while the
-other run computes.
+`slipstream bench e2e` runs Slipstream and its baseline at once, in lockstep: one run's step, then the
+other's, then the next step of the first. A shared host's speed drifts over minutes (docs/benchmarks.md),
+so two runs timed one after the other carry that drift in their ratio; interleaved step by step, each pair
+of steps meets the same minute. While one run has the turn the other's actors wait on their inboxes, so
+nothing is timed while the other run computes.
 
 The file holds the name of the party whose turn it is; `release` writes the next one (a rename, so a
 reader never sees half a name). Both are idempotent: a party that holds the turn acquires it at once, one

@@ -12,8 +12,7 @@ One JSON object per line (blank lines are skipped):
 - Optional: `answer` (any JSON value, handed to the reward), `group_id` (prompts that share an
   n-gram drafter table; defaults to `id`), `metadata` (a JSON object, handed to the reward).
 
-Unknown keys are an error rather than ignored, so a misspelt `promt` fails at load time instead of
-silently training on something else. Every error names the file and the 1-based line.
+Unknown keys are an error (a misspelt `promt` fails at load time); every error names file and line.
 """
 
 from __future__ import annotations

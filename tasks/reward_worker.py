@@ -2,9 +2,9 @@
 
 `actors/verifier.py` starts these from a forkserver that preloads this module and `tasks.rewards`, so a
 worker starts in milliseconds with the built-in rewards imported. The non-obvious choice: nothing here
-imports torch (or anything of the actor runtime). Preloaded, the actor module pulled torch into the
-forkserver and every worker forked from it: 250 MB summed for the demo's one worker, against ~120 with
-reasoning-gym alone (2026-11-26). A user's reward that needs torch imports it itself.
+imports torch (or anything of the actor runtime): preloaded, the actor module pulled torch into the
+forkserver and every worker forked from it, doubling their memory (docs/benchmarks.md). A user's reward
+that needs torch imports it itself.
 
 A worker loads the reward (`load_reward`; one that cannot load is a start-up error naming the path), ties
 its life and its process group's to the actor's (`_die_with_the_actor`), then scores `Job`s until its
@@ -92,7 +92,7 @@ def call_reward(
 def worker_main(conn: Connection, reward_path: str) -> None:
     """A worker process: load the reward, then score jobs from `conn` until the actor closes it."""
     # Imported here, not by the module: the actor imports this module but runs no reward code, and the
-    # built-ins' dependencies take seconds and ~70 MB to import (the forkserver has them preloaded).
+    # built-ins' dependencies take seconds and tens of MB to import (the forkserver has them preloaded).
     from slipstream.tasks.rewards import load_reward
 
     _die_with_the_actor()

@@ -4,12 +4,12 @@ A reward is called once per completion as `fn(prompt, completion, **row)`, where
 dataset row's fields (answer, metadata, …), and returns a float, or None when it cannot score. The
 built-ins take the fields they need by name and ignore the rest (`**_`).
 
-The answer is the text inside the last <answer>…</answer> (the RL prompt asks for it there). There is
-no fallback to "the last number": an unformatted completion scores 0.0 for reasoning-gym, which would
-otherwise also reward numbers echoed from the question. math-verify is itself an extractor for free
-text, so without a tag it reads the whole completion (a \\boxed{} answer, the last expression).
-`reasoning_gym_with_format` adds FORMAT_BONUS for a well-formed tag: a small model is rarely right at
-first, and GRPO learns nothing from a group whose rewards are all equal.
+The answer is the text inside the last <answer>…</answer> (the RL prompt asks for it there). For
+`reasoning_gym` there is no fallback to "the last number" (it would reward numbers echoed from the
+question): an untagged completion scores 0.0. `reasoning_gym_final_number`, the demo's reward, does fall
+back, for small models that seldom tag. math-verify extracts from free text itself (a \\boxed{} answer,
+the last expression). `reasoning_gym_with_format` and `reasoning_gym_final_number` add FORMAT_BONUS for
+a well-formed tag: a small model is rarely right at first, and GRPO learns nothing from a flat group.
 
     fn = load_reward("slipstream.tasks.rewards:reasoning_gym_with_format")
     fn(question, "<answer>-4</answer>", question=question, answer="-4", metadata=row.metadata)
@@ -109,7 +109,7 @@ def reasoning_gym_with_format(prompt: str, completion: str, **row: Any) -> float
 def reasoning_gym_final_number(prompt: str, completion: str, **row: Any) -> float:
     """For small models that seldom tag: the tagged answer if there is one, else the last number in the
     completion, scored by the row's task, plus FORMAT_BONUS for a well-formed tag (so the format is still
-    learned). The demo's reward: SmolLM2-135M states its answer last but tags it in ~5% of responses."""
+    learned). The demo's reward: SmolLM2-135M states its answer last but seldom tags it (docs/benchmarks.md)."""
     tagged = extract_answer(completion)
     if tagged is None:
         numbers = _NUMBER.findall(completion)
