@@ -50,6 +50,8 @@ class DraftVocabulary:
         self._counted_since = 0  # tokens counted since the vocabulary was last chosen
         self._held: tuple[Tensor, Tensor, _PackedWeight] | None = None  # (ids [U], head rows [U, d], pack)
         self._held_from: tuple[int, int] | None = None  # (data_ptr, _version) of the head the rows copy
+        # `fix`: ids, rows, bias and their pack, in buffers that keep their addresses.
+        self._fixed: tuple[Tensor, Tensor, Tensor, _PackedWeight] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -86,8 +88,18 @@ class DraftVocabulary:
 
     def logits(self, outs: Tensor) -> tuple[Tensor, Tensor | None]:
         """(logits [..., U] of head outputs over the draft vocabulary, its ids [U]; None: all V ids)."""
-        if not self.size or self.size >= self.vocab_size or not self._distinct:
+        if not self.refresh():
             return draft_logits(self.target, outs), None
+        assert self._held is not None
+        ids, rows, pack = self._held
+        return _linear(outs.to(rows.dtype), rows, None, pack), ids
+
+    def refresh(self) -> bool:
+        """Re-choose the vocabulary if the counts moved enough, re-gather its rows if the LM head changed in
+        place; False where drafts use the whole vocabulary. (Host bookkeeping: a fixed-shape draft round
+        calls it before it runs, `logits` on every call.)"""
+        if not self.size or self.size >= self.vocab_size or not self._distinct:
+            return False
         # Re-choose when enough has been counted, and while the vocabulary is not full, once the new
         # tokens are 1/16 of it (not on every new token).
         held = 0 if self._held is None else self._held[0].numel()
@@ -106,14 +118,47 @@ class DraftVocabulary:
         weight = self.target.lm_head_weight
         if (weight.data_ptr(), weight._version) != self._held_from:
             self._gather(self._held[0])  # the head changed under the rows (an in-place weight update)
-        ids, rows, pack = self._held
-        return _linear(outs.to(rows.dtype), rows, None, pack), ids
+        return True
+
+    def fix(self) -> None:
+        """Hold the vocabulary in buffers of `size` rows that keep their addresses (what a captured draft
+        round binds): ids [size], head rows [size, d] and a bias [size] of 0 for held rows and -inf for the
+        padding past them, re-written in place by every re-choice and re-gather."""
+        if self._fixed is not None or not self.size or self.size >= self.vocab_size:
+            return
+        weight = self.target.lm_head_weight
+        with torch.inference_mode(False):  # normal tensors: the CPU pack is keyed by their version counter
+            rows = torch.zeros(self.size, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        ids = torch.zeros(self.size, dtype=torch.int64, device=weight.device)
+        bias = torch.full((self.size,), float("-inf"), dtype=weight.dtype, device=weight.device)
+        self._fixed = (ids, rows, bias, _PackedWeight())
+        if self._held is not None:
+            self._gather(self._held[0])
+
+    def fixed_logits(self, outs: Tensor) -> tuple[Tensor, Tensor]:
+        """(logits [..., size] over the fixed buffers, -inf past the held tokens; ids [size]): no host work,
+        so it can run inside a captured round after `refresh` returned True (`fix` first)."""
+        assert self._fixed is not None, "fix() the vocabulary first"
+        ids, rows, bias, pack = self._fixed
+        return _linear(outs.to(rows.dtype), rows, None, pack) + bias, ids
 
     def _gather(self, ids: Tensor) -> None:
         """Hold the LM head's rows of `ids` [U] (on the head's device), with a fresh pack for them."""
         weight = self.target.lm_head_weight
-        # A normal tensor, not an inference one: its prepacked copy is keyed by its version counter.
-        with torch.inference_mode(False):
-            rows = weight.detach().index_select(0, ids).contiguous()  # [U, d]
-        self._held = (ids, rows, _PackedWeight())
+        if self._fixed is not None:
+            fixed_ids, fixed_rows, bias, _ = self._fixed
+            u = ids.numel()
+            with torch.inference_mode(False):
+                torch.index_select(weight.detach(), 0, ids, out=fixed_rows[:u])
+                fixed_rows[u:].zero_()
+            fixed_ids[:u].copy_(ids)
+            fixed_ids[u:].zero_()
+            bias[:u].zero_()
+            bias[u:].fill_(float("-inf"))
+            self._held = (ids, fixed_rows[:u], _PackedWeight())
+        else:
+            # A normal tensor, not an inference one: its prepacked copy is keyed by its version counter.
+            with torch.inference_mode(False):
+                rows = weight.detach().index_select(0, ids).contiguous()  # [U, d]
+            self._held = (ids, rows, _PackedWeight())
         self._held_from = (weight.data_ptr(), weight._version)

@@ -24,25 +24,25 @@ Non-obvious choices (the reasoning is in docs/engine.md, "EAGLE head and drafter
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from slipstream.engine.attention import PAGE_SIZE, paged_attention, store_kv
-from slipstream.engine.draft_vocab import DraftVocabulary
+from slipstream.engine.device import capabilities
+from slipstream.engine.draft_vocab import DraftVocabulary, draft_logits
 from slipstream.engine.drafters.base import Draft, Drafter, DraftState
+from slipstream.engine.drafters.eagle_rounds import EXTEND_PAIRS, EagleRounds, extend_rows
 from slipstream.engine.eagle import EagleHead, attend, target_features
 from slipstream.engine.kv_cache import KVCache
 from slipstream.engine.model import Transformer
 from slipstream.engine.sampling import keyed_pick, keyed_rank
 from slipstream.engine.tree import build_tree, tree_depths
 
-__all__ = ["EagleDrafter"]
+__all__ = ["EXTEND_PAIRS", "EagleDrafter"]
 
-
-EXTEND_PAIRS = 32
-"""Committed pairs a row in one pass of the head (more wait for the next pass)."""
 
 # (temperature [B], seeds [B], positions [B] of the first draft token) for keyed draws; temperature 0
 # where a row drafts its argmax.
@@ -115,10 +115,13 @@ class EagleDrafter(Drafter):
         max_len: int = 2048,
         version: int = 0,
         draft_vocab: int = 4096,
+        static: bool | None = None,
     ) -> None:
         """num_slots: requests drafted at once; max_len: window pairs + draft nodes per request;
         draft_vocab: draft only among this many of the most frequent observed tokens (0: the full vocabulary;
-        see the class notes)."""
+        see the class notes); static: committed pairs and chains in fixed-shape rounds (`EagleRounds`: CUDA
+        graphs on a GPU, eager elsewhere); None: where the device replays CUDA graphs (or
+        SLIPSTREAM_STATIC_STEP=1), as the Generator decides."""
         if head.config.hidden_size != target.config.hidden_size:
             raise ValueError(
                 f"head hidden_size {head.config.hidden_size} != target hidden_size {target.config.hidden_size}"
@@ -137,11 +140,21 @@ class EagleDrafter(Drafter):
         )  # fmt: skip
         d = head.config.hidden_size
         # Every slot's window features in one buffer, so a batched pass gathers its pairs in one index.
-        self.features = torch.zeros(num_slots, max_len, d, dtype=weight.dtype, device=weight.device)
-        """[slots, max_len, d] features of window positions 0, 1, … of each slot's request."""
+        self.features = torch.zeros(num_slots + 1, max_len, d, dtype=weight.dtype, device=weight.device)
+        """[slots + 1, max_len, d] features of window positions 0, 1, … of each slot's request (the last
+        row: the dummy slot's, read by padding rows)."""
         self._cos, self._sin = head.rotary.tables(self.cache.storage_len, weight.device, weight.dtype)
+        self.last = torch.zeros(num_slots + 1, d, dtype=weight.dtype, device=weight.device)
+        """[slots + 1, d] each slot's newest head output (`_Request.last_out` views a row; the last row is
+        the dummy slot's, which padding rows of a fixed-shape round read and write)."""
         self._requests: dict[Hashable, _Request] = {}
         self.vocab = DraftVocabulary(target, draft_vocab)
+        if static is None:
+            static = (
+                capabilities(weight.device).cuda_graphs or os.environ.get("SLIPSTREAM_STATIC_STEP") == "1"
+            )
+        self.rounds = EagleRounds(self) if static else None
+        """The fixed-shape rounds, or None (dynamic passes)."""
 
     # ----------------------------------------------------------------------------------------------
     # Weights
@@ -171,7 +184,7 @@ class EagleDrafter(Drafter):
         if not rebuild:
             return
         for request in self._requests.values():
-            request.cached, request.last_out = 0, None
+            request.cached, request.last_out = 0, None  # (`last` keeps its rows: graphs bind it)
             if request.slot is not None:
                 self.cache.rollback(request.slot, 0)
 
@@ -274,10 +287,17 @@ class EagleDrafter(Drafter):
         full = logprobs.new_full((logprobs.shape[0], self.vocab.vocab_size), float("-inf"))
         return full.index_copy_(1, ids, logprobs)
 
-    def _draft_pick(self, outs: Tensor, keys: _Keys | None, step: int) -> Tensor:
+    def _draft_pick(self, outs: Tensor, keys: _Keys | None, step: int, restricted: bool) -> Tensor:
         """Each row's draft token [B] at `step` tokens past its pending one: the argmax, or for keyed
-        sampling rows the draw made with the sampler's own noise at that position (`keyed_pick`)."""
-        logits, ids = self.vocab.logits(outs)
+        sampling rows the draw made with the sampler's own noise at that position (`keyed_pick`); over the
+        draft vocabulary where `restricted` (held in place-kept buffers for a static drafter)."""
+        ids: Tensor | None = None
+        if not restricted:
+            logits = draft_logits(self.target, outs)
+        elif self.rounds is not None:
+            logits, ids = self.vocab.fixed_logits(outs)
+        else:
+            logits, ids = self.vocab.logits(outs)
         if keys is None:
             best = logits.argmax(-1)
             return best if ids is None else ids[best]
@@ -308,7 +328,10 @@ class EagleDrafter(Drafter):
             # A request that drafted nothing for a while (the tuner ran plain decoding) has many pairs to
             # catch up on: passes of a bounded width (the attention's tree bits hold 63 pairs).
             chunk = [(r, s, lo, min(hi, lo + EXTEND_PAIRS)) for r, s, lo, hi in jobs]
-            self._extend_pass(chunk)
+            if self.rounds is not None:
+                self.rounds.extend(chunk)
+            else:
+                self._extend_pass(chunk)
             jobs = [
                 (r, s, cut, hi) for (r, s, _, hi), (_, _, _, cut) in zip(jobs, chunk, strict=True) if cut < hi
             ]
@@ -317,21 +340,27 @@ class EagleDrafter(Drafter):
         """One pass over pairs [lo, hi) of each job's request."""
         device = self.head.fc.weight.device
         width = max(hi - lo for _, _, lo, hi in jobs)  # pairs a row
-        rows = len(jobs)
-        tokens = [[0] * width for _ in jobs]
-        for row, (request, state, lo, hi) in zip(tokens, jobs, strict=True):
-            ids = state.tokens[request.start + lo + 1 : request.start + hi + 1]
-            row[: hi - lo] = ids.tolist() if isinstance(ids, Tensor) else list(ids)
         # One host→device copy of the whole pass's small ints: slot, cached, pair count, then the tokens.
-        meta = torch.tensor(
-            [
-                [request.slot, lo, hi - lo, *row]
-                for (request, _, lo, hi), row in zip(jobs, tokens, strict=True)
-            ],
-            dtype=torch.int64,
-        ).to(device)
+        meta = torch.tensor(extend_rows(jobs, width), dtype=torch.int64).to(device)
         slot, ctx, count, ids = meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3:]  # [R], [R], [R], [R, E]
-        pair = torch.arange(width, device=device)
+        self.extend_pass(slot, ctx, count, ids, reach=max(hi for *_, hi in jobs))
+        self.extended(jobs)
+
+    def extended(self, jobs: Sequence[tuple[_Request, DraftState, int, int]]) -> None:
+        """Host bookkeeping after a pass over `jobs`: lengths, cached pairs, each request's newest output."""
+        for request, _, _, hi in jobs:
+            assert request.slot is not None
+            self.cache.set_length(request.slot, hi)
+            request.cached, request.last_out = hi, self.last[request.slot]
+
+    def extend_pass(
+        self, slot: Tensor, ctx: Tensor, count: Tensor, ids: Tensor, *, reach: int | None
+    ) -> None:
+        """The head over `count` [R] new pairs (tokens ids [R, E]) a row after the ctx [R] cached in each
+        slot [R]: K/V into the cache, each row's newest output into `last[slot]`. No host read; reach: the
+        most positions any row reads (None: the whole slot, a fixed shape)."""
+        rows, width = ids.shape
+        pair = torch.arange(width, device=ids.device)
         valid = pair[None, :] < count[:, None]  # [R, E]
         position = ctx[:, None] + pair  # window positions [R, E]
         features = self.features[slot[:, None], position.clamp_max(self.features.shape[1] - 1)]  # [R, E, d]
@@ -340,11 +369,10 @@ class EagleDrafter(Drafter):
         )  # [R*E, d]
         causal = (2 << pair) - 1  # pair i sees pairs 0..i
         bits = torch.where(valid, causal[None, :], 0)  # padding sees nothing new (and writes nowhere real)
-        out = self._layer(x, slot, ctx, position, valid, bits, width, cached=max(hi for *_, hi in jobs))
-        last = out.view(rows, width, -1)[torch.arange(rows, device=device), count - 1]  # [R, d]
-        for i, (request, _, _, hi) in enumerate(jobs):
-            self.cache.set_length(request.slot, hi)
-            request.cached, request.last_out = hi, last[i]
+        out = self._layer(x, slot, ctx, position, valid, bits, width, cached=reach)
+        # A padding row (no pairs) writes its garbage to the dummy slot's row.
+        last = out.view(rows, width, -1)[torch.arange(rows, device=ids.device), (count - 1).clamp_min(0)]
+        self.last.index_copy_(0, slot, last.to(self.last.dtype))
 
     def _layer(
         self,
@@ -356,12 +384,12 @@ class EagleDrafter(Drafter):
         bits: Tensor,
         width: int,
         *,
-        cached: int,
+        cached: int | None,
     ) -> Tensor:
         """The head's layer over x [R*N, d]: N new pairs a row at window positions `position` [R, N], each
         row seeing its slot's first ctx [R] cached pairs plus the new pairs its `bits` [R, N] name; writes
         the valid pairs' K/V (padding to the dummy slot). `cached`: the most positions any row reads (host
-        data: the table covers just those pages). Returns outputs [R*N, d]."""
+        data: the table covers just those pages; None: the whole slot). Returns outputs [R*N, d]."""
         rows = slot.shape[0]
         config = self.head.config
         heads, hd = config.num_attention_heads, config.head_dim
@@ -375,7 +403,7 @@ class EagleDrafter(Drafter):
             self.cache.keys[0], self.cache.values[0], k, v,
             torch.where(valid, slot[:, None], dummy).reshape(-1), torch.where(valid, position, node).reshape(-1),
         )  # fmt: skip
-        pages = -(-cached // PAGE_SIZE)
+        pages = self.cache.storage_len // PAGE_SIZE if cached is None else -(-cached // PAGE_SIZE)
         table = slot[:, None] * (self.cache.storage_len // PAGE_SIZE) + torch.arange(pages, device=x.device)
         attn = paged_attention(
             q.reshape(rows, width, heads, hd), self.cache.keys[0], self.cache.values[0], table, ctx, bits,
@@ -413,22 +441,36 @@ class EagleDrafter(Drafter):
         """Chains of k tokens for several requests at once (k - 1 batched head steps, each a fixed-shape
         pass over one new pair a row): argmax tokens, or keyed draws for sampling requests that
         verification draws with keyed noise. Tokens stay on the device until the caller reads them."""
+        if self.rounds is not None:
+            return self.rounds.chains(requests, states, k)
         device = self.head.fc.weight.device
         keys = _keys(states, device)
-        outs = torch.stack([request.last_out for request in requests])  # [B, d]
         meta = torch.tensor([[r.slot, r.cached] for r in requests], dtype=torch.int64).to(device)
-        slot, cached = meta[:, 0], meta[:, 1]  # [B]
-        valid = torch.ones(len(requests), 1, dtype=torch.bool, device=device)
-        itself = torch.ones(len(requests), 1, dtype=torch.int64, device=device)
         reach = max(r.cached for r in requests)
-        tokens = [self._draft_pick(outs, keys, 0)]  # [B] per step
+        restricted = self.vocab.refresh()
+        tokens = self.chain_pass(meta[:, 0], meta[:, 1], keys, k, reach=reach, restricted=restricted)
+        return list(tokens.cpu())  # B × [k]
+
+    def chain_pass(
+        self, slot: Tensor, cached: Tensor, keys: _Keys | None, k: int, *, reach: int | None, restricted: bool
+    ) -> Tensor:
+        """Chains [B, k] drafted from each slot's [B] newest output after its cached [B] pairs: k - 1 head
+        steps, each a fixed-shape pass over one new pair a row, no host read. reach: the most cached pairs
+        of any row (None: the whole slot, a fixed shape); restricted: over the draft vocabulary (`refresh`
+        said so; its fixed buffers when the drafter is static)."""
+        rows = slot.shape[0]
+        outs = self.last[slot]  # [B, d]
+        valid = torch.ones(rows, 1, dtype=torch.bool, device=slot.device)
+        itself = torch.ones(rows, 1, dtype=torch.int64, device=slot.device)
+        tokens = [self._draft_pick(outs, keys, 0, restricted)]  # [B] per step
         for j in range(1, k):
             # Draft pair j - 1 sits right after the committed ones: the pairs before it are its prefix.
             x = self.head.fuse(self.target.embed_tokens(tokens[-1]).to(outs.dtype), outs)
             ctx = cached + j - 1
-            outs = self._layer(x, slot, ctx, ctx[:, None], valid, itself, 1, cached=reach + j)
-            tokens.append(self._draft_pick(outs, keys, j))
-        return list(torch.stack(tokens, dim=1).cpu())  # B × [k]
+            at = None if reach is None else reach + j
+            outs = self._layer(x, slot, ctx, ctx[:, None], valid, itself, 1, cached=at)
+            tokens.append(self._draft_pick(outs, keys, j, restricted))
+        return torch.stack(tokens, dim=1)
 
     def _draft_tree(self, request: _Request, state: DraftState, depth: int, topk: int, verify: int) -> Draft:
         """An EAGLE-2 tree (`tree.build_tree`) whose children are the head's top-k tokens (point masses)."""
