@@ -128,6 +128,9 @@ class RolloutActor(Actor):
             return_hidden=bool(cfg.hidden_to),
             drafters=drafters,
         )
+        narrowed = self.tuner.limit_nodes(self.generator.max_nodes)
+        if narrowed:  # past the largest node bucket a fixed-shape step is captured for
+            self.log.warning("tuner_arms_not_offered", arms=narrowed, max_nodes=self.generator.max_nodes)
         self._retuned_version = 0 if self.eagle is None else self.eagle.version
         self._pending_drafter: DrafterUpdate | None = None  # the newest update, swapped in before decoding
         # Arms whose drafters are held ("self" replays recordings, which a rollout has none of).

@@ -476,6 +476,12 @@ class Generator:
         for d in range(min(accepted, depth)):
             self._accepted_at[d] += 1
 
+    @property
+    def max_nodes(self) -> int | None:
+        """Nodes a row the fixed-shape step verifies at most (the pending token and its drafts: the largest
+        node bucket captured); None on the dynamic path, where the token budget is the only limit."""
+        return None if self._static is None else self._static.max_nodes
+
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
         """Run `requests` to completion (the generator must be idle); completions in request order."""
         if self.has_unfinished():

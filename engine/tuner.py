@@ -125,6 +125,7 @@ class Tuner:
             m: deque(maxlen=self.config.stale_window) for m in STALE_METHODS
         }
         self._stale: dict[str, StaleDrafter] = {}
+        self._too_wide: frozenset[int] = frozenset()  # arms whose verify pass exceeds the captured nodes
         self.decisions = 0
         self._rng = random.Random(self.config.seed)
 
@@ -216,8 +217,21 @@ class Tuner:
         return [
             i
             for i, arm in enumerate(self.arms)
-            if arm.method == "off" or (arm.method not in self._stale and (ok is None or ok(arm.method)))
+            if arm.method == "off"
+            or (arm.method not in self._stale and i not in self._too_wide and (ok is None or ok(arm.method)))
         ]
+
+    def limit_nodes(self, max_nodes: int | None) -> list[str]:
+        """Offer only arms whose verify pass (the pending token and the arm's draft budget) fits `max_nodes`
+        a row: a fixed-shape generator's largest captured node bucket (`Generator.max_nodes`; None: no
+        limit). A wider arm would have its drafts cut to fit and be measured as another arm. Returns the
+        names of the arms no longer offered."""
+        self._too_wide = frozenset(
+            i
+            for i, arm in enumerate(self.arms)
+            if max_nodes is not None and arm.method != "off" and 1 + arm.spec().verify_budget > max_nodes
+        )
+        return [self.arms[i].name for i in sorted(self._too_wide)]
 
     def _decision(self, batch_size: int, b: int, i: int, why: Why) -> Decision:
         window = self._windows[b][i]

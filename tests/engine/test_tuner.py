@@ -808,3 +808,37 @@ def test_an_arm_is_offered_only_up_to_its_max_batch():
     assert tuner.best(4) == "eagle:d3" and tuner.best(5) in ("off", "ngram:d3")
     only_off = Tuner(TunerConfig(arms=["off", "eagle:d3"], max_batch={"eagle:d3": 2}))
     assert only_off.choose(3) == Decision(3, 2, "3-4", "off", "forced", None)
+
+
+def test_arms_wider_than_the_captured_node_bucket_are_not_offered() -> None:
+    """On the fixed-shape path (CUDA graphs) a verify pass holds at most the largest captured node bucket a
+    row: an arm drafting more would be cut and measured as another arm, so it is never offered."""
+    tuner = Tuner(TunerConfig(arms=["off", "eagle:d3", "ngram:d7", "eagle:d5k4v24"], hold=1, seed=1))
+
+    def chosen(batches: tuple[int, ...]) -> set[str]:
+        arms = set()
+        for _ in range(80):
+            for batch in batches:
+                arm = tuner.choose(batch).arm
+                arms.add(arm)
+                tuner.record(batch, arm, batch * 1.5, 0.05)
+        return arms
+
+    assert tuner.limit_nodes(8) == ["eagle:d5k4v24"]
+    assert chosen((1, 4, 16)) == {"off", "eagle:d3", "ngram:d7"}
+    assert tuner.limit_nodes(4) == ["ngram:d7", "eagle:d5k4v24"]
+    assert chosen((2, 8)) == {"off", "eagle:d3"}
+    assert tuner.limit_nodes(None) == []  # the dynamic path: no limit
+    assert "eagle:d5k4v24" in chosen((1,))
+
+
+def test_a_fixed_shape_generator_says_its_captured_nodes(make_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from slipstream.engine.generator import Generator
+    from slipstream.engine.weights import load_model
+
+    model = load_model(make_checkpoint("llama", seed=3), dtype=torch.float32)
+    assert Generator(model, num_slots=2, max_len=64, max_draft=5, static=True).max_nodes == 8
+    assert Generator(model, num_slots=2, max_len=64, max_draft=40, static=True).max_nodes == 16
+    assert Generator(model, num_slots=2, max_len=64, max_draft=40, static=False).max_nodes is None
