@@ -1,8 +1,12 @@
-"""Control channel: lifecycle, liveness, device leases and preemption.
+"""Control channel: lifecycle, liveness, device leases and preemption, checkpoints.
 
-Control travels on its own socket (actor DEALER ↔ coordinator ROUTER) so it never queues behind bulk
-tensors, and the actor's IO thread flags it to the compute loop at once (preemption is honoured
-between steps, not after a backlog of data).
+Control has no socket of its own: it shares each actor's DEALER ↔ the coordinator's ROUTER with the work
+the coordinator deals and the results it collects (runtime/transport.py); only bulk data between peers
+(weights, hidden states) has sockets apart. At the actor it still never queues behind work: the IO thread
+puts every `control.*` message in the inbox's control lane, which the compute loop serves first
+(runtime/inbox.py), so a preemption is honoured between steps, not after a backlog of data. At the
+coordinator the supervisor handles Hello, Ready, Dead and heartbeats as they arrive; the rest, leases'
+answers included, queue with the results in arrival order.
 """
 
 from enum import StrEnum
