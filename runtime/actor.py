@@ -3,18 +3,13 @@
     class Echo(Actor):
         role = "echo"
 
-        class Config(msgspec.Struct, forbid_unknown_fields=True):
-            delay_s: float = 0.0
-
         @handler
         def on_ping(self, msg: Ping, sender: str) -> None:
             self.send(sender, Pong(seq=msg.seq, sent_ns=msg.sent_ns))
 
-An actor never touches a socket: its host process (`runtime/host.py`) runs an IO thread that owns every
-socket, decodes incoming frames into the actor's `Inbox` and forwards what the actor sends. The compute
-loop (`Actor.serve`) drains the inbox — control first — dispatching each message to the handler whose
-annotation names its type, and calls `step()` in between for continuous work (a decode iteration, a
-drafter training step); a long step polls `control_pending()`, so a preemption waits at most one step.
+An actor never touches a socket (its host's IO thread does: runtime/host.py). `Actor.serve` drains the
+inbox, control first, to the handler whose annotation names each message's type, and calls `step()` in
+between; a long step polls `control_pending()`, so a preemption waits at most one step.
 
 A handler that raises is a bug in that handler: the exception is logged with the message kind, the
 message is dropped and the actor keeps serving. `Fatal` ends the actor (it sends `Dead` first).
@@ -197,9 +192,8 @@ class Actor:
 
         Idle, it sleeps until a message arrives, `inbox.wake()` (another thread of the actor has work for
         `step`), or `idle_wait_s`. Not a short poll: on a host where the learner's threads hold every core,
-        each wakeup of an idle actor preempts one of them and stalls the other at its next barrier (at 20
-        wakeups a second per idle actor, the demo's first learner step had 1485 involuntary context
-        switches with the two drafters alive against 922 without: docs/training.md, "Idle actors")."""
+        each wakeup of an idle actor preempts one of them and stalls the other at its next barrier (what
+        a short poll cost the demo's learner: docs/training.md, "Idle actors")."""
         busy = False
         while not self._stopping:
             self.ticks += 1
