@@ -33,14 +33,26 @@ import torch
 from slipstream.benchmarks.decode import Arm, Tally, _generator, bench_requests, record_outputs
 from slipstream.engine.config import ModelConfig
 from slipstream.engine.device import require_device
+from slipstream.engine.drafters.eagle import EagleDrafter
+from slipstream.engine.drafters.eagle_rounds import EXTEND_WIDTHS
+from slipstream.engine.eagle import EagleHead
 from slipstream.engine.generator import Request
 from slipstream.engine.kv_cache import KVCache
 from slipstream.engine.model import Transformer
 from slipstream.engine.sampling import SamplingParams
-from slipstream.engine.static_step import PAGE_SIZE, StaticStep, StepRow
+from slipstream.engine.static_step import BATCH_BUCKETS, PAGE_SIZE, StaticStep, StepRow, bucket
 from slipstream.engine.weights import hf_state_dict
 
-__all__ = ["SHAPES", "GpuResult", "ShapeRow", "bench_shape", "random_model", "run", "step_costs"]
+__all__ = [
+    "SHAPES",
+    "GpuResult",
+    "ShapeRow",
+    "bench_shape",
+    "draft_costs",
+    "random_model",
+    "run",
+    "step_costs",
+]
 
 _QWEN = {"model_type": "qwen2", "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0}
 SHAPES: dict[str, dict[str, Any]] = {
@@ -76,6 +88,8 @@ it calibrates the card."""
 EAGER_BATCHES = (1, 16)
 """The dynamic eager path (before graphs) on the same card, for the before/after ratio."""
 VERIFY_KS = (1, 3, 7)
+DRAFT_KS = (3, 7)
+"""Chain lengths whose EAGLE round cost is measured (`draft_costs`)."""
 SELF_ARMS = (Arm("off"), Arm("self", 3, 1, 3), Arm("self", 7, 1, 7))
 
 
@@ -90,6 +104,7 @@ class BatchRow(msgspec.Struct, frozen=True, kw_only=True):
     step_ms: float  # device time of one plain decode step at `context_tokens` (CUDA events; wall on a CPU)
     host_ms: float  # host time of one plain iteration up to the launch: pack, copy, replay
     verify_cost: dict[str, float]  # "k" -> step time scoring k+1 nodes a row / step time scoring one
+    draft_cost: dict[str, float]  # "k" -> an EAGLE round (k+1 pairs in, k drafted) / one plain step
     self_draft: dict[str, float]  # "d3", "d7" -> self-draft tokens/s / plain tokens/s (the ceiling)
     self_accept: dict[str, float]  # "d3", "d7" -> tokens per target pass of the self-draft run
 
@@ -236,6 +251,47 @@ def step_costs(
     return round(plain_ms, 3), round(statistics.median(host), 3), costs
 
 
+def draft_costs(
+    model: Transformer,
+    batch: int,
+    context: int,
+    plain_ms: float,
+    ks: Sequence[int] = DRAFT_KS,
+    repeats: int = 20,
+) -> dict[str, float]:
+    """An EAGLE round's device time over one plain step's, per chain length k: the head's pass over k + 1
+    committed pairs plus a chain of k drafts, both fixed-shape (graphs on CUDA), at `batch` rows of
+    `context` cached pairs, over a 4096-token draft vocabulary. A random head (the cost, not acceptance)."""
+    device, dtype = model.lm_head_weight.device, model.lm_head_weight.dtype
+    torch.manual_seed(0)
+    head = EagleHead.for_target(model.config).to(device=device, dtype=dtype)
+    drafter = EagleDrafter(head, model, num_slots=batch, max_len=context + 2 * max(ks) + 2, static=True)
+    drafter.prime_counts({t: 1 for t in range(min(4096, model.config.vocab_size))})
+    rounds = drafter.rounds
+    assert rounds is not None
+    restricted = drafter.vocab.refresh()
+    slots = [drafter.cache.allocate() for _ in range(batch)]
+
+    def device_ms(key: tuple, count: int | None) -> float:
+        rounds.stage(slots, [context] * batch, None if count is None else [count] * batch)
+        rounds.runner(key)  # capture (a GPU) or warm up
+        with _Timer(device) as timer:
+            for _ in range(repeats):
+                rounds.runner(key)
+        return timer.ms / repeats
+
+    rows = bucket(batch, BATCH_BUCKETS)
+    costs = {}
+    for k in ks:
+        width = bucket(k + 1, EXTEND_WIDTHS)
+        total = device_ms(("extend", rows, width), k + 1) + device_ms(
+            ("chain", rows, k, False, restricted), None
+        )
+        costs[str(k)] = round(total / plain_ms, 3)
+    rounds.runner.reset()
+    return costs
+
+
 def _hf_tokens_per_s(model: Transformer, prompts: list[list[int]], max_tokens: int) -> float | None:
     """transformers' generate on the same weights, static cache, sampling at T = 1, EOS ignored."""
     try:
@@ -365,6 +421,7 @@ def bench_shape(
         run_peer = peer_batches is None or batch in peer_batches
         hf = _hf_tokens_per_s(model, prompts[:batch], max_tokens) if run_peer else None
         step_ms, host_ms, cost = step_costs(model, batch, context)
+        drafting = draft_costs(model, batch, context, step_ms)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -378,6 +435,7 @@ def bench_shape(
                 step_ms=step_ms,
                 host_ms=host_ms,
                 verify_cost=cost,
+                draft_cost=drafting,
                 self_draft=self_draft,
                 self_accept=self_accept,
             )

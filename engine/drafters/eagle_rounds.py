@@ -119,6 +119,18 @@ class EagleRounds:
             out.extend(host[:, :k].clone())
         return out
 
+    def stage(self, slots: Sequence[int], cached: Sequence[int], count: Sequence[int] | None = None) -> int:
+        """Load rows of slots with `cached` pairs (and `count` new ones of token 0) into the device block,
+        padding to the bucket; returns the bucket. For timing a round's key on chosen rows (bench gpu)."""
+        rows = bucket(len(slots), BATCH_BUCKETS)
+        block = self._padding(rows)
+        block[: len(slots), _SLOT] = slots
+        block[: len(slots), _CTX] = cached
+        if count is not None:
+            block[: len(slots), _COUNT] = count
+        self.inp[:rows].copy_(self.staging[:rows])
+        return rows
+
     def _padding(self, rows: int) -> np.ndarray:
         """The staging block's first `rows` rows as padding (dummy slot, nothing cached, no pairs)."""
         block = self._staged[:rows]

@@ -75,6 +75,7 @@ def test_bench_shape_measures_plain_peer_verify_and_self_draft(device: torch.dev
         assert r.plain_tok_s > 0 and r.step_ms > 0 and r.host_ms > 0
         assert (r.hf_tok_s is not None) == (r.batch == 3) and (r.eager_tok_s is not None) == (r.batch == 1)
         assert set(r.verify_cost) == {"1", "3", "7"} and all(v > 0 for v in r.verify_cost.values())
+        assert set(r.draft_cost) == {"3", "7"} and all(v > 0 for v in r.draft_cost.values())
         # The self-draft oracle replays the plain run: every draft is accepted, so a pass commits d + 1
         # tokens until the end of the response (the last pass may be shorter).
         assert r.self_accept["d3"] > 3.0 and r.self_accept["d7"] >= 5.0
@@ -85,6 +86,12 @@ def test_step_costs_time_the_fixed_shape_step(device: torch.device) -> None:
     model = gpu.random_model(TINY_QWEN, device, torch.float32)
     step_ms, host_ms, cost = gpu.step_costs(model, batch=2, context=10, ks=(1, 3), repeats=2)
     assert step_ms > 0 and host_ms > 0 and set(cost) == {"1", "3"} and all(v > 0 for v in cost.values())
+
+
+def test_draft_costs_time_the_eagle_rounds(device: torch.device) -> None:
+    model = gpu.random_model(TINY_QWEN, device, torch.float32)
+    costs = gpu.draft_costs(model, batch=3, context=10, plain_ms=1.0, ks=(1, 3), repeats=2)
+    assert set(costs) == {"1", "3"} and all(v > 0 for v in costs.values())
 
 
 def test_hbm_bandwidth_by_part() -> None:
