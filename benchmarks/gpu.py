@@ -7,10 +7,11 @@
 One JSON object (`GpuResult`): the device, versions and date; the `gpu`-marked tests; then per model shape
 (Qwen2.5-1.5B and -7B layouts, random bf16 weights built here: nothing downloaded) and batch size: plain
 decode tokens/s, HF transformers' `generate` with a static cache on the same weights (the peer), the
-verify cost cost(k+1)/cost(1) at a 256-token context, and the self-draft ceiling (the target's own
-output replayed as drafts, reproducible mode). `run` refuses a host without CUDA, naming the device; the
-measuring functions take the device, and the CPU suite runs them on tiny shapes
-(tests/benchmarks/test_gpu_bench.py). Set-up and results: docs/gpu.md; run lengths: docs/benchmarks.md.
+verify cost cost(k+1)/cost(1) at a 256-token context, an EAGLE round's cost over a plain step, and the
+self-draft ceiling (the target's own output replayed as drafts, reproducible mode). `run` refuses a host
+without CUDA, naming the device; the measuring functions take the device, and the CPU suite runs them on
+tiny shapes (tests/benchmarks/test_gpu_bench.py). Set-up and results: docs/gpu.md; run lengths:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
