@@ -7,7 +7,9 @@ a warmup-then-constant-or-cosine learning rate.
 
 Non-obvious choices:
 - fp32 master weights only: trainable parameters in another dtype are refused (a bf16 weight swallows
-  an lr-1e-6 update); the caller casts what it pushes to the rollouts' dtype.
+  an lr-1e-6 update); the caller casts what it pushes to the rollouts' dtype. `precision="bf16"` runs the
+  forward and backward under bf16 autocast (masters, gradients and AdamW's moments stay fp32; the
+  log-softmax over the bf16 logits is computed in fp32).
 - Token-mean over the GLOBAL batch: every micro-batch's and rank's loss is divided by the total response-
   token count, so micro-batching and ranks change nothing but rounding.
 - Data parallel without DDP: one all-reduce (SUM) of a flat gradient buffer per step (gloo on CPU, NCCL on
@@ -24,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import torch
@@ -34,7 +36,10 @@ from torch import Tensor
 from slipstream.engine.grpo import LossConfig, grpo_loss, pad_sequences, processed_logprobs
 from slipstream.engine.model import Transformer
 
-__all__ = ["OptimConfig", "PolicySample", "PolicyTrainer", "micro_batches"]
+__all__ = ["PRECISIONS", "OptimConfig", "PolicySample", "PolicyTrainer", "Precision", "micro_batches"]
+
+Precision = Literal["fp32", "bf16"]
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,7 +170,12 @@ class PolicyTrainer:
         optim: OptimConfig | None = None,
         loss: LossConfig | None = None,
         ref_model: Transformer | None = None,
+        precision: Precision = "fp32",
     ) -> None:
+        """precision: "fp32", or "bf16" for the forward and backward under bf16 autocast (fp32 masters)."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        self.precision = precision
         self.model = model
         self.optim = optim or OptimConfig()
         self.loss = loss or LossConfig()
@@ -296,7 +306,7 @@ class PolicyTrainer:
                 continue
             batch = [samples[i] for i in index]
             ids, rows, tokens, sampling, per_token = self._inputs(batch, device)
-            logp = processed_logprobs(self.model.forward_train(ids, rows=rows), tokens, **sampling)
+            logp = processed_logprobs(self._forward(self.model, ids, rows), tokens, **sampling)
             for i, part in zip(index, torch.split(logp, per_token), strict=True):
                 out[i] = part.cpu()
         return out
@@ -340,13 +350,13 @@ class PolicyTrainer:
         self, batch: list[PolicySample], num_tokens: int, num_seqs: int, device: torch.device
     ) -> tuple[Tensor, dict[str, float], int]:
         ids, rows, tokens, sampling, per_token = self._inputs(batch, device)
-        logits = self.model.forward_train(ids, rows=rows)  # [tokens, V]: response rows only
+        logits = self._forward(self.model, ids, rows)  # [tokens, V]: response rows only
         # Nothing reads the logits after backward: their gradient may take their place.
         logp = processed_logprobs(logits, tokens, **sampling, overwrite_logits=True)
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref = processed_logprobs(self.ref_model.forward_train(ids, rows=rows), tokens, **sampling)
+                ref = processed_logprobs(self._forward(self.ref_model, ids, rows), tokens, **sampling)
         pad = lambda x: pad_sequences(list(torch.split(x, per_token)))  # noqa: E731
         logp_padded, mask = pad(logp)
         behaviour = torch.cat([torch.as_tensor(s.behaviour_logprobs, dtype=torch.float32) for s in batch])
@@ -363,6 +373,13 @@ class PolicyTrainer:
             num_seqs=num_seqs,
         )
         return loss, stats, int(mask.sum())
+
+    def _forward(self, model: Transformer, ids: Tensor, rows: Tensor) -> Tensor:
+        """`model.forward_train` at the trainer's precision (logits in bf16 under autocast)."""
+        if self.precision == "fp32":
+            return model.forward_train(ids, rows=rows)
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16):
+            return model.forward_train(ids, rows=rows)
 
     def _reduce_and_clip(self, world: int) -> float:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]

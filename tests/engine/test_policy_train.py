@@ -364,3 +364,29 @@ def test_warm_up_changes_nothing_and_the_next_step_is_the_same(make_checkpoint) 
         a[0] == b[0] == 1 and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
         for a, b in zip(m_cold, m_warm, strict=True)
     )
+
+
+def test_a_bf16_step_keeps_fp32_masters_and_follows_the_fp32_step(make_checkpoint) -> None:
+    """bf16 autocast: the masters, their gradients and AdamW's moments stay fp32; the gradient and the loss
+    equal the fp32 step's within bf16 rounding of the forward, and the step-0 log-probs within it too."""
+    model_dir = make_checkpoint()
+    samples = rollout(model_dir)
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        model = load_model(model_dir)
+        trainer = PolicyTrainer(model, optim=OptimConfig(lr=1e-3, max_grad_norm=1e9), precision=precision)
+        stats = trainer.step(samples)
+        grads = torch.cat([p.grad.reshape(-1) for p in trainer.params])
+        assert grads.dtype == torch.float32 and all(p.dtype == torch.float32 for p in trainer.params)
+        moments = [t for state in trainer.optimizer.state.values() for t in state.values() if t.dim()]
+        assert moments and all(t.dtype == torch.float32 for t in moments)
+        runs[precision] = (stats, grads)
+    (fp32, g32), (bf16, g16) = runs["fp32"], runs["bf16"]
+    cosine = float(torch.nn.functional.cosine_similarity(g32, g16, dim=0))
+    assert cosine > 0.99, cosine
+    assert float((g16.norm() - g32.norm()).abs() / g32.norm()) < 0.05
+    assert bf16["loss"] == pytest.approx(fp32["loss"], abs=0.02)
+    assert bf16["mismatch_logp_abs_max"] > fp32["mismatch_logp_abs_max"]  # the rounding shows, reported
+    assert not torch.equal(g32, g16)  # bf16 did run
+    with pytest.raises(ValueError, match="precision must be one of fp32, bf16"):
+        PolicyTrainer(load_model(model_dir), precision="fp16")  # type: ignore[arg-type]
