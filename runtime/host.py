@@ -171,6 +171,14 @@ def main(argv: list[str] | None = None) -> int:
             log.error("handshake_timeout", seconds=args.handshake_timeout)
             return 4
         apply_threads(init.threads)
+        if os.environ.get("SLIPSTREAM_GPU_MEMORY"):  # placement.GPU_MEMORY_ENV; that module imports torch
+            from slipstream.runtime.placement import apply_gpu_memory
+
+            try:
+                apply_gpu_memory()  # before the actor allocates anything on its GPU
+            except (ValueError, RuntimeError) as e:
+                report_dead(f"gpu memory share: {e}", 2)
+                return 2
         try:
             config = convert(msgspec.msgpack.decode(init.config), cls.Config, where=f"{name} config")
         except (ConfigError, msgspec.DecodeError) as e:

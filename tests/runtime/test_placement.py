@@ -1,10 +1,22 @@
-"""Placement: which device, cores and threads each actor gets (runtime/placement.py)."""
+"""Placement: which device, cores, threads and GPU memory share each actor gets (runtime/placement.py)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from slipstream.runtime.placement import Host, NodeShare, Slot, default_shares, place, place_nodes
+from slipstream.runtime.placement import (
+    CUDA_CONTEXT_BYTES,
+    GPU_MEMORY_ENV,
+    GpuShares,
+    Host,
+    NodeShare,
+    Slot,
+    apply_gpu_memory,
+    default_shares,
+    place,
+    place_nodes,
+)
 
 
 def test_cpu_pins_each_rollout_to_a_core_and_gives_the_host_one_drafter() -> None:
@@ -64,3 +76,99 @@ def test_nodes_are_placed_one_by_one_with_global_ranks_and_their_own_drafters() 
     gpu = place_nodes("cuda", [NodeShare(learners=1), NodeShare(rollouts=2)], [Host(16, 1), Host(16, 2)], 1)
     assert [(s.device, s.node) for s in gpu.rollouts] == [("cuda:0", 1), ("cuda:1", 1)]
     assert gpu.drafter_of == [0, 1] and [(s.device, s.node) for s in gpu.learners] == [("cuda:0", 0)]
+
+
+H100 = 80 * 2**30
+
+
+def test_every_role_on_one_gpu_gets_a_share_that_fits_the_card() -> None:
+    """One GPU (a simulated 80 GiB card): two rollouts, their two drafters and the learner each get a memory
+    share; the shares and every process's CUDA context fit the card; the share travels in the env."""
+    p = place("cuda", rollouts=2, learners=1, learner_threads=1, cores=16, gpus=1, gpu_bytes=H100)
+    slots = p.rollouts + p.drafters + p.learners
+    assert [s.device for s in slots] == ["cuda:0"] * 5 and all(s.memory_fraction > 0 for s in slots)
+    held = sum(s.memory_fraction for s in slots) * H100 + 5 * CUDA_CONTEXT_BYTES
+    assert held <= H100
+    rollout, drafter, learner = (
+        p.rollouts[0].memory_fraction,
+        p.drafters[0].memory_fraction,
+        p.learners[0].memory_fraction,
+    )
+    assert (
+        rollout > learner / 2 and learner > drafter
+    )  # the default weights: KV caches and the learner hold most
+    assert p.learners[0].env() == {GPU_MEMORY_ENV: f"cuda:0={learner:.4f}"}
+    explicit = place(
+        "cuda", rollouts=2, learners=1, learner_threads=1, cores=16, gpus=1, gpu_bytes=H100,
+        shares=GpuShares(learner=0.5),
+    )  # fmt: skip
+    assert explicit.learners[0].memory_fraction == 0.5
+    assert explicit.rollouts[0].memory_fraction < rollout  # the others split what the learner leaves
+
+
+def test_a_plan_that_does_not_fit_the_card_names_the_actors_and_bytes() -> None:
+    with pytest.raises(ValueError) as error:
+        place(
+            "cuda", rollouts=2, learners=1, learner_threads=1, cores=16, gpus=1, gpu_bytes=H100,
+            shares=GpuShares(rollout=0.4, learner=0.3),
+        )  # fmt: skip
+    message = str(error.value)
+    assert "cuda:0 (80.0 GiB)" in message and "2 rollouts × 32.0 GiB" in message
+    assert "1 learner × 24.0 GiB" in message and "5 CUDA contexts" in message
+    with pytest.raises(ValueError, match=r"placement.gpu_memory.rollout: 1.5 is not a fraction"):
+        place(
+            "cuda",
+            rollouts=1,
+            learners=1,
+            learner_threads=1,
+            gpus=1,
+            gpu_bytes=H100,
+            shares=GpuShares(rollout=1.5),
+        )
+
+
+def test_several_gpus_keep_their_placement_and_share_only_where_actors_meet() -> None:
+    p = place("cuda", rollouts=6, learners=2, learner_threads=2, cores=16, gpus=8, gpu_bytes=H100)
+    assert [s.device for s in p.rollouts] == [f"cuda:{i}" for i in range(6)]
+    assert all(s.memory_fraction > 0 for s in p.rollouts + p.drafters)  # a rollout and its drafter
+    assert [s.memory_fraction for s in p.learners] == [0.0, 0.0]  # alone on cuda:6 and cuda:7: no cap
+    nodes = place_nodes(
+        "cuda", [NodeShare(learners=1), NodeShare(rollouts=2)], [Host(16, 1, H100), Host(16, 2, H100)], 1
+    )
+    assert [s.memory_fraction for s in nodes.learners] == [0.0]
+    assert all(s.memory_fraction > 0 and s.node == 1 for s in nodes.rollouts)
+
+
+def test_an_actor_applies_its_share_before_it_allocates(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append((f, d)))
+    assert apply_gpu_memory({}) is None and calls == []
+    assert apply_gpu_memory({GPU_MEMORY_ENV: "cuda:0=0.2500"}) == ("cuda:0", 0.25)
+    assert calls == [(0.25, torch.device("cuda:0"))]
+    for bad in ("cuda:0", "cuda:0=1.5", "cpu=0.5", "cuda:0=x"):
+        with pytest.raises(ValueError, match=GPU_MEMORY_ENV):
+            apply_gpu_memory({GPU_MEMORY_ENV: bad})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        apply_gpu_memory({GPU_MEMORY_ENV: "cuda:0=0.25"})
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")
+def test_an_actor_whose_share_cannot_be_applied_fails_at_start_naming_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import uvloop
+
+    from slipstream.cli import smoke
+    from slipstream.runtime.supervisor import ActorSpec, Supervisor, SupervisorError
+
+    async def main() -> None:
+        sup = Supervisor(tmp_path, heartbeat_s=0.25)
+        spec = ActorSpec.of(smoke.Sink, env=Slot("cuda:0", memory_fraction=0.25).env())
+        try:
+            with pytest.raises(SupervisorError, match=r"gpu memory share: .*no CUDA device"):
+                await sup.start([spec])
+        finally:
+            await sup.shutdown(reason="test over", grace_s=2.0)
+
+    uvloop.run(main())
