@@ -1,0 +1,118 @@
+"""The same-GPU weight lane (runtime/cuda_ipc.py): the GPU checksum, the ref as a plain message, the
+receiver's checks of a malformed ref; on a GPU, a real second process maps three pushes bitwise and
+catches a stale bucket. Everything but the handle mapping runs on the CPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import msgspec
+import pytest
+import torch
+
+from slipstream.runtime import cuda_ipc
+from slipstream.runtime.cuda_ipc import CudaIpcRef, check, describe, device_checksum
+
+SHARE = (0, b"h" * 64, 4096, 0, b"r" * 32, 8, b"e" * 64, True)
+"""A stand-in for `_share_cuda_`'s tuple (device, handle, storage bytes, offset, ref counter handle and
+offset, event handle, sync flag)."""
+
+
+def test_the_checksum_sees_every_byte_and_its_position_and_not_the_chunking(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    a = torch.randn(1000, 3)
+    base = device_checksum(["w"], [a])
+    assert device_checksum(["w"], [a.clone()]) == base
+    flipped = a.clone()
+    flipped.view(torch.int32)[123, 1] ^= 1  # one bit
+    assert device_checksum(["w"], [flipped]) != base
+    swapped = a.clone()
+    swapped[[5, 6]] = swapped[[6, 5]]  # the same words in another order
+    assert device_checksum(["w"], [swapped]) != base
+    assert device_checksum(["v"], [a]) != base  # the name counts
+    assert device_checksum(["w"], [a[:, :2]]) != base and len(base) == 32
+    odd = torch.arange(7, dtype=torch.uint8)  # a byte count that is not a multiple of 4
+    assert device_checksum(["b"], [odd]) != device_checksum(["b"], [torch.arange(8, dtype=torch.uint8)])
+    monkeypatch.setattr(cuda_ipc, "_CHUNK_WORDS", 7)  # other summation order: the same value (mod 2^64)
+    assert device_checksum(["w"], [a]) == base
+    with pytest.raises(ValueError, match="2 names for 1 tensors"):
+        device_checksum(["a", "b"], [a])
+
+
+def test_a_ref_is_a_plain_message_that_round_trips() -> None:
+    tensor = torch.zeros(4, 8, dtype=torch.bfloat16)[1:]  # a view: offset and stride travel
+    ref = describe("layers.0.w", tensor, SHARE)
+    wire = msgspec.msgpack.encode(ref)
+    assert msgspec.msgpack.decode(wire, type=CudaIpcRef) == ref
+    assert ref.dtype == "bfloat16" and ref.shape == [3, 8] and ref.stride == [8, 1] and ref.offset == 8
+    assert ref.checksum == device_checksum(["layers.0.w"], [tensor])
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(
+            msgspec.msgpack.encode({**msgspec.to_builtins(ref), "extra": 1}), type=CudaIpcRef
+        )
+
+
+def test_a_malformed_ref_is_refused_naming_what_is_wrong() -> None:
+    expected = torch.zeros(3, 8, dtype=torch.bfloat16)
+    good = describe("w", expected, SHARE)
+    check("w", good, expected)
+    bad = {
+        "dtype float32, expected bfloat16": msgspec.structs.replace(good, dtype="float32"),
+        r"shape \[8, 3\], expected \[3, 8\]": msgspec.structs.replace(good, shape=[8, 3]),
+        "bad layout": msgspec.structs.replace(good, stride=[-8, 1]),
+        "reaches byte 4098 of a 4096-byte storage": msgspec.structs.replace(good, offset=2025),
+        "empty IPC handle": msgspec.structs.replace(good, handle=b""),
+        "dtype int64": msgspec.structs.replace(good, dtype="int64"),
+    }
+    for message, ref in bad.items():
+        with pytest.raises(ValueError, match=message):
+            check("w", ref, expected)
+
+
+def test_export_takes_cuda_weights_only() -> None:
+    with pytest.raises(ValueError, match="carries CUDA tensors"):
+        cuda_ipc.export("w", torch.zeros(3))
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys, msgspec, torch
+    from slipstream.runtime.cuda_ipc import CudaIpcRef, check, device_checksum, open_ref
+    target = torch.zeros(256, 64, dtype=torch.bfloat16, device="cuda")
+    for line in sys.stdin.buffer:
+        ref = msgspec.json.decode(line, type=CudaIpcRef)
+        check("w", ref, target)
+        target.copy_(open_ref(ref))  # in place, as a rollout applies a bucket
+        torch.cuda.synchronize()
+        ok = device_checksum(["w"], [target]) == ref.checksum
+        print("ok" if ok else "stale", float(target.float().sum()), flush=True)
+    """
+)
+
+
+@pytest.mark.gpu
+def test_a_second_process_maps_three_pushes_bitwise_and_catches_a_stale_bucket() -> None:
+    bucket = torch.zeros(256, 64, dtype=torch.bfloat16, device="cuda")
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=False
+    )
+    try:
+        for version in range(1, 4):
+            torch.manual_seed(version)
+            bucket.copy_(torch.randn(256, 64, device="cuda"))  # the learner's cast of version N, in place
+            torch.cuda.synchronize()
+            child.stdin.write(msgspec.json.encode(cuda_ipc.export("w", bucket)) + b"\n")
+            child.stdin.flush()
+            status, total = child.stdout.readline().split()
+            assert status == b"ok" and float(total) == pytest.approx(float(bucket.float().sum()))
+        # Planted: the ref announces version 4's checksum but the bucket still holds version 3.
+        ref = cuda_ipc.export("w", bucket)
+        stale = msgspec.structs.replace(ref, checksum=device_checksum(["w"], [bucket + 1]))
+        child.stdin.write(msgspec.json.encode(stale) + b"\n")
+        child.stdin.flush()
+        assert child.stdout.readline().split()[0] == b"stale"
+    finally:
+        child.stdin.close()
+        assert child.wait(timeout=60) == 0
