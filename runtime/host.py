@@ -85,6 +85,10 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(3)  # the parent died before prctl took effect
 
 
+EXIT_OUT_OF_MEMORY = 12
+"""The exit code of an actor whose loop ran out of device memory (torch.OutOfMemoryError): ENOMEM's."""
+
+
 def apply_threads(threads: int) -> None:
     """Pins torch/OpenMP to this actor's lease of cores (env for libraries not yet imported)."""
     if threads <= 0:
@@ -232,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
             actor.serve()
         except Exception as e:  # Fatal, or a bug in the loop itself
             log.exception("serve_failed")
-            report_dead(f"{type(e).__name__}: {e}", 1)
-            exit_code = 1
+            # Out of device memory is an event with a recovery (a smaller batch cap), not a bug: its own
+            # code. By name: this module never imports torch (reward workers run without it).
+            exit_code = EXIT_OUT_OF_MEMORY if type(e).__name__ == "OutOfMemoryError" else 1
+            report_dead(f"{type(e).__name__}: {e}", exit_code)
         finally:
             try:
                 actor.on_stop()

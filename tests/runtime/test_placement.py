@@ -1,10 +1,12 @@
-"""Placement: which device, cores, threads and GPU memory share each actor gets (runtime/placement.py)."""
+"""Placement: which device, cores, threads and GPU memory share each actor gets (runtime/placement.py), and
+an actor out of device memory dying with its own exit code."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from slipstream.runtime.actor import Actor
 from slipstream.runtime.placement import (
     CUDA_CONTEXT_BYTES,
     GPU_MEMORY_ENV,
@@ -168,6 +170,43 @@ def test_an_actor_whose_share_cannot_be_applied_fails_at_start_naming_it(tmp_pat
         try:
             with pytest.raises(SupervisorError, match=r"gpu memory share: .*no CUDA device"):
                 await sup.start([spec])
+        finally:
+            await sup.shutdown(reason="test over", grace_s=2.0)
+
+    uvloop.run(main())
+
+
+class OutOfMemory(Actor):
+    """Runs out of device memory in its compute loop, as a rollout whose batch outgrew its share does."""
+
+    role = "oom"
+
+    def step(self) -> bool:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+@pytest.mark.timeout(60)
+def test_an_actor_out_of_device_memory_dies_with_its_own_exit_code(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Out of memory is told apart from a bug (EXIT_OUT_OF_MEMORY), so its owner can restart it smaller."""
+    import asyncio
+    import os
+    from pathlib import Path
+
+    import uvloop
+
+    from slipstream.runtime.host import EXIT_OUT_OF_MEMORY
+    from slipstream.runtime.supervisor import ActorSpec, Supervisor
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+
+    async def main() -> None:
+        sup = Supervisor(tmp_path, heartbeat_s=0.25)
+        try:
+            await sup.start([ActorSpec.of(OutOfMemory, env=env)])
+            died = await asyncio.wait_for(sup.deaths.get(), timeout=20)
+            assert died.name == "oom:0" and died.exit_code == EXIT_OUT_OF_MEMORY == 12
+            assert "OutOfMemoryError: CUDA out of memory" in died.reason
         finally:
             await sup.shutdown(reason="test over", grace_s=2.0)
 
