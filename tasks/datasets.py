@@ -131,10 +131,15 @@ def read_rows(path: str | os.PathLike[str]) -> tuple[list[Row], LoadReport]:
 def load_rows(
     task: str, *, seed: int, size: int = DEFAULT_DATASET_SIZE, options: Mapping[str, Any] | None = None
 ) -> tuple[Sequence[Row], LoadReport | None]:
-    """The rows `task` names: a `.jsonl`/`.parquet` file (with its report), else a reasoning-gym task of
-    `size` rows from `seed` with its `options` (no report: nothing is read until indexed)."""
+    """The rows `task` names: a `.jsonl`/`.parquet` file (with its report), the built-in code tasks
+    (`tasks.code_tasks.CODE_TASK`), else a reasoning-gym task of `size` rows from `seed` with its
+    `options` (no report: nothing is read until indexed)."""
     if task.endswith((".jsonl", ".parquet")):
         return read_rows(task)
+    from slipstream.tasks import code_tasks  # it imports this module's Row
+
+    if task == code_tasks.CODE_TASK:
+        return code_tasks.code_rows(size, seed), None
     return ReasoningGymRows(task, size, seed, **(options or {})), None
 
 

@@ -1,0 +1,202 @@
+"""The code sandbox and the code reward, with real processes: each misbehaving solution scores 0.0, the
+host is unharmed (no connection reached it, it can still fork), nothing runs on and the temp dir is gone.
+Needs root (the sandbox refuses without it); the limits are small so a test costs a few seconds."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from slipstream.tasks import sandbox as sandbox_module
+from slipstream.tasks.code_tasks import CODE_TASK, PROBLEMS, HiddenTests, code_prompt, code_rows, extract_code
+from slipstream.tasks.datasets import load_rows
+from slipstream.tasks.sandbox import Limits, Sandbox, SandboxUnavailable
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or os.geteuid() != 0, reason="the code sandbox needs root on Linux"
+)
+ROOT = Path(__file__).resolve().parents[2]
+LIMITS = Limits(wall_s=2.0, cpu_s=2, memory_mb=256, processes=8)
+ADD = {"entry_point": "add", "tests": [{"args": [2, 3], "expected": 5}, {"args": [-1, 1], "expected": 0}]}
+
+
+def sandbox_processes() -> list[int]:
+    """Live processes of any sandbox uid."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            status = Path("/proc", entry, "status").read_text()
+        except (OSError, ValueError):
+            continue
+        uid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("Uid:"))
+        if uid >= sandbox_module._UID_BASE and "\nState:\tZ" not in status:
+            found.append(int(entry))
+    return found
+
+
+def sandbox_dirs() -> set[str]:
+    return {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("slipstream-sandbox-")}
+
+
+@pytest.fixture(scope="module")
+def reward() -> HiddenTests:
+    return HiddenTests(LIMITS)
+
+
+@pytest.fixture
+def host_checked() -> Iterator[None]:
+    """After the test: no sandbox process left, no new sandbox dir, no child of ours, and fork works."""
+    dirs = sandbox_dirs()
+    yield
+    assert sandbox_processes() == []
+    assert sandbox_dirs() <= dirs
+    children = subprocess.run(
+        ["pgrep", "-P", str(os.getpid())], capture_output=True, text=True
+    ).stdout.split()
+    assert children == [], f"children left: {children}"
+    assert subprocess.run(["true"]).returncode == 0
+
+
+def solution(body: str) -> str:
+    return f"Here it is:\n```python\n{body}\n```\n"
+
+
+SOLUTIONS = {
+    "correct": "def add(a, b):\n    return a + b",
+    "wrong": "def add(a, b):\n    return a - b",
+    "looping": "def add(a, b):\n    while True:\n        pass",
+    "fork_bomb": (
+        "import os\ndef add(a, b):\n    while True:\n        try:\n            os.fork()\n"
+        "        except OSError:\n            pass"
+    ),
+    "memory_hungry": "def add(a, b):\n    hoard = []\n    while True:\n        hoard.append(bytearray(10**7))",
+    "exits_early": "import os\ndef add(a, b):\n    os._exit(0)",
+    "always_equal": "class Same(int):\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return Same(0)",
+    "no_code": None,
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("name", "expected"), [("correct", 1.0), *((n, 0.0) for n in SOLUTIONS if n != "correct")]
+)
+def test_each_solution_is_scored_and_the_host_is_left_clean(
+    reward: HiddenTests, host_checked: None, name: str, expected: float
+) -> None:
+    body = SOLUTIONS[name]
+    completion = "I do not know." if body is None else solution(body)
+    assert reward("Write add(a, b).", completion, answer=ADD) == expected
+
+
+@pytest.mark.timeout(60)
+def test_how_a_misbehaving_run_ends(host_checked: None) -> None:
+    box = Sandbox(LIMITS, check=False)
+    tests = ADD["tests"]
+    looping = box.run(SOLUTIONS["looping"], "add", tests)
+    assert looping.status == "timeout" and LIMITS.wall_s <= looping.elapsed_s < LIMITS.wall_s + 2
+    bomb = box.run(SOLUTIONS["fork_bomb"], "add", tests)
+    assert bomb.status == "timeout"
+    hungry = box.run(SOLUTIONS["memory_hungry"], "add", tests)
+    assert hungry.status == "failed" and "MemoryError" in hungry.detail
+    early = box.run(SOLUTIONS["exits_early"], "add", tests)
+    assert early.status == "crashed" and "no verdict" in early.detail
+    printed = box.run("def add(a, b):\n    print('PASSED', a)\n    return 0", "add", tests)
+    assert printed.status == "failed" and printed.passed == 1 and "PASSED 2" in printed.detail
+
+
+@pytest.mark.timeout(60)
+def test_the_code_cannot_reach_the_host_network(host_checked: None) -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+        code = f"import socket\ndef add(a, b):\n    socket.create_connection(('127.0.0.1', {port}), timeout=1)\n    return a + b"
+        result = Sandbox(LIMITS, check=False).run(code, "add", ADD["tests"])
+        assert result.status == "failed" and "OSError" in result.detail and "unreachable" in result.detail
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing ever connected
+
+
+@pytest.mark.timeout(60)
+def test_the_code_sees_no_secrets_and_writes_nothing_on_the_host(host_checked: None, tmp_path: Path) -> None:
+    os.environ["SLIPSTREAM_TEST_SECRET"] = "hunter2"
+    try:
+        code = (
+            "import os\ndef add(a, b):\n"
+            "    open('/tmp/sandbox-was-here', 'w').write('x')\n"
+            "    return [sorted(os.environ), os.listdir('/tmp'), os.path.exists('/root/.bashrc'), os.getuid()]"
+        )
+        result = Sandbox(LIMITS, check=False).run(code, "add", [{"args": [1, 2], "expected": 3}])
+    finally:
+        del os.environ["SLIPSTREAM_TEST_SECRET"]
+    assert result.status == "failed" and "SLIPSTREAM_TEST_SECRET" not in result.detail
+    assert '["LANG", "PATH", "PYTHONDONTWRITEBYTECODE"], ["sandbox-was-here"], false' in result.detail
+    assert not Path("/tmp/sandbox-was-here").exists()  # it wrote in its own /tmp
+
+
+@pytest.mark.timeout(60)
+def test_a_host_that_cannot_isolate_is_refused_naming_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(SandboxUnavailable, match="needs root"):
+        Sandbox(LIMITS)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv")
+def test_without_cap_sys_admin_the_sandbox_refuses_to_start() -> None:
+    probe = "from slipstream.tasks.code_tasks import HiddenTests\nHiddenTests()"
+    done = subprocess.run(
+        ["setpriv", "--bounding-set", "-sys_admin", sys.executable, "-c", probe],
+        capture_output=True, text=True, timeout=50, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "SandboxUnavailable" in done.stderr and "unshare(network, PID and mount namespaces)" in done.stderr
+
+
+def test_code_rows_prompts_and_extraction() -> None:
+    rows = code_rows(25, seed=3)
+    assert len(rows) == 25 and rows == code_rows(25, seed=3) and rows != code_rows(25, seed=4)
+    assert {r.answer["entry_point"] for r in rows[: len(PROBLEMS)]} == {p.entry_point for p in PROBLEMS}
+    assert "`add(a, b)`" in code_prompt(PROBLEMS[0]) and "add(2, 3) returns 5" in code_prompt(PROBLEMS[0])
+    loaded, report = load_rows(CODE_TASK, seed=3, size=25)
+    assert list(loaded) == rows and report is None
+    two = (
+        "```python\ndef helper(): pass\n```\n```python\ndef add(a, b): return a + b\n```\n```\nprint(1)\n```"
+    )
+    assert extract_code(two, "add") == "def add(a, b): return a + b\n"
+    assert extract_code("def add(a, b): return 0", "add") == "def add(a, b): return 0"
+    assert extract_code("no code", "add") is None
+
+
+@pytest.mark.timeout(120)
+def test_every_built_in_problem_is_solvable(reward: HiddenTests, host_checked: None) -> None:
+    solutions = {
+        "add": "return a + b" , "reverse": "return s[::-1]",
+        "is_prime": "return n > 1 and all(n % d for d in range(2, int(n ** 0.5) + 1))",
+        "fib": "a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a",
+        "count_vowels": "return sum(c in 'aeiouAEIOU' for c in s)", "largest": "return max(xs)",
+        "factorial": "import math\n    return math.factorial(n)", "evens": "return [x for x in xs if x % 2 == 0]",
+        "digit_sum": "return sum(map(int, str(n)))",
+        "fizzbuzz": "return 'FizzBuzz' if n % 15 == 0 else 'Fizz' if n % 3 == 0 else 'Buzz' if n % 5 == 0 else str(n)",
+    }  # fmt: skip
+    for problem in PROBLEMS:
+        body = f"def {problem.signature}:\n    {solutions[problem.entry_point]}"
+        assert reward(code_prompt(problem), solution(body), answer=problem.answer()) == 1.0, (
+            problem.entry_point
+        )
+
+
+def test_a_row_without_tests_cannot_be_judged(reward: HiddenTests) -> None:
+    with pytest.raises(ValueError, match="needs answer"):
+        reward("p", solution("def add(a, b): return 1"), answer="5")
