@@ -16,7 +16,7 @@ Non-obvious choices (the reasoning is in docs/engine.md, "EAGLE head and drafter
 - Everything lives on the target's device (the head must share it); states arrive from the generator on
   the host and are moved once per call, and drafted tokens go back to the host.
 - The committed pairs' pass and every chain step are single fixed-shape passes over all requests
-  ([rows, pairs], padding masked): features gathered from one [slots, max_len, d] buffer, K/V written by
+  ([rows, pairs], padding masked): features gathered from one [slots, ring, d] buffer, K/V written by
   `attention.store_kv`, attention by `attention.paged_attention` (the target's kernels), no per-request
   loop and no host read until the chain's tokens are returned; trees still expand node by node.
 """
@@ -41,7 +41,11 @@ from slipstream.engine.model import Transformer
 from slipstream.engine.sampling import keyed_pick, keyed_rank
 from slipstream.engine.tree import build_tree, tree_depths
 
-__all__ = ["EXTEND_PAIRS", "EagleDrafter"]
+__all__ = ["EXTEND_PAIRS", "FEATURE_RING", "EagleDrafter"]
+
+FEATURE_RING = 512
+"""Window positions whose features a slot holds (a ring): more than a request ever has waiting for the
+head unless speculation was off for that long, when its window starts again from the newest states."""
 
 
 # (temperature [B], seeds [B], positions [B] of the first draft token) for keyed draws; temperature 0
@@ -139,10 +143,12 @@ class EagleDrafter(Drafter):
             page_size=PAGE_SIZE, dummy_slot=True,
         )  # fmt: skip
         d = head.config.hidden_size
-        # Every slot's window features in one buffer, so a batched pass gathers its pairs in one index.
-        self.features = torch.zeros(num_slots + 1, max_len, d, dtype=weight.dtype, device=weight.device)
-        """[slots + 1, max_len, d] features of window positions 0, 1, … of each slot's request (the last
-        row: the dummy slot's, read by padding rows)."""
+        # Every slot's window features in one buffer, so a batched pass gathers its pairs in one index; a
+        # ring: only pairs the head has not run over yet are needed (`_ingest` keeps them within it).
+        self.ring = min(max_len, FEATURE_RING)
+        self.features = torch.zeros(num_slots + 1, self.ring, d, dtype=weight.dtype, device=weight.device)
+        """[slots + 1, ring, d] features of window position p at p % ring, per slot (the last row: the dummy
+        slot's, read by padding rows)."""
         self._cos, self._sin = head.rotary.tables(self.cache.storage_len, weight.device, weight.dtype)
         self.last = torch.zeros(num_slots + 1, d, dtype=weight.dtype, device=weight.device)
         """[slots + 1, d] each slot's newest head output (`_Request.last_out` views a row; the last row is
@@ -183,6 +189,9 @@ class EagleDrafter(Drafter):
         self.version = version
         if not rebuild:
             return
+        # A window longer than the ring lost its oldest features: it starts again with the next states.
+        for request_id in [i for i, r in self._requests.items() if r.num_features > self.ring]:
+            self.reset(request_id)
         for request in self._requests.values():
             request.cached, request.last_out = 0, None  # (`last` keeps its rows: graphs bind it)
             if request.slot is not None:
@@ -260,17 +269,30 @@ class EagleDrafter(Drafter):
         if request is None:
             if first < state.prompt_len:  # first sight of this request: its prompt counts too
                 self.vocab.count(state.tokens[: state.prompt_len])
-            start = max(state.prompt_len - 1, first, 0)
-            if first + t <= start:
-                return None  # nothing at or after the window start yet
-            slot = self.cache.allocate() if self.cache.num_free_slots else None
-            request = _Request(slot=slot, start=start)
-            self._requests[state.request_id] = request
+            request = self._open(state, max(first, first + t - self.ring))
+        elif first + t - request.start - request.cached > self.ring:
+            # More pairs waiting for the head than the ring holds (speculation was off for a long while):
+            # a fresh window over the newest states.
+            self.reset(state.request_id)
+            request = self._open(state, first + t - self.ring)
+        if request is None:
+            return None
         skip = request.start + request.num_features - first  # rows already held (or before the window)
         if skip < t and request.slot is not None:
             weight = self.target.lm_head_weight  # the generator hands states over on the CPU
             new = target_features(self.target, hidden[skip:].to(device=weight.device, dtype=weight.dtype))
             self._append_features(request, new.to(self.features.dtype))
+        return request
+
+    def _open(self, state: DraftState, at: int) -> _Request | None:
+        """A new window for `state`'s request from sequence position `at` (not before the last prompt
+        token), or None while no state reaches it."""
+        start = max(state.prompt_len - 1, at, 0)
+        if len(state.tokens) - 1 <= start:
+            return None  # nothing at or after the window start yet
+        slot = self.cache.allocate() if self.cache.num_free_slots else None
+        request = _Request(slot=slot, start=start)
+        self._requests[state.request_id] = request
         return request
 
     def prime_counts(self, counts: Mapping[int, int]) -> None:
@@ -305,13 +327,11 @@ class EagleDrafter(Drafter):
         return keyed_pick(logits, temperature, seeds, positions + step, ids)
 
     def _append_features(self, request: _Request, new: Tensor) -> None:
-        """Hold `new` [t, d] for the next window positions; positions past max_len are never cached, so
-        they are counted, not kept."""
+        """Hold `new` [t <= ring, d] for the next window positions (in the ring)."""
         assert request.slot is not None
         lo = request.num_features
-        keep = max(0, min(new.shape[0], self.features.shape[1] - lo))
-        if keep:
-            self.features[request.slot, lo : lo + keep] = new[:keep]
+        at = torch.arange(lo, lo + new.shape[0], device=new.device) % self.ring
+        self.features[request.slot].index_copy_(0, at, new)
         request.num_features = lo + new.shape[0]
 
     def _extend(self, work: Sequence[tuple[_Request, DraftState]]) -> None:
@@ -363,7 +383,7 @@ class EagleDrafter(Drafter):
         pair = torch.arange(width, device=ids.device)
         valid = pair[None, :] < count[:, None]  # [R, E]
         position = ctx[:, None] + pair  # window positions [R, E]
-        features = self.features[slot[:, None], position.clamp_max(self.features.shape[1] - 1)]  # [R, E, d]
+        features = self.features[slot[:, None], position % self.ring]  # [R, E, d]
         x = self.head.fuse(
             self.target.embed_tokens(ids.reshape(-1)).to(features.dtype), features.reshape(rows * width, -1)
         )  # [R*E, d]

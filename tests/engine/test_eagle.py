@@ -609,3 +609,34 @@ def test_draft_vocabulary_restricts_proposals_to_frequent_observed_tokens(
         assert set(chain.tokens.tolist()) <= set(drafter.vocab.ids.tolist())
         assert drafter.vocab.ids.numel() == min(8, len(counts))
     assert all(counts[t] for t in drafter.vocab.ids.tolist())  # only tokens it has seen
+
+
+def test_the_feature_ring_wraps_and_a_backlog_past_it_starts_a_fresh_window(
+    target: Transformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Features live in a ring of FEATURE_RING positions a slot: drafting after every commit wraps it many
+    times and drafts what an unbounded buffer does; a backlog longer than the ring (speculation off for a
+    while) restarts the window at the newest states, drafting what a drafter that saw only those does."""
+    from slipstream.engine.drafters import eagle as eagle_module
+
+    prompt = list(range(30, 40))
+    params = SamplingParams(temperature=0.0, max_tokens=90)
+    gen = Generator(target, num_slots=1, max_len=128, eos_token_ids=(), return_hidden=True)
+    c = gen.generate([Request(request_id="long", prompt_ids=prompt, params=params)])[0]
+    head = make_head(target)
+    wide = EagleDrafter(head, target, num_slots=1, max_len=128)
+    monkeypatch.setattr(eagle_module, "FEATURE_RING", 16)
+    ring = EagleDrafter(head, target, num_slots=1, max_len=128)
+    assert ring.ring == 16 and wide.ring == 128
+    for j in range(80):
+        a = wide.propose([state(c, j, c.hidden[j : j + 1])], 4, 1, 4)[0]
+        b = ring.propose([state(c, j, c.hidden[j : j + 1])], 4, 1, 4)[0]
+        assert a.tokens.tolist() == b.tokens.tolist()
+    late = EagleDrafter(head, target, num_slots=1, max_len=128)
+    late.observe(state(c, 79, c.hidden[:80]))  # 80 states at once: more than the ring
+    caught_up = late.propose([state(c, 79, c.hidden[:0])], 4, 1, 4)[0]
+    newest = EagleDrafter(head, target, num_slots=1, max_len=128)
+    newest.observe(state(c, 79, c.hidden[80 - 16 : 80]))  # only the ring's worth (a gap before it)
+    fresh = newest.propose([state(c, 79, c.hidden[:0])], 4, 1, 4)[0]
+    assert len(caught_up) == 4 and caught_up.tokens.tolist() == fresh.tokens.tolist()
+    assert late._requests["long"].start == newest._requests["long"].start > len(prompt)
