@@ -19,6 +19,12 @@ that cannot is a start-up error naming the path. Jobs and outcomes cross the pip
 pickles. A reward is a finite real number (`judge`);
 None means "cannot score"; a bool is garbage (True would pass for 1.0 unnoticed). Counts go to the
 coordinator as `Status(topic="verifier")` every `report_every_s` while they change, and at stop.
+
+`reward` is one path or weighted terms called by their own convention (tasks/reward_conventions.py).
+A batched one (TRL's, verl's plural) gets what has arrived: a free worker takes up to `batch_size`
+once that many wait or the oldest has waited `batch_wait_s`; per-completion rewards go one a worker,
+as always. Workers say which samples each call is about (`Calling`): past `timeout_s` (one sample's
+call) or `batch_timeout_s` (a batched call) those are invalid, the batch's others are scored again.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import os
 import signal
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Annotated, Any
@@ -40,7 +46,17 @@ import msgspec
 from slipstream.protocols.control import Status
 from slipstream.protocols.reward import Reward, ScoreRequest
 from slipstream.runtime.actor import COORDINATOR, Actor, Fatal, handler
-from slipstream.tasks.reward_worker import REASONS, Job, Outcome, Started, worker_main
+from slipstream.tasks.reward_conventions import REWARD_PATH, RewardTerm, describe
+from slipstream.tasks.reward_worker import (
+    REASONS,
+    Batch,
+    Calling,
+    Job,
+    Outcome,
+    Started,
+    WorkerSpec,
+    worker_main,
+)
 
 _POLL_S = 0.01  # the longest one step waits on the workers: messages are never kept waiting for long
 _RESERVED = frozenset(("prompt", "completion"))  # passed by name, so a row may not carry them
@@ -65,6 +81,7 @@ class _Task:
     request: ScoreRequest
     job: bytes  # the encoded Job
     job_id: int
+    arrived: float  # monotonic time it was queued
     started: float = 0.0  # monotonic time a worker took it
 
 
@@ -73,20 +90,42 @@ class _Worker:
     proc: BaseProcess
     conn: Connection
     ready: bool = False  # the reward is loaded
-    task: _Task | None = None
+    batch: dict[int, _Task] = field(default_factory=dict)  # taken and not yet answered, by job id
+    calling: list[int] = field(default_factory=list)  # the job ids of the call it runs now
+    limit: float = 0.0  # that call's limit in seconds
+    deadline: float = 0.0  # monotonic time past which that call is killed
 
 
 class VerifierActor(Actor):
     role = "verifier"
 
     class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-        reward: Annotated[str, msgspec.Meta(pattern=r"^\w+(\.\w+)*:\w+$")]  # "pkg.mod:fn": function or class
+        # "pkg.mod:fn" (function or class), or weighted terms [{fn, weight, name, convention, fields, chat}]
+        reward: Annotated[str, msgspec.Meta(pattern=REWARD_PATH)] | tuple[RewardTerm, ...]
         workers: Annotated[int, msgspec.Meta(ge=1)] = 2  # worker processes: one still scores while one hangs
         timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # wall-clock limit of one call, then SIGKILL
+        batch_size: Annotated[int, msgspec.Meta(ge=1)] = (
+            32  # most completions in one call of a batched reward
+        )
+        batch_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 0.05  # longest a batch waits to fill
+        batch_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0  # wall-clock limit of one batched call
+        data_source: str = ""  # verl's data_source where a row names none (the run's task)
         results_to: str = COORDINATOR  # where Rewards go: "coordinator" or a peer "role:rank"
         max_pending: Annotated[int, msgspec.Meta(ge=1)] = 1024  # held requests before senders are pushed back
         report_every_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0  # Status period (0: only at stop)
         start_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 120.0  # for the workers to load the reward
+
+        def __post_init__(self) -> None:
+            if isinstance(self.reward, tuple):
+                if not self.reward:
+                    raise ValueError("reward: no terms")
+                names = [t.label for t in self.reward]
+                if dups := sorted({n for n in names if names.count(n) > 1}):
+                    raise ValueError(f"reward: terms named {dups} more than once (give each a name)")
+
+        @property
+        def terms(self) -> tuple[RewardTerm, ...]:
+            return (RewardTerm(fn=self.reward),) if isinstance(self.reward, str) else self.reward
 
     def on_start(self) -> None:
         cfg = self.config
@@ -100,8 +139,13 @@ class VerifierActor(Actor):
         self._next_report = time.monotonic() + cfg.report_every_s
         self._job_ids = 0
         self._encoder = msgspec.msgpack.Encoder()
-        self._from_worker = msgspec.msgpack.Decoder(Started | Outcome)
+        self._from_worker = msgspec.msgpack.Decoder(Started | Calling | Outcome)
         self._row = msgspec.json.Decoder(dict[str, Any])
+        # Each component's [sum, scored, invalid] since start: the Reward carries only the weighted sum.
+        self._parts: dict[str, list[float]] = {t.label: [0.0, 0, 0] for t in cfg.terms}
+        self._spec = msgspec.msgpack.encode(WorkerSpec(terms=cfg.terms, data_source=cfg.data_source))
+        self._conventions: dict[str, str] = {}
+        self._batched = False  # whether a component is called once per batch (workers say so at start)
         self._workers: list[_Worker] = []
         try:
             self._workers = [self._spawn() for _ in range(cfg.workers)]
@@ -109,7 +153,7 @@ class VerifierActor(Actor):
             while not all(w.ready for w in self._workers):
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"reward {cfg.reward!r}: workers not ready after {cfg.start_timeout_s} s"
+                        f"reward {describe(cfg.reward)!r}: workers not ready after {cfg.start_timeout_s} s"
                     )
                 self._pump(0.1)
         except BaseException:
@@ -118,7 +162,9 @@ class VerifierActor(Actor):
             raise
         self.log.info(
             "verifier_started",
-            reward=cfg.reward,
+            reward=describe(cfg.reward),
+            conventions=self._conventions,
+            batch_size=cfg.batch_size if self._batched else 1,
             workers=cfg.workers,
             timeout_s=cfg.timeout_s,
             results_to=cfg.results_to,
@@ -134,9 +180,10 @@ class VerifierActor(Actor):
             self._job_ids += 1
             job = self._encoder.encode(Job(self._job_ids, msg.prompt, msg.completion, row))
         except (msgspec.DecodeError, msgspec.EncodeError, ValueError, OverflowError) as e:
-            self._finish(msg, None, "bad_row", f"bad row: {e}", 0.0)
+            outcome = Outcome(job_id=0, reward=None, reason="bad_row", error=f"bad row: {e}", elapsed_s=0.0)
+            self._finish(msg, outcome, 0.0)
             return
-        self._queue.append(_Task(request=msg, job=job, job_id=self._job_ids))
+        self._queue.append(_Task(request=msg, job=job, job_id=self._job_ids, arrived=time.monotonic()))
         self._dispatch()
         # Past max_pending, work the pool here instead of taking more requests: the inbox then fills
         # and ZeroMQ's high-water marks push back on the senders. Control still comes first.
@@ -155,9 +202,9 @@ class VerifierActor(Actor):
     def on_stop(self) -> None:
         now = time.monotonic()
         for w in self._workers:
-            if w.task is not None:
-                task, w.task = w.task, None
+            for task in w.batch.values():
                 self._fail(task, "stopped", "stopped: the verifier shut down while scoring it", now)
+            w.batch.clear()
         while self._queue:
             self._fail(
                 self._queue.popleft(), "stopped", "stopped: the verifier shut down before scoring it", now
@@ -169,38 +216,58 @@ class VerifierActor(Actor):
     # -- the pool -----------------------------------------------------------------------------------
 
     def _pending(self) -> int:
-        return len(self._queue) + sum(w.task is not None for w in self._workers)
+        return len(self._queue) + sum(len(w.batch) for w in self._workers)
 
     def _pump(self, wait_s: float) -> None:
-        """Dispatch, wait up to `wait_s` (less before a deadline), take outcomes, enforce deadlines."""
+        """Dispatch, wait up to `wait_s` (less before a deadline or a batch's wait), take outcomes, enforce
+        deadlines."""
         self._dispatch()
         now = time.monotonic()
-        deadlines = [w.task.started + self.config.timeout_s for w in self._workers if w.task is not None]
-        timeout = max(0.0, min([wait_s, *(d - now for d in deadlines)]))
+        wakes = [w.deadline for w in self._workers if w.batch]
+        if self._batched and self._queue and any(w.ready and not w.batch for w in self._workers):
+            wakes.append(self._queue[0].arrived + self.config.batch_wait_s)  # a free worker may take it
+        timeout = max(0.0, min([wait_s, *(t - now for t in wakes)]))
         wait([w.conn for w in self._workers] + [w.proc.sentinel for w in self._workers], timeout)
         for w in list(self._workers):
             self._collect(w)
         now = time.monotonic()
         for w in list(self._workers):
-            if w.task is not None and now - w.task.started > self.config.timeout_s:
-                task, w.task = w.task, None
-                self._fail(task, "timeout", f"timeout after {self.config.timeout_s} s", now)
+            if w.batch and now > w.deadline:
+                self._lose(w, "timeout", f"timeout after {w.limit} s", now)
                 self._replace(w, "timeout")
         self._dispatch()
 
+    def _limit(self, batched: bool) -> float:
+        return self.config.batch_timeout_s if batched else self.config.timeout_s
+
     def _dispatch(self) -> None:
+        cfg = self.config
         for w in self._workers:
             if not self._queue:
                 return
-            if w.ready and w.task is None:
-                task = self._queue.popleft()
-                try:
-                    w.conn.send_bytes(task.job)
-                except OSError:  # it died since the last look (`_collect` replaces it); the job never ran
-                    self._queue.appendleft(task)
-                    continue
-                task.started = time.monotonic()
-                w.task = task
+            if not w.ready or w.batch:
+                continue
+            n = 1
+            if self._batched:
+                waited = time.monotonic() - self._queue[0].arrived
+                if len(self._queue) < cfg.batch_size and waited < cfg.batch_wait_s:
+                    return  # a batched call costs about the same for one or many: let more arrive
+                n = min(cfg.batch_size, len(self._queue))
+            tasks = [self._queue.popleft() for _ in range(n)]
+            try:
+                w.conn.send_bytes(self._encoder.encode(Batch(jobs=[msgspec.Raw(t.job) for t in tasks])))
+            except OSError:  # it died since the last look (`_collect` replaces it); the jobs never ran
+                self._queue.extendleft(reversed(tasks))
+                continue
+            now = time.monotonic()
+            for t in tasks:
+                t.started = now
+            w.batch = {t.job_id: t for t in tasks}
+            # Until it says which call runs, the most any of its calls may take.
+            w.calling, w.limit = [], max(cfg.timeout_s, cfg.batch_timeout_s if self._batched else 0.0)
+            w.deadline = now + w.limit
+            self._counts["batches"] += 1
+            self._counts["batched"] += n
 
     def _collect(self, w: _Worker) -> None:
         """Takes what `w` sent; replaces it if it died."""
@@ -211,9 +278,13 @@ class VerifierActor(Actor):
                     if msg.error is not None:
                         raise Fatal(msg.error)
                     w.ready = True
-                elif w.task is not None and w.task.job_id == msg.job_id:
-                    task, w.task = w.task, None
-                    self._finish(task.request, msg.reward, msg.reason, msg.error, msg.elapsed_s)
+                    self._conventions = msg.conventions
+                    self._batched = any(c.endswith("batched") for c in msg.conventions.values())
+                elif isinstance(msg, Calling):
+                    w.calling, w.limit = msg.job_ids, self._limit(msg.batched)
+                    w.deadline = time.monotonic() + w.limit
+                elif (task := w.batch.pop(msg.job_id, None)) is not None:
+                    self._finish(task.request, msg, msg.elapsed_s)
         except (EOFError, OSError, msgspec.DecodeError):
             pass  # the pipe closed (or carries nonsense): the worker is gone or going
         else:
@@ -222,17 +293,27 @@ class VerifierActor(Actor):
         w.proc.join(1.0)
         code = w.proc.exitcode
         if not w.ready:  # no retry loop for a reward that kills its process as it loads
-            raise Fatal(f"reward {self.config.reward!r}: a worker {_exit_text(code)} while loading it")
-        if w.task is not None:
-            task, w.task = w.task, None
-            why = f"crashed: the worker {_exit_text(code)} while scoring it"
-            self._fail(task, "crashed", why, time.monotonic())
+            raise Fatal(
+                f"reward {describe(self.config.reward)!r}: a worker {_exit_text(code)} while loading it"
+            )
+        self._lose(w, "crashed", f"crashed: the worker {_exit_text(code)} while scoring it", time.monotonic())
         self._replace(w, f"worker {_exit_text(code)}")
+
+    def _lose(self, w: _Worker, reason: str, error: str, now: float) -> None:
+        """The samples of the call `w` was in are invalid; the rest of its batch waits to be scored again."""
+        blamed = [i for i in w.calling if i in w.batch] or list(w.batch)  # no call known: all of them
+        for job_id in blamed:
+            self._fail(w.batch.pop(job_id), reason, error, now)
+        again = list(w.batch.values())
+        w.batch.clear()
+        for task in again:
+            task.started = 0.0
+        self._queue.extendleft(reversed(again))
 
     def _spawn(self) -> _Worker:
         ours, theirs = self._mp.Pipe()
         proc = self._mp.Process(
-            target=worker_main, args=(theirs, self.config.reward), name=f"{self.name}-reward", daemon=True
+            target=worker_main, args=(theirs, self._spec), name=f"{self.name}-reward", daemon=True
         )
         proc.start()
         theirs.close()
@@ -263,11 +344,17 @@ class VerifierActor(Actor):
 
     def _fail(self, task: _Task, reason: str, error: str, now: float) -> None:
         """An invalid Reward for `task`; its elapsed time runs from when a worker took it (if one did)."""
-        self._finish(task.request, None, reason, error, now - task.started if task.started else 0.0)
+        outcome = Outcome(job_id=task.job_id, reward=None, reason=reason, error=error, elapsed_s=0.0)
+        self._finish(task.request, outcome, now - task.started if task.started else 0.0)
 
-    def _finish(
-        self, req: ScoreRequest, reward: float | None, reason: str | None, error: str | None, elapsed_s: float
-    ) -> None:
+    def _finish(self, req: ScoreRequest, outcome: Outcome, elapsed_s: float) -> None:
+        reward, reason, error = outcome.reward, outcome.reason, outcome.error
+        for name, value in outcome.components.items():
+            part = self._parts.setdefault(name, [0.0, 0, 0])
+            part[0] += value
+            part[1] += 1
+        if outcome.blame is not None:
+            self._parts.setdefault(outcome.blame, [0.0, 0, 0])[2] += 1
         if reward is None:
             self._counts[f"invalid_{reason}"] += 1
             self.log.warning(
@@ -290,6 +377,7 @@ class VerifierActor(Actor):
             index=req.sample_index,
             ok=reward is not None,
             **({"reason": reason} if reward is None else {}),
+            **({"components": outcome.components} if len(self._parts) > 1 else {}),
         )
         self.send(
             self.config.results_to,
@@ -307,13 +395,19 @@ class VerifierActor(Actor):
         counts = dict(self._counts)
         self._reported = counts
         fields: dict[str, int | float | str | bool | None] = {
-            "reward": self.config.reward,
+            "reward": describe(self.config.reward),
             "scored": counts.get("scored", 0),
             "invalid": sum(counts.get(f"invalid_{r}", 0) for r in REASONS),
             **{f"invalid_{r}": counts.get(f"invalid_{r}", 0) for r in REASONS},
             "restarts": counts.get("restarts", 0),
             "workers": sum(w.proc.exitcode is None for w in self._workers),
             "pending": self._pending(),
+            "batches": counts.get("batches", 0),  # worker calls: a per-completion reward's are its samples
+            "batch_mean": round(counts["batched"] / counts["batches"], 3) if counts.get("batches") else 0.0,
         }
+        for name, (total, scored, invalid) in self._parts.items():  # sums, so a reader can difference them
+            fields[f"component_{name}_sum"] = total
+            fields[f"component_{name}_scored"] = int(scored)
+            fields[f"component_{name}_invalid"] = int(invalid)
         self.log.info("verifier_counts", **fields)
         self.send(COORDINATOR, Status(topic="verifier", fields=fields))

@@ -6,49 +6,77 @@ imports torch (or anything of the actor runtime): preloaded, the actor module pu
 forkserver and every worker forked from it, doubling their memory (docs/benchmarks.md). A user's reward
 that needs torch imports it itself.
 
-A worker loads the reward (`load_reward`; one that cannot load is a start-up error naming the path), ties
-its life and its process group's to the actor's (`_die_with_the_actor`), then scores `Job`s until its
-pipe closes. Jobs and outcomes cross the pipe as msgspec bytes, never pickles. `judge` says what a
-returned value is worth: a finite real number, or None with the reason the sample is invalid.
+A worker loads the reward's terms (`load_reward`; one that cannot load is a start-up error naming the
+path), ties its life and its process group's to the actor's (`_die_with_the_actor`), then scores `Batch`es
+until its pipe closes: each batched component once per batch, then each sample's per-completion ones,
+sending `Calling` before every call (so the actor knows which samples a deadline is about) and each
+sample's `Outcome` once it is known. Everything crosses the pipe as msgspec bytes, never pickles.
+`judge` (tasks/reward_conventions.py) says what a returned value is worth.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
-import inspect
-import math
 import multiprocessing.forkserver
-import numbers
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
 
-__all__ = ["REASONS", "Job", "Outcome", "Started", "call_reward", "judge", "worker_main"]
+from slipstream.tasks.reward_conventions import (
+    Component,
+    RewardTerm,
+    Sample,
+    call_reward,
+    combine,
+    judge,
+    load_components,
+    named,
+)
+
+__all__ = [
+    "REASONS",
+    "Batch",
+    "Calling",
+    "Job",
+    "Outcome",
+    "Started",
+    "WorkerSpec",
+    "call_reward",
+    "judge",
+    "worker_main",
+]
 
 REASONS = ("raised", "timeout", "garbage", "none", "crashed", "bad_row", "stopped")  # why a sample is invalid
-_CLIP = 300  # characters of a returned value or exception message kept in an error
+Job = Sample  # one completion to score
 
 
 # -- what crosses a worker's pipe ----------------------------------------------------------------
 
 
-class Job(msgspec.Struct, array_like=True, frozen=True):
-    job_id: int
-    prompt: str
-    completion: str
-    row: dict[str, Any]
+class WorkerSpec(msgspec.Struct, frozen=True):
+    terms: tuple[RewardTerm, ...]
+    data_source: str = ""  # verl's data_source where a row names none
+
+
+class Batch(msgspec.Struct, array_like=True, frozen=True):
+    jobs: list[Job]
 
 
 class Started(msgspec.Struct, tag=True, array_like=True, frozen=True):
     pid: int
     error: str | None  # why the reward could not be loaded
+    conventions: dict[str, str] = {}  # component name → how it is called
+
+
+class Calling(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    job_ids: list[int]  # the samples the call about to start scores
+    batched: bool  # one call for all of them (the actor's batch deadline) or one sample's
 
 
 class Outcome(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -57,69 +85,67 @@ class Outcome(msgspec.Struct, tag=True, array_like=True, frozen=True):
     reason: str | None  # one of REASONS when reward is None
     error: str | None
     elapsed_s: float
+    components: dict[str, float] = {}  # each component's own reward (those that scored)
+    blame: str | None = None  # the component that made the sample invalid
 
 
 # -- the worker side -----------------------------------------------------------------------------
 
 
-def judge(value: object) -> tuple[float | None, str | None, str | None]:
-    """(reward, reason, error) for what a reward function returned."""
-    if value is None:
-        return None, "none", "none: the reward could not score it"
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        try:
-            reward = float(value)
-        except (TypeError, ValueError, OverflowError):
-            reward = math.nan
-        if math.isfinite(reward):
-            return reward, None, None
-    return None, "garbage", f"garbage: returned {_clip(repr(value))} ({type(value).__name__})"
-
-
-def call_reward(
-    fn: Callable[..., Any], prompt: str, completion: str, row: dict[str, Any], loop: asyncio.AbstractEventLoop
-) -> tuple[float | None, str | None, str | None]:
-    """One call of `fn` as a worker makes it: awaited in `loop` if async, any exception caught."""
-    try:
-        value = fn(prompt, completion, **row)
-        if inspect.isawaitable(value):
-            value = loop.run_until_complete(value)
-    except BaseException as e:  # SystemExit too: a reward that exits costs its sample, not the worker
-        return None, "raised", f"raised: {type(e).__name__}: {_clip(str(e))}"
-    return judge(value)
-
-
-def worker_main(conn: Connection, reward_path: str) -> None:
-    """A worker process: load the reward, then score jobs from `conn` until the actor closes it."""
-    # Imported here, not by the module: the actor imports this module but runs no reward code, and the
-    # built-ins' dependencies take seconds and tens of MB to import (the forkserver has them preloaded).
-    from slipstream.tasks.rewards import load_reward
-
+def worker_main(conn: Connection, spec: bytes) -> None:
+    """A worker process: load the reward's terms, then score batches from `conn` until the actor closes it."""
     _die_with_the_actor()
     encoder = msgspec.msgpack.Encoder()
+    terms = msgspec.msgpack.decode(spec, type=WorkerSpec)
     try:
-        fn = load_reward(reward_path)
+        components = load_components(terms.terms, terms.data_source)
     except ValueError as e:
         conn.send_bytes(encoder.encode(Started(pid=os.getpid(), error=str(e))))
         return
-    conn.send_bytes(encoder.encode(Started(pid=os.getpid(), error=None)))
-    decoder = msgspec.msgpack.Decoder(Job)
+    conventions = {c.name: str(c.convention) for c in components}
+    conn.send_bytes(encoder.encode(Started(pid=os.getpid(), error=None, conventions=conventions)))
+    decoder = msgspec.msgpack.Decoder(Batch)
     loop = asyncio.new_event_loop()
     while True:
         try:
-            job = decoder.decode(conn.recv_bytes())
+            batch = decoder.decode(conn.recv_bytes())
         except EOFError:
             return
-        started = time.perf_counter()
-        reward, reason, error = call_reward(fn, job.prompt, job.completion, job.row, loop)
-        outcome = Outcome(
-            job_id=job.job_id,
-            reward=reward,
-            reason=reason,
-            error=error,
-            elapsed_s=time.perf_counter() - started,
-        )
-        conn.send_bytes(encoder.encode(outcome))
+        for outcome in score(components, batch.jobs, loop, lambda m: conn.send_bytes(encoder.encode(m))):
+            conn.send_bytes(encoder.encode(outcome))
+
+
+def score(components: list[Component], jobs: list[Job], loop: asyncio.AbstractEventLoop, tell: Any) -> Any:
+    """Yields each job's Outcome once known; `tell(Calling(...))` before every call of a reward."""
+    started = time.perf_counter()
+    many = len(components) > 1  # a lone reward's errors read as before: no component name in them
+    parts: dict[int, dict[str, float]] = {j.job_id: {} for j in jobs}
+    failed: dict[int, tuple[Any, str]] = {}
+    for c in (c for c in components if c.batched):
+        alive = [j for j in jobs if j.job_id not in failed]
+        if not alive:
+            break
+        tell(Calling(job_ids=[j.job_id for j in alive], batched=True))
+        for job, verdict in zip(alive, c.score_batch(alive, loop), strict=True):
+            _record(verdict, c, job, parts, failed, many)
+    for job in jobs:
+        for c in (c for c in components if not c.batched):
+            if job.job_id in failed:
+                break
+            tell(Calling(job_ids=[job.job_id], batched=False))
+            _record(c.score_one(job, loop), c, job, parts, failed, many)
+        verdict, blame = failed.get(job.job_id) or (combine(components, parts[job.job_id]), None)
+        yield Outcome(
+            job_id=job.job_id, reward=verdict[0], reason=verdict[1], error=verdict[2],
+            elapsed_s=time.perf_counter() - started, components=parts[job.job_id], blame=blame,
+        )  # fmt: skip
+
+
+def _record(verdict: Any, c: Component, job: Job, parts: dict, failed: dict, many: bool) -> None:
+    if verdict[0] is None:
+        failed[job.job_id] = (named(verdict, c.name) if many else verdict, c.name)
+    else:
+        parts[job.job_id][c.name] = verdict[0]
 
 
 def _die_with_the_actor() -> None:
@@ -166,7 +192,3 @@ def _set_pdeathsig(sig: int) -> bool:
         return ctypes.CDLL(None, use_errno=True).prctl(1, sig) == 0  # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return False
-
-
-def _clip(text: str) -> str:
-    return text if len(text) <= _CLIP else text[:_CLIP] + "…"

@@ -1,0 +1,228 @@
+"""Reward conventions in this process: each framework's function is detected and called as it expects,
+weighted terms sum, and every failure is an invalid sample naming why (never a silent 0). The same code
+runs in the verifier's workers (tests/actors/test_verifier_batching.py drives it there)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+
+from slipstream.tasks.reward_conventions import (
+    Component,
+    Convention,
+    RewardTerm,
+    Sample,
+    describe,
+    detect,
+    load_components,
+)
+from slipstream.tasks.reward_worker import Calling, Outcome, score
+
+# -- rewards in each convention -------------------------------------------------------------------
+
+
+def ours(prompt: str, completion: str, *, answer: Any = None, **_: Any) -> float:
+    return 1.0 if completion == str(answer) else 0.0
+
+
+def trl_accuracy(completions: list[str], answer: list[Any], **kwargs: Any) -> list[float | None]:
+    """TRL's shape: columns as lists; None where a sample has no reward."""
+    return [None if c == "skip" else float(c == str(a)) for c, a in zip(completions, answer, strict=True)]
+
+
+def trl_chat(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+    """open-r1's habit: completion[0]["content"] of a conversational completion."""
+    assert prompts[0][0]["role"] == "user"
+    return [float(len(c[0]["content"])) for c in completions]
+
+
+def trl_named_only(completions: list[str], solution: list[str]) -> list[float]:
+    """No **kwargs: it gets only what it names (`solution` comes from the term's fields)."""
+    return [float(c == s) for c, s in zip(completions, solution, strict=True)]
+
+
+def trl_broken(prompts: list[str], completions: list[str], **kwargs: Any) -> Any:
+    match completions[0]:
+        case "raise":
+            raise RuntimeError("judge offline")
+        case "short":
+            return [1.0] * (len(completions) - 1)
+        case "scalar":
+            return 1.0
+    return [math.nan if c == "nan" else 0.5 for c in completions]
+
+
+async def trl_async(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+    await asyncio.sleep(0)
+    return [0.25] * len(completions)
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> Any:
+    """verl's shape; records what it was given."""
+    SEEN.append((data_source, solution_str, ground_truth, extra_info))
+    if solution_str == "dict":
+        return {"score": 0.75, "acc": True}
+    if solution_str == "nodict":
+        return {"acc": True}
+    return solution_str == str(ground_truth)  # a bool, as verl's own scorers may return
+
+
+def compute_score_batched(
+    data_sources: list, solution_strs: list, ground_truths: list, extra_infos: list
+) -> list:
+    return [float(s == str(g)) for s, g in zip(solution_strs, ground_truths, strict=True)]
+
+
+SEEN: list[tuple[Any, ...]] = []
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def component(fn: Any, **term: Any) -> Component:
+    return Component(RewardTerm(fn="tests.tasks.test_reward_conventions:x", **term), fn, data_source="task")
+
+
+def samples(*completions: str, **row: Any) -> list[Sample]:
+    return [Sample(i, f"p{i}", c, {"answer": "7", **row}) for i, c in enumerate(completions)]
+
+
+# -- detection --------------------------------------------------------------------------------------
+
+
+def test_the_convention_is_read_from_the_signature() -> None:
+    assert detect(ours) is Convention.COMPLETION
+    assert detect(trl_accuracy) is Convention.BATCHED
+    assert detect(trl_async) is Convention.BATCHED
+    assert detect(compute_score) is Convention.VERL
+    assert detect(compute_score_batched) is Convention.VERL_BATCHED
+    assert detect(lambda prompt, completion, **row: 0.0) is Convention.COMPLETION
+    assert detect(len) is Convention.COMPLETION  # no signature to read
+    assert component(trl_accuracy, convention="completion").convention is Convention.COMPLETION
+
+
+# -- each convention --------------------------------------------------------------------------------
+
+
+def test_trl_gets_columns_as_lists_and_none_makes_only_its_sample_invalid(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    got = component(trl_accuracy).score_batch(samples("7", "8", "skip"), loop)
+    assert got == [
+        (1.0, None, None),
+        (0.0, None, None),
+        (None, "none", "none: the reward could not score it"),
+    ]
+
+
+def test_trl_chat_form_fields_and_async(loop: asyncio.AbstractEventLoop) -> None:
+    assert component(trl_chat, chat=True).score_batch(samples("abc", "de"), loop) == [
+        (3.0, None, None), (2.0, None, None),
+    ]  # fmt: skip
+    named = component(trl_named_only, fields={"solution": "metadata.solution"})
+    got = named.score_batch(samples("a", "b", metadata={"solution": "a"}), loop)
+    assert [v[0] for v in got] == [1.0, 0.0]
+    assert [v[0] for v in component(trl_async).score_batch(samples("a", "b"), loop)] == [0.25, 0.25]
+
+
+@pytest.mark.parametrize(
+    ("first", "error"),
+    [
+        ("raise", "raised: RuntimeError: judge offline"),
+        ("short", "garbage: returned 2 values for 3 completions"),
+        ("scalar", "garbage: a batched reward returned 1.0"),
+    ],
+)
+def test_a_failed_batched_call_invalidates_its_batch(
+    loop: asyncio.AbstractEventLoop, first: str, error: str
+) -> None:
+    got = component(trl_broken).score_batch(samples(first, "a", "b"), loop)
+    assert len(got) == 3 and all(v[0] is None and v[2] == error for v in got)
+    assert component(trl_broken).score_batch(samples("a", "nan"), loop) == [
+        (0.5, None, None), (None, "garbage", "garbage: returned nan (float)"),
+    ]  # fmt: skip
+
+
+def test_a_row_column_named_like_trls_arguments_is_refused(loop: asyncio.AbstractEventLoop) -> None:
+    got = component(trl_accuracy).score_batch(samples("7", completions=[1]), loop)
+    assert got == [(None, "bad_row", "bad row: ['completions'] are passed by name, not as row fields")]
+
+
+def test_verl_defaults_overrides_and_results(loop: asyncio.AbstractEventLoop) -> None:
+    SEEN.clear()
+    verl = component(compute_score)
+    (one,) = samples("7", metadata={"split": "train"})
+    assert verl.score_one(one, loop) == (1.0, None, None)  # True counts as 1.0, as in verl
+    assert SEEN[-1] == (
+        "task",
+        "7",
+        "7",
+        {"split": "train"},
+    )  # data_source: the verifier's, when the row has none
+    reasoning_gym_row = Sample(0, "p", "8", {"answer": "7", "metadata": {"source_dataset": "chain_sum"}})
+    assert verl.score_one(reasoning_gym_row, loop) == (0.0, None, None) and SEEN[-1][0] == "chain_sum"
+    assert verl.score_one(Sample(0, "p", "dict", {"ground_truth": 1}), loop) == (0.75, None, None)
+    assert verl.score_one(Sample(0, "p", "nodict", {"answer": 1}), loop)[1] == "garbage"
+    assert verl.score_one(Sample(0, "p", "7", {"question": "q"}), loop) == (
+        None, "bad_row", "bad row: no ground truth: none of ['answer', 'ground_truth', 'metadata.ground_truth'] "
+        "is in the row",
+    )  # fmt: skip
+    mapped = component(compute_score, fields={"ground_truth": "metadata.gt", "data_source": "metadata.src"})
+    row = {"answer": "wrong", "metadata": {"gt": "7", "src": "gsm8k"}}
+    assert mapped.score_one(Sample(0, "p", "7", row), loop) == (1.0, None, None) and SEEN[-1][0] == "gsm8k"
+    assert mapped.score_one(Sample(0, "p", "7", {"answer": "7"}), loop)[1:] == (
+        "bad_row", "bad row: no field 'metadata.gt' for 'ground_truth'",
+    )  # fmt: skip
+    batched = component(compute_score_batched)
+    assert [v[0] for v in batched.score_batch(samples("7", "6"), loop)] == [1.0, 0.0]
+
+
+# -- weighted sums, through the worker's scoring loop -------------------------------------------------
+
+
+def test_weighted_terms_sum_and_report_each_component(loop: asyncio.AbstractEventLoop) -> None:
+    terms = (
+        RewardTerm(fn="tests.tasks.test_reward_conventions:trl_accuracy", weight=1.0, name="accuracy"),
+        RewardTerm(fn="tests.tasks.test_reward_conventions:ours", weight=0.5),
+        RewardTerm(fn="slipstream.tasks.rewards:answer_format", weight=0.1, name="format"),
+    )
+    components = load_components(terms, data_source="task")
+    said: list[Any] = []
+    jobs = samples("7", "8", "skip", "<answer>7</answer>")
+    outcomes = list(score(components, jobs, loop, said.append))
+    assert [o.reward for o in outcomes] == [1.5, 0.0, None, pytest.approx(0.1)]
+    assert outcomes[0].components == {"accuracy": 1.0, "ours": 1.0, "format": 0.0}
+    assert (
+        outcomes[2].error == "none: accuracy: the reward could not score it"
+        and outcomes[2].blame == "accuracy"
+    )
+    assert outcomes[2].components == {}  # the batched term failed it, so no later term was called
+    # The batched term's one call for all four, then each sample's own calls, one at a time.
+    assert said[0] == Calling(job_ids=[0, 1, 2, 3], batched=True)
+    assert said[1:] == [Calling(job_ids=[i], batched=False) for i in (0, 0, 1, 1, 3, 3)]
+    assert all(isinstance(o, Outcome) for o in outcomes)
+
+
+def test_a_lone_reward_keeps_its_errors_unprefixed(loop: asyncio.AbstractEventLoop) -> None:
+    (only,) = load_components((RewardTerm(fn="tests.tasks.test_reward_conventions:trl_accuracy"),))
+    (outcome,) = score([only], samples("skip"), loop, lambda _: None)
+    assert outcome.error == "none: the reward could not score it" and outcome.blame == "trl_accuracy"
+
+
+def test_terms_are_validated_and_described() -> None:
+    with pytest.raises(msgspec.ValidationError, match="weight: inf is not a finite number"):
+        msgspec.convert({"fn": "a:b", "weight": math.inf}, RewardTerm)
+    with pytest.raises(msgspec.ValidationError, match="Expected `str` matching regex"):
+        msgspec.convert({"fn": "not a path"}, RewardTerm)
+    terms = (RewardTerm(fn="a.b:acc", weight=0.9), RewardTerm(fn="a.b:fmt", weight=0.1))
+    assert describe(terms) == "0.9*a.b:acc + 0.1*a.b:fmt" and describe("a.b:c") == "a.b:c"
+    assert [t.label for t in terms] == ["acc", "fmt"]
