@@ -25,19 +25,20 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
 from slipstream.engine.batch import BatchLayout
 from slipstream.engine.device import capabilities
-from slipstream.engine.drafters.base import Drafter, DraftState
+from slipstream.engine.drafters.base import Drafter
 from slipstream.engine.kv_cache import KVCache
 from slipstream.engine.model import Transformer
 from slipstream.engine.request import Completion, Request, StepOutput, run_requests
 from slipstream.engine.sampling import params_tensors, sample
+from slipstream.engine.scheduler import Running, Scheduler
 from slipstream.engine.speculator import SpecConfig, Speculator, verify_drafts
 from slipstream.engine.static_step import BATCH_BUCKETS, NODE_BUCKETS, PAGE_SIZE, StaticStep, StepRow
 from slipstream.engine.tree import tree_attention_mask
@@ -45,31 +46,6 @@ from slipstream.engine.verify import EMPTY, Proposal, VerifyEntry
 
 # Request, Completion, StepOutput and run_requests live in request.py; re-exported here.
 __all__ = ["Completion", "Generator", "Request", "SpecConfig", "StepOutput", "run_requests"]
-
-
-@dataclass(eq=False)
-class _Sequence:
-    request: Request
-    slot: int
-    tokens: list[int]
-    """Prompt + response so far; the last one is pending (not yet cached) once decoding started."""
-    num_prompt: int
-    prompt_key: tuple[int, ...]
-    """The prompt's tokens: siblings with the same key share its prefill (`Generator._share_prompts`)."""
-    stop_ids: frozenset[int]
-    group: Hashable
-    draft_state: DraftState
-    """Built once: it shares the live `tokens` list, so drafters read the current history at every call."""
-    num_cached: int = 0
-    logprobs: list[float] = field(default_factory=list)
-    hidden: list[Tensor] = field(default_factory=list)
-    target_passes: int = 0
-    drafted: int = 0
-    accepted: int = 0
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.tokens) - self.num_prompt
 
 
 class Generator:
@@ -101,7 +77,7 @@ class Generator:
         drafters: method → drafter to hold (see `hold`); grow_cache: KV storage grown to the live batch
         (`KVCache`, grow=True) or num_slots × max_len up front (False); None: up front on CUDA only, whose
         caching allocator and CUDA graphs want a fixed footprint; share_prompts: a request whose prompt a
-        running one holds copies its K/V instead of prefilling it (`_share_prompts`; False: every request
+        running one holds copies its K/V instead of prefilling it (`Scheduler.share`; False: every request
         prefills its own, for A/B measurements); static: decode and verify in fixed-shape steps
         (`StaticStep`: CUDA graphs on a GPU, eager elsewhere) with a static cache; None: where the device's
         capabilities say so (CUDA)."""
@@ -146,12 +122,7 @@ class Generator:
         self.token_budget = token_budget
         self.eos_token_ids = frozenset(model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.return_hidden = return_hidden
-        self._waiting: dict[str, Request] = {}  # insertion order = arrival order; by id for add/abort
-        self._running: dict[str, _Sequence] = {}  # insertion order = admission order (prefill FIFO)
-        self._group_live: dict[Hashable, int] = {}  # waiting + running requests per prompt group
-        self.share_prompts = share_prompts
-        # prompt → its running sequences, in admission order (`_share_prompts`)
-        self._by_prompt: dict[tuple[int, ...], list[_Sequence]] = {}
+        self.scheduler = Scheduler(self.cache, self.eos_token_ids, share_prompts=share_prompts)
         self._stats = dict.fromkeys(
             ("iterations", "target_passes", "drafted", "accepted", "committed", "shared_prompt_tokens"), 0
         )
@@ -194,70 +165,56 @@ class Generator:
         return list(self._offered_at), list(self._accepted_at)
 
     def add(self, request: Request) -> None:
-        """Queue a request; it joins the batch at the next iteration with a free slot."""
-        prompt = list(request.prompt_ids)
-        vocab = self.model.config.vocab_size
-        if not prompt:
-            raise ValueError(f"request {request.request_id!r}: empty prompt")
-        if len(prompt) >= self.cache.max_len:
-            raise ValueError(
-                f"request {request.request_id!r}: prompt of {len(prompt)} tokens leaves no room in "
-                f"max_len {self.cache.max_len}"
-            )
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"request {request.request_id!r}: prompt ids must lie in [0, {vocab})")
-        if request.request_id in self._running or request.request_id in self._waiting:
-            raise ValueError(f"request id {request.request_id!r} is already queued or running")
-        self._waiting[request.request_id] = request
-        group = _group_key(request)
-        self._group_live[group] = self._group_live.get(group, 0) + 1
+        """Queue a request; it joins the batch at the next iteration with a free slot (ValueError naming it
+        if its prompt is empty, too long or out of vocabulary, or its id is in use)."""
+        self.scheduler.add(request, self.model.config.vocab_size)
 
     def abort(self, request_id: str) -> bool:
         """Drop a waiting or running request (no completion is produced); False if unknown."""
-        request = self._waiting.pop(request_id, None)
-        if request is not None:
-            self._release(request_id, _group_key(request))
-            return True
-        seq = self._running.pop(request_id, None)
-        if seq is None:
-            return False
-        self._drop(seq)
-        self._release(request_id, seq.group)
+        live = self.scheduler.drop_waiting(request_id)
+        if live is None:
+            seq = self.scheduler.running.get(request_id)
+            if seq is None:
+                return False
+            live = self.scheduler.finish(seq)
+            group = seq.group
+        else:
+            group = None
+        self.speculator.finish(request_id, None if live else group)
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self.scheduler.waiting or self.scheduler.running)
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.scheduler.running)
 
     @property
     def num_decoding(self) -> int:
         """Sequences with a pending token: the decode batch of the next iteration (the tuner's batch size)."""
-        return sum(seq.num_cached == len(seq.tokens) - 1 for seq in self._running.values())
+        return sum(seq.decoding for seq in self.scheduler.running.values())
 
     @property
     def num_prefilling(self) -> int:
         """Requests whose prompt is not fully cached yet, waiting ones included: the next iteration will
         spend part of its pass on their prefill if any of them gets a slot."""
-        waiting = len(self._waiting) if self.cache.num_free_slots else 0
-        return len(self._running) - self.num_decoding + waiting
+        waiting = len(self.scheduler.waiting) if self.cache.num_free_slots else 0
+        return len(self.scheduler.running) - self.num_decoding + waiting
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """One iteration: admit, decode (or draft and verify) every pending token, prefill within the
         budget, sample."""
-        self._admit()
-        if not self._running:
+        scheduler = self.scheduler
+        scheduler.admit()
+        if not scheduler.running:
             return []
-        if self.cache.sparse:
-            moved = self.cache.compact()
-            for seq in self._running.values():
-                seq.slot = moved.get(seq.slot, seq.slot)
-        decodes, prefills = self._split()
-        if self.share_prompts:
-            prefills = self._share_prompts(prefills)
+        scheduler.compact()
+        decodes, prefills = scheduler.split()
+        if scheduler.share_prompts:
+            prefills, copied = scheduler.share(prefills)
+            self._stats["shared_prompt_tokens"] += copied
         self.last_draft_ns = 0
         if self._static is not None:
             return self._static_iteration(decodes, prefills)
@@ -266,16 +223,16 @@ class Generator:
         return self._plain_pass(decodes, prefills)
 
     def _plain_pass(
-        self, decodes: list[_Sequence], prefills: list[_Sequence], budget: int | None = None
+        self, decodes: list[Running], prefills: list[Running], budget: int | None = None
     ) -> list[StepOutput]:
         """One flat pass: every pending token, then prefill chunks within the budget (default: the token
         budget); sample."""
         budget = self.token_budget if budget is None else budget
-        plan = [(seq, 1) for seq in decodes] + self._prefill_plan(prefills, budget - len(decodes))
+        plan = [(seq, 1) for seq in decodes] + self.scheduler.prefill_plan(prefills, budget - len(decodes))
         self.last_prefill_tokens = sum(n for seq, n in plan[len(decodes) :])
         input_ids: list[int] = []
         logit_rows: list[int] = []
-        sampled: list[_Sequence] = []
+        sampled: list[Running] = []
         for seq, n in plan:
             input_ids.extend(seq.tokens[seq.num_cached : seq.num_cached + n])
             if seq.num_cached + n == len(seq.tokens):
@@ -304,7 +261,7 @@ class Generator:
             )
         ]
 
-    def _draft(self, decodes: list[_Sequence], budget: int, max_nodes: int | None = None) -> list[Proposal]:
+    def _draft(self, decodes: list[Running], budget: int, max_nodes: int | None = None) -> list[Proposal]:
         """Every decode's draft, `budget` nodes in all and at most `max_nodes` each (None: what its cache
         slot has room for); the time it took adds to `last_draft_ns`."""
         # Every node needs a cache position; a level beyond what the request may still emit is wasted.
@@ -327,8 +284,8 @@ class Generator:
 
     def _speculative_step(
         self,
-        decodes: list[_Sequence],
-        prefills: list[_Sequence],
+        decodes: list[Running],
+        prefills: list[Running],
         proposals: list[Proposal] | None = None,
     ) -> list[StepOutput]:
         """Draft for every decode (unless `proposals` are given), verify all drafts in one pass with the
@@ -341,7 +298,7 @@ class Generator:
                 pending = sum(len(seq.tokens) - seq.num_cached for seq in prefills)
                 draft_budget -= min(pending, max(1, spare // 2))
             proposals = self._draft(decodes, draft_budget)
-        plan = self._prefill_plan(prefills, spare - sum(p.size for p in proposals))
+        plan = self.scheduler.prefill_plan(prefills, spare - sum(p.size for p in proposals))
         self.last_prefill_tokens = sum(n for _, n in plan)
 
         input_ids: list[int] = []
@@ -349,7 +306,7 @@ class Generator:
         masks: list[Tensor | None] = []
         logit_rows: list[int] = []
         entries: list[VerifyEntry] = []  # decodes first, then prompts completed in this pass
-        emitting: list[_Sequence] = []
+        emitting: list[Running] = []
         for seq, proposal in zip(decodes, proposals, strict=True):
             # Pass node 0 is the pending token, nodes 1.. the draft; a chain keeps the causal mask.
             entries.append(VerifyEntry(len(logit_rows), proposal, seq.request.params, len(seq.tokens)))
@@ -397,7 +354,7 @@ class Generator:
             outputs.append(output)
         return outputs
 
-    def _static_iteration(self, decodes: list[_Sequence], prefills: list[_Sequence]) -> list[StepOutput]:
+    def _static_iteration(self, decodes: list[Running], prefills: list[Running]) -> list[StepOutput]:
         """The fixed-shape path: pending tokens (and their drafts) in `StaticStep`s of at most its batch,
         prompts in an eager pass of their own."""
         outputs: list[StepOutput] = []
@@ -417,7 +374,7 @@ class Generator:
             self._stats["iterations"] += 1
         return outputs
 
-    def _static_decode(self, decodes: list[_Sequence]) -> list[StepOutput]:
+    def _static_decode(self, decodes: list[Running]) -> list[StepOutput]:
         """Draft (if speculating), then score, verify and commit every row in one fixed-shape step."""
         step = self._static
         assert step is not None
@@ -542,84 +499,9 @@ class Generator:
             return None
         return hidden if layout.logit_rows is None else hidden.index_select(0, layout.logit_rows)
 
-    def _admit(self) -> None:
-        while self._waiting and self.cache.num_free_slots:
-            request = self._waiting.pop(next(iter(self._waiting)))
-            prompt = list(request.prompt_ids)
-            group = _group_key(request)
-            seq = self._running[request.request_id] = _Sequence(
-                request=request,
-                slot=self.cache.allocate(),
-                tokens=prompt,
-                num_prompt=len(prompt),
-                prompt_key=tuple(prompt),
-                stop_ids=self.eos_token_ids | frozenset(request.params.stop_token_ids),
-                group=group,
-                draft_state=DraftState(
-                    request_id=request.request_id,
-                    group_id=group,
-                    tokens=prompt,
-                    prompt_len=len(prompt),
-                    params=request.params,
-                ),
-            )
-            if self.share_prompts:
-                self._by_prompt.setdefault(seq.prompt_key, []).append(seq)
-
-    def _drop(self, seq: _Sequence) -> None:
-        """A running sequence left: its slot frees, and it no longer lends its prompt."""
-        self.cache.free(seq.slot)
-        peers = self._by_prompt.get(seq.prompt_key)
-        if peers is not None:
-            peers.remove(seq)
-            if not peers:
-                del self._by_prompt[seq.prompt_key]
-
-    def _share_prompts(self, prefills: list[_Sequence]) -> list[_Sequence]:
-        """The prefills to plan this pass, after sharing prompts among siblings (a GRPO group's samples).
-
-        A sequence that has not started its prompt copies the K/V of all of it but the last token from a
-        running sibling that holds them (`KVCache.copy_prefix`), and feeds only that last token itself: its
-        first logits and hidden state come from its own pass, as without sharing. While the first sibling
-        is still prefilling, the others wait for it rather than prefill the same tokens alongside."""
-        kept = []
-        for seq in prefills:
-            need = seq.num_prompt - 1
-            if seq.num_cached == 0 and need > 0:
-                siblings = self._by_prompt[seq.prompt_key]  # seq among them, not started
-                donor = next((p for p in siblings if p.num_cached >= need), None)
-                if donor is not None:
-                    self.cache.copy_prefix(donor.slot, seq.slot, need)
-                    seq.num_cached = need
-                    self._stats["shared_prompt_tokens"] += need
-                elif siblings[0] is not seq or any(p.num_cached > 0 for p in siblings):
-                    continue  # a sibling leads this prompt's prefill: wait for it
-            kept.append(seq)
-        return kept
-
-    def _split(self) -> tuple[list[_Sequence], list[_Sequence]]:
-        """Sequences with a pending token (in slot order) and sequences still prefilling (FIFO)."""
-        decodes, prefills = [], []
-        for seq in self._running.values():
-            (decodes if seq.num_cached == len(seq.tokens) - 1 else prefills).append(seq)
-        # Slot order lets a compact decode batch read K/V as one strided view of the cache.
-        decodes.sort(key=lambda s: s.slot)
-        return decodes, prefills
-
-    def _prefill_plan(self, prefills: list[_Sequence], budget: int) -> list[tuple[_Sequence, int]]:
-        """(sequence, prompt tokens to feed) for this pass: chunks in admission order within `budget`."""
-        plan = []
-        for seq in prefills:
-            if budget <= 0:
-                break
-            n = min(len(seq.tokens) - seq.num_cached, budget)
-            plan.append((seq, n))
-            budget -= n
-        return plan
-
     def _extend(
         self,
-        seq: _Sequence,
+        seq: Running,
         tokens: list[int],
         logprobs: list[float],
         hidden: Tensor | None = None,
@@ -659,9 +541,8 @@ class Generator:
         request_id = seq.request.request_id
         if reason is None:
             return StepOutput(request_id=request_id, token_ids=tokens, logprobs=logprobs)
-        del self._running[request_id]
-        self._drop(seq)
-        self._release(request_id, seq.group)
+        live = self.scheduler.finish(seq)
+        self.speculator.finish(request_id, None if live else seq.group)
         completion = Completion(
             request_id=request_id,
             prompt_ids=seq.tokens[: seq.num_prompt],
@@ -682,16 +563,6 @@ class Generator:
             completion=completion,
         )
 
-    def _release(self, request_id: str, group: Hashable) -> None:
-        """A request left (finished or aborted): drafters forget it, and its group once no request of the
-        group is waiting or running."""
-        live = self._group_live[group] - 1
-        if live:
-            self._group_live[group] = live
-        else:
-            del self._group_live[group]
-        self.speculator.finish(request_id, None if live else group)
-
 
 STATIC_PREFILL_TOKENS = 8192
 """Prompt tokens a prefill pass of the fixed-shape path may take at least (its own pass, not a mixed one)."""
@@ -703,8 +574,3 @@ def _default_token_budget(num_slots: int, max_draft: int) -> int:
     if max_draft < 0:
         raise ValueError(f"max_draft must be >= 0, got {max_draft}")
     return max(512, num_slots * (1 + max_draft) + 64)
-
-
-def _group_key(request: Request) -> Hashable:
-    """Drafters share state per prompt group; a request without a group is its own."""
-    return request.group_id if request.group_id is not None else ("request", request.request_id)
