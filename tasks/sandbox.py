@@ -2,13 +2,13 @@
 
 `Sandbox().run(code, entry_point, tests)` runs `code` in a fresh interpreter and calls `entry_point(*args)`
 for each test. Three processes: a launcher in its own process group (killed whole at the wall-clock limit
-and after); below it, the first process of new network (only a loopback, down), PID and mount namespaces
-(when it dies, the kernel kills everything in them, whatever session a process made; empty tmpfs over
-/tmp, /var/tmp, /dev/shm, and over `hide`); below that the code, as an unprivileged uid of its own (so
-RLIMIT_NPROC binds per run) under rlimits (CPU, address space, processes, file size, open files, no core).
-Empty environment; a temp working dir, removed after; stdlib only (-I -S), PRELOAD imported before the uid
-drops, as the interpreter's files may be closed to that uid (a Python under /root). It needs root:
-`Sandbox()` runs a probe and raises SandboxUnavailable naming what failed rather than run code unisolated.
+and after); the first process of a new PID namespace (when it dies, the kernel kills everything in it,
+whatever session a process made), in new network (a loopback, down) and mount namespaces (empty tmpfs on
+/tmp, /var/tmp, /dev/shm and `hide`); below it the code, as a uid of its own (so RLIMIT_NPROC binds per
+run) under rlimits (CPU, address space, processes, file size, open files, no core). An empty environment;
+a temp working dir, removed after (by the launcher if its caller dies). Stdlib only (-I -S): PRELOAD is
+imported before the uid drops, as the interpreter's files may be closed to it (a Python under /root).
+It needs root: `Sandbox()` runs a probe and raises SandboxUnavailable naming what failed.
 
 Tests are data, {"args": [...], "expected": ...}, compared as canonical JSON of exact builtin types (a
 result whose __eq__ always says True passes nothing). The verdict carries a nonce the code never sees as
@@ -263,13 +263,25 @@ def _exit_text(code: int | None) -> str:
 
 
 def _launch(fd: int) -> None:
-    """Launcher (root, host namespaces): reads the job, unshares, forks the namespaces' first process."""
+    """Launcher (root, host namespaces): reads the job, forks the first process of a new PID namespace,
+    waits for it. If its caller dies (a verifier's deadline SIGKILLs its worker), it kills the run and
+    removes the working dir, which nobody else is left to do."""
+    first = [0]
+
+    def abandon(*_: Any) -> None:
+        if first[0]:
+            os.kill(first[0], signal.SIGKILL)  # PID 1 of the namespace: the kernel kills the rest
+            os.waitpid(first[0], 0)
+        shutil.rmtree(os.getcwd(), ignore_errors=True)
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, abandon)
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # dies with its caller, even a SIGKILLed one
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)  # the caller dies, even SIGKILLed: `abandon`
     job = json.loads(Path(_JOB).read_text())
     os.unlink(_JOB)  # the hidden tests never lie where the code could read them
     if os.getppid() != job["parent"]:  # the caller died before prctl: nobody waits for this run
-        os._exit(1)
+        abandon()
 
     def fail(what: str) -> None:
         os.write(fd, ("\n" + json.dumps({"nonce": job["nonce"], "error": what}) + "\n").encode())
@@ -281,30 +293,30 @@ def _launch(fd: int) -> None:
 
     for module in job["preload"]:
         importlib.import_module(module)
-    check(
-        libc.unshare(_CLONE_NEWNET | _CLONE_NEWPID | _CLONE_NEWNS),
-        "unshare(network, PID and mount namespaces)",
-    )
-    check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "making / a private mount")
-    size = f"size={job['limits']['tmp_mb']}m".encode()
-    for where in ("/tmp", "/var/tmp", "/dev/shm", *job["hide"]):
-        if os.path.isdir(where):
-            mode = b",mode=1777" if where in ("/tmp", "/var/tmp", "/dev/shm") else b",mode=755"
-            check(
-                libc.mount(b"tmpfs", where.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, size + mode),
-                f"tmpfs on {where}",
-            )
-    first = os.fork()
-    if first == 0:
+    check(libc.unshare(_CLONE_NEWPID), "unshare(PID namespace)")
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        # The network and mount namespaces are this process's, so the launcher keeps the host's /tmp
+        # (and can remove the working dir in `abandon`).
+        check(libc.unshare(_CLONE_NEWNET | _CLONE_NEWNS), "unshare(network and mount namespaces)")
+        check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "making / a private mount")
+        size = f"size={job['limits']['tmp_mb']}m".encode()
+        for where in ("/tmp", "/var/tmp", "/dev/shm", *job["hide"]):
+            if os.path.isdir(where):
+                mode = b",mode=1777" if where in ("/tmp", "/var/tmp", "/dev/shm") else b",mode=755"
+                flags = _MS_NOSUID | _MS_NODEV
+                check(libc.mount(b"tmpfs", where.encode(), b"tmpfs", flags, size + mode), f"tmpfs on {where}")
         _reap(libc, job, fd, fail)
-    _, status = os.waitpid(first, 0)
+    first[0] = pid
+    _, status = os.waitpid(pid, 0)
     os._exit(_relayed(status))
 
 
 def _reap(libc: Any, job: dict[str, Any], fd: int, fail: Any) -> None:
     """PID 1 of the namespace (root): forks the code's process and reaps until it ends, then exits,
     which kills whatever is left in the namespace. The code never runs as PID 1, which ignores signals."""
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     code_pid = os.fork()
     if code_pid == 0:
         try:

@@ -426,6 +426,7 @@ def test_a_burst_larger_than_the_pool_gets_one_reward_each(pools: Pools) -> None
     assert len(pools.rewards("verifier:0", got[0].group_id)) == len(cases)  # still exactly one each
     reports = [m.fields for s, m in pools.seen if s == "verifier:0" and isinstance(m, Status)]
     assert max(r["pending"] for r in reports) <= MAX_PENDING  # the rest waited in the inbox
+    assert status["batch_mean"] == 1.0  # a per-completion reward: one sample a call, as ever
 
 
 @pytest.mark.timeout(120)

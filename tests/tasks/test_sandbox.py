@@ -4,6 +4,7 @@ Needs root (the sandbox refuses without it); the limits are small so a test cost
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -161,7 +162,10 @@ def test_without_cap_sys_admin_the_sandbox_refuses_to_start() -> None:
         capture_output=True, text=True, timeout=50, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode != 0
-    assert "SandboxUnavailable" in done.stderr and "unshare(network, PID and mount namespaces)" in done.stderr
+    assert (
+        "SandboxUnavailable" in done.stderr
+        and "unshare(PID namespace): Operation not permitted" in done.stderr
+    )
 
 
 def test_code_rows_prompts_and_extraction() -> None:
@@ -200,3 +204,40 @@ def test_every_built_in_problem_is_solvable(reward: HiddenTests, host_checked: N
 def test_a_row_without_tests_cannot_be_judged(reward: HiddenTests) -> None:
     with pytest.raises(ValueError, match="needs answer"):
         reward("p", solution("def add(a, b): return 1"), answer="5")
+
+
+# -- the code reward in a verifier ------------------------------------------------------------------
+
+
+class QuickTests(HiddenTests):
+    """HiddenTests with a sandbox wall-clock limit longer than the verifier's deadline below."""
+
+    def __init__(self) -> None:
+        super().__init__(Limits(wall_s=3.0, cpu_s=3, memory_mb=256, processes=8))
+
+
+@pytest.mark.timeout(180)
+def test_in_a_verifier_a_killed_worker_takes_its_sandbox_with_it(tmp_path: Path, host_checked: None) -> None:
+    from slipstream.protocols.control import Shutdown
+    from tests.actors.test_verifier import Pools, all_gone, descendants, spec
+
+    pools = Pools(
+        tmp_path / "run", [spec("tests.tasks.test_sandbox:QuickTests", 0, workers=1, timeout_s=1.5)]
+    )
+    try:
+        actor_pid = pools.sup.pid("verifier:0")
+        answer = json.dumps({"answer": ADD})
+        got = pools.score(
+            "verifier:0", [solution(SOLUTIONS["correct"]), solution(SOLUTIONS["wrong"])], row_json=answer
+        )
+        assert [r.reward for r in got] == [1.0, 0.0]
+        # The verifier's deadline comes before the sandbox's: the worker is killed mid-run, and with it,
+        # through the parent-death signals and the PID namespace, every process of the run.
+        (got,) = pools.score("verifier:0", [solution(SOLUTIONS["fork_bomb"])], row_json=answer)
+        assert got.reward is None and got.error == "timeout after 1.5 s"
+        assert all_gone(set(sandbox_processes()), timeout=10)
+        processes = descendants(actor_pid) | {actor_pid}
+        pools.send("verifier:0", Shutdown(reason="test"))
+        assert all_gone(processes, timeout=20)
+    finally:
+        pools.close()
