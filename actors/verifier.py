@@ -1,30 +1,18 @@
 """The verifier actor: a pool of worker processes that run the user's reward, each call under a deadline.
 
-A reward is user code (`tasks.rewards.load_reward`): it may raise, hang or return garbage, and each of
-those costs only its sample. The `Reward` goes out with reward None and the reason (never a silent 0),
-the reason is logged and counted, and the actor serves on. Calls run in worker *processes* because only
-a process can be stopped anywhere, C code included: past `timeout_s` the worker gets SIGKILL and a fresh
-one takes its place, so the pool keeps its size. Every ScoreRequest gets exactly one Reward, at stop too.
+A reward is user code: it may raise, hang or return garbage, and each costs only its sample: the `Reward`
+goes out with reward None and the reason (never a silent 0), logged and counted. Calls run in worker
+*processes*, as only a process can be stopped anywhere (C code included): past its deadline a worker is
+SIGKILLed with its whole session (what its reward started; a guard process does it if the actor itself
+dies) and a fresh one takes its place. Every ScoreRequest gets exactly one Reward, at stop too.
 
-A reward may start processes of its own (a subprocess, a sandbox); none may outlive its worker. Each
-worker leads its own session, so one killpg (at a deadline, at stop) takes everything it started. If
-the actor is SIGKILLed, PR_SET_PDEATHSIG kills a worker even inside C code, but then nothing of it runs:
-so each worker first forks a guard into its group, which waits for the worker's death and kills the
-group, itself included. A helper that leaves the group (setsid) leaves that reach too.
-
-Workers come from the "forkserver" context (fork is unsafe here: this process holds zmq sockets and
-threads). The server preloads the worker's module (`tasks/reward_worker.py`, which imports no torch) and
-the built-in rewards, so a worker starts in milliseconds; each worker loads the reward itself, and one
-that cannot is a start-up error naming the path. Jobs and outcomes cross the pipe as msgspec bytes, never
-pickles. A reward is a finite real number (`judge`);
-None means "cannot score"; a bool is garbage (True would pass for 1.0 unnoticed). Counts go to the
-coordinator as `Status(topic="verifier")` every `report_every_s` while they change, and at stop.
-
-`reward` is one path or weighted terms called by their own convention (tasks/reward_conventions.py).
-A batched one (TRL's, verl's plural) gets what has arrived: a free worker takes up to `batch_size`
-once that many wait or the oldest has waited `batch_wait_s`; per-completion rewards go one a worker,
-as always. Workers say which samples each call is about (`Calling`): past `timeout_s` (one sample's
-call) or `batch_timeout_s` (a batched call) those are invalid, the batch's others are scored again.
+`reward` is a path or weighted terms, each called by its convention (tasks/reward_conventions.py). A
+batched one (TRL's, verl's plural) gets what has arrived: a free worker takes up to `batch_size` once
+that many wait or the oldest has waited `batch_wait_s`; others go one sample a worker. A worker names the
+samples of each call it starts (`Calling`): past `timeout_s` (a sample's call) or `batch_timeout_s` (a
+batched one) those are invalid and the batch's others are scored again. Workers come from a forkserver
+that preloads the torchless worker module and the built-in rewards (why: docs/rewards.md, "The
+verifier"). Counts go to the coordinator as `Status(topic="verifier")` while they change, and at stop.
 """
 
 from __future__ import annotations
