@@ -6,7 +6,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 mkdir -p /tmp/pkg/slipstream
-for d in runtime actors protocols engine deploy benchmarks cli tasks; do
+for d in runtime rl actors protocols engine deploy benchmarks cli tasks; do
   ln -sfn "$PWD/$d" "/tmp/pkg/slipstream/$d"
 done
 export PYTHONPATH="/tmp/site:/tmp/pkg${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
