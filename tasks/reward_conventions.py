@@ -8,8 +8,9 @@ A reward is named by import path; how it is called is read from its signature (`
 - "verl" (a parameter `solution_str`): `compute_score(data_source=, solution_str=, ground_truth=,
   extra_info=)` per completion; "verl_batched" (`solution_strs`) takes the plural lists. A dict result
   gives its "score", a bool counts as 0/1 (verl's own rules). ground_truth is the first present of
-  GROUND_TRUTH, data_source of DATA_SOURCE, else the verifier's `data_source`; extra_info is the row's
-  metadata. A term's `fields` overrides them, or adds keywords: {"solution": "metadata.solution"}.
+  GROUND_TRUTH, data_source of DATA_SOURCE, else the verifier's `data_source`; extra_info of
+  metadata.extra_info (a verl file's), else the metadata. A term's `fields` overrides them, or adds
+  keywords: {"solution": "metadata.solution"}.
 A `RewardTerm` list sums `weight × reward`; any component's None, raise or garbage makes the sample
 invalid, naming the component (TRL would sum the others; we never score a partial sum). A batched call
 that raises or returns the wrong length invalidates its batch's samples only.
@@ -211,7 +212,7 @@ class Component:
                 source = self.data_source
             if "extra_info" in fields:
                 info = _lookup(row, fields["extra_info"], "extra_info")
-            else:
+            elif (info := _first(row, ("metadata.extra_info",))) is _MISSING:  # a verl file's own column
                 info = dict(row.get("metadata") or {})
             for kw, value in zip(_VERL_NAMES, (source, s.completion, truth, info), strict=True):
                 out[kw].append(value)

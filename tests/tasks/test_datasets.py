@@ -110,6 +110,33 @@ def test_parquet_metadata_as_json_text(tmp_path: Path) -> None:
     assert report.skipped == ((2, "'metadata' is not valid JSON"),)
 
 
+VERL = {
+    "data_source": ["openai/gsm8k", "openai/gsm8k"],
+    "prompt": [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2? Answer after ####."}],
+        [{"role": "user", "content": "3*3?"}],
+    ],
+    "ability": ["math", "math"],
+    "reward_model": [{"style": "rule", "ground_truth": "4"}, {"style": "rule", "ground_truth": "9"}],
+    "extra_info": [{"split": "train", "index": 0}, {"split": "train", "index": 1}],
+}
+
+
+def test_verl_files_load_as_they_are(tmp_path: Path) -> None:
+    """verl's layout: the prompt's last user turn is the question, reward_model.ground_truth the answer,
+    and the other columns the metadata its compute_score is handed (tasks/reward_conventions.py)."""
+    rows, report = read_rows(write_parquet(tmp_path / "train.parquet", VERL))
+    assert report.skipped == () and [r.question for r in rows] == ["2+2? Answer after ####.", "3*3?"]
+    assert rows[0].answer == "4" and rows[0].metadata == {
+        "data_source": "openai/gsm8k", "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "4"}, "extra_info": {"split": "train", "index": 0},
+    }  # fmt: skip
+    records = [{k: v[i] for k, v in VERL.items()} for i in range(2)]
+    lines = [json.dumps(r) for r in records] + [json.dumps({**records[0], "reward_model": {"style": "rule"}})]
+    jsonl_rows, report = read_rows(write_jsonl(tmp_path / "train.jsonl", lines))
+    assert jsonl_rows == rows and report.skipped == ((3, "'answer' is missing"),)
+
+
 def test_parquet_without_pyarrow_names_the_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # import now raises ImportError
     with pytest.raises(RuntimeError, match=r"rows\.parquet: reading Parquet needs pyarrow"):

@@ -182,6 +182,14 @@ def test_verl_defaults_overrides_and_results(loop: asyncio.AbstractEventLoop) ->
     assert mapped.score_one(Sample(0, "p", "7", {"answer": "7"}), loop)[1:] == (
         "bad_row", "bad row: no field 'metadata.gt' for 'ground_truth'",
     )  # fmt: skip
+    verl_row = {"answer": "7", "metadata": {"data_source": "gsm8k", "extra_info": {"index": 3}}}
+    assert verl.score_one(Sample(0, "p", "7", verl_row), loop) == (1.0, None, None)
+    assert SEEN[-1] == (
+        "gsm8k",
+        "7",
+        "7",
+        {"index": 3},
+    )  # a verl file's row (tasks/datasets.py) as verl has it
     batched = component(compute_score_batched)
     assert [v[0] for v in batched.score_batch(samples("7", "6"), loop)] == [1.0, 0.0]
 
