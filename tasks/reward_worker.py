@@ -23,8 +23,8 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
-from typing import Any
 
 import msgspec
 
@@ -32,6 +32,7 @@ from slipstream.tasks.reward_conventions import (
     Component,
     RewardTerm,
     Sample,
+    Verdict,
     call_reward,
     combine,
     judge,
@@ -115,12 +116,17 @@ def worker_main(conn: Connection, spec: bytes) -> None:
             conn.send_bytes(encoder.encode(outcome))
 
 
-def score(components: list[Component], jobs: list[Job], loop: asyncio.AbstractEventLoop, tell: Any) -> Any:
+def score(
+    components: list[Component],
+    jobs: list[Job],
+    loop: asyncio.AbstractEventLoop,
+    tell: Callable[[Calling], None],
+) -> Iterator[Outcome]:
     """Yields each job's Outcome once known; `tell(Calling(...))` before every call of a reward."""
     started = time.perf_counter()
     many = len(components) > 1  # a lone reward's errors read as before: no component name in them
     parts: dict[int, dict[str, float]] = {j.job_id: {} for j in jobs}
-    failed: dict[int, tuple[Any, str]] = {}
+    failed: dict[int, tuple[Verdict, str]] = {}  # job id → its verdict, the component that gave it
     for c in (c for c in components if c.batched):
         alive = [j for j in jobs if j.job_id not in failed]
         if not alive:
@@ -141,7 +147,14 @@ def score(components: list[Component], jobs: list[Job], loop: asyncio.AbstractEv
         )  # fmt: skip
 
 
-def _record(verdict: Any, c: Component, job: Job, parts: dict, failed: dict, many: bool) -> None:
+def _record(
+    verdict: Verdict,
+    c: Component,
+    job: Job,
+    parts: dict[int, dict[str, float]],
+    failed: dict[int, tuple[Verdict, str]],
+    many: bool,
+) -> None:
     if verdict[0] is None:
         failed[job.job_id] = (named(verdict, c.name) if many else verdict, c.name)
     else:
