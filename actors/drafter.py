@@ -38,7 +38,7 @@ from slipstream.engine.eagle import EagleHead
 from slipstream.engine.weight_receiver import WeightReceiver, mistyped
 from slipstream.engine.weights import load_head_parts
 from slipstream.protocols.control import Lease, Preempt, Released, SaveCheckpoint, Status
-from slipstream.protocols.drafter import DrafterDelta, DrafterStats, DrafterUpdate, HiddenStates
+from slipstream.protocols.drafter import DrafterDelta, DrafterStats, DrafterUpdate, HeadAck, HiddenStates
 from slipstream.protocols.learner import WeightUpdate
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
@@ -355,16 +355,15 @@ class DrafterActor(Actor):
                 param.copy_(received[name])
         self.head_version = msg.version
         self.receiver.applied(msg.version)
-        fields: dict[str, Any] = {"rank": self.rank, "version": msg.version}
+        digest = ""
         if self.config.verify_applied_head:
-            fields["checksum"] = checksum(sorted(received), [self._head_params[n] for n in sorted(received)])
+            digest = checksum(sorted(received), [self._head_params[n] for n in sorted(received)])
         self.log.info("head_synced", version=msg.version, buckets=len(buckets))
-        self.send(COORDINATOR, Status(topic="head_synced", fields=fields))
+        self.send(COORDINATOR, HeadAck(rank=self.rank, version=msg.version, ok=True, checksum=digest))
 
     def _head_refused(self, version: int, why: str) -> None:
         self.log.error("head_refused", version=version, why=why, head_version=self.head_version)
-        fields = {"rank": self.rank, "version": version, "why": why}
-        self.send(COORDINATOR, Status(topic="head_refused", fields=fields))
+        self.send(COORDINATOR, HeadAck(rank=self.rank, version=version, ok=False, why=why))
 
     # -- training -----------------------------------------------------------------------------------
 

@@ -2,9 +2,9 @@
 
 The coordinator streams `ScoredGroup`s (one prompt's G responses, the rollout's log-probs, the rewards
 with None for a failed reward) and then sends `TrainStep`. When every group of that step has arrived, the
-learner turns rewards into group advantages (`engine.grpo`), takes one `PolicyTrainer` step, reports
-`StepStats`, and rank 0 sends the new weights to `push_to` and the drafter's head parts to `push_head_to`
-as `WeightUpdate` buckets (checksummed, zero-copy frames).
+learner turns rewards into group advantages (`engine.grpo`), takes one `PolicyTrainer` step and reports
+`StepStats`. `PushWeights` then has rank 0 send the new weights to `to` and the drafter's head parts to
+`head_to` as `WeightUpdate` buckets (checksummed, zero-copy frames); `SaveCheckpoint` has it save them.
 
 Non-obvious choices:
 - fp32 masters whatever the checkpoint's dtype; pushes are cast to `push_dtype` (default: the checkpoint's,
@@ -13,14 +13,14 @@ Non-obvious choices:
 - Several ranks form one torch.distributed group (NCCL on CUDA, gloo on CPU) through a file store in the
   run directory; every rank trains on the groups dealt to it, the trainer all-reduces gradients, so all
   hold the same weights and only rank 0 pushes. A rank dealt no group still steps (the others wait for it
-  in their all-reduces); only `push_only` (alone, num_groups=0 too) skips training. On stop the ranks meet
+  in their all-reduces); alone, a step without groups trains nothing. On stop the ranks meet
   at a store barrier before destroying the group: none closes its connections while a peer is still in a
   collective.
-- Across hosts (a destination whose endpoint is tcp://), a step's push sends each bucket as XOR deltas
-  against the version that destination acknowledged (`TrainStep.delta_base`), zstd-compressed
-  (engine/weight_delta.py), when it is the version rank 0 kept a copy of; anything else gets full buckets
-  (and `PushWeights` always does). Each push reports `weights_pushed` / `head_pushed` with the bytes that
-  crossed hosts (`wire_bytes`) against what full buckets would have been (`full_bytes`).
+- Across hosts (a destination whose endpoint is tcp://), a push sends each bucket as XOR deltas against
+  the version that destination acknowledged (`PushWeights.delta_base`), zstd-compressed
+  (engine/weight_delta.py), when it is the version rank 0 kept a copy of; anything else gets full buckets.
+  Each push reports `WeightsPushed` with the bytes that crossed hosts (`wire_bytes`) against what full
+  buckets would have been (`full_bytes`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 import torch
@@ -41,7 +41,7 @@ from slipstream.engine.grpo import LossConfig, group_advantages
 from slipstream.engine.policy_train import OptimConfig, PolicySample, PolicyTrainer
 from slipstream.engine.weight_delta import blob_tensor, xor_delta
 from slipstream.engine.weights import HEAD_PARTS, load_model
-from slipstream.protocols.control import SaveCheckpoint, Status
+from slipstream.protocols.control import CheckpointSaved, SaveCheckpoint
 from slipstream.protocols.learner import (
     XOR_ZSTD,
     PushWeights,
@@ -49,6 +49,7 @@ from slipstream.protocols.learner import (
     StepStats,
     TrainStep,
     WeightAck,
+    WeightsPushed,
     WeightUpdate,
 )
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
@@ -165,20 +166,21 @@ class LearnerActor(Actor):
         then says so; the coordinator records the run's state only after that."""
         if self.rank != 0:
             return
-        fields: dict[str, Any] = {"step": msg.step, "path": msg.path, "version": self.version}
+        error = ""
         try:
             self._save(msg.path)
         except (OSError, RuntimeError) as exc:  # a full disk reaches torch.save as a RuntimeError
             # Said, not only logged: the coordinator waits for this answer and ends the run with it.
             self.log.error("checkpoint_failed", step=msg.step, path=msg.path, error=str(exc))
-            self.send(COORDINATOR, Status(topic="checkpoint_failed", fields={**fields, "error": str(exc)}))
-            return
-        self.send(COORDINATOR, Status(topic="checkpoint_saved", fields=fields))
+            error = str(exc)
+        self.send(
+            COORDINATOR, CheckpointSaved(step=msg.step, path=msg.path, version=self.version, error=error)
+        )
 
     @handler
     def on_push(self, msg: PushWeights, sender: str) -> None:
-        """The named verb `push_weights`: the current policy to `to` (and the head parts to `head_to`),
-        outside a step. Handlers run between steps, so a push never sees half-updated weights."""
+        """The named verb `push_weights`: the current policy to `to` (and the head parts to `head_to`).
+        Handlers run between steps, so a push never sees half-updated weights."""
         if self.rank != 0:
             self.log.warning("push_ignored", version=msg.version, why="only rank 0 pushes")
             return
@@ -190,9 +192,8 @@ class LearnerActor(Actor):
                 WeightAck(version=msg.version, role=self.role, rank=self.rank, ok=False, error=error),
             )
             return
-        # Full buckets: its destinations are ones that lost what they held (restarted, or a resumed run's).
         if msg.to or msg.head_to:
-            self.push(msg.to, msg.version, head_to=msg.head_to)
+            self.push(msg.to, msg.version, delta_base=msg.delta_base, head_to=msg.head_to)
 
     def step(self) -> bool:
         msg = self._pending
@@ -202,10 +203,9 @@ class LearnerActor(Actor):
         groups = sorted(self._groups.pop(msg.step, []), key=lambda g: g.group_id)
         started = time.perf_counter()
         samples, counts = policy_samples(groups, self.config.loss)
-        # Alone, a step without groups can only be a push (older coordinators say so with num_groups=0).
-        # With peers, a rank dealt nothing still steps: the others wait for it in their all-reduces.
-        alone = self.config.world_size == 1
-        if msg.push_only or (alone and msg.num_groups == 0):
+        # Alone, a step without groups trains nothing. With peers, a rank dealt nothing still steps: the
+        # others wait for it in their all-reduces.
+        if self.config.world_size == 1 and msg.num_groups == 0:
             stats = {"loss": 0.0, "grad_norm": 0.0, "tokens": 0}
         else:
             marks = [time.monotonic_ns()]
@@ -219,16 +219,12 @@ class LearnerActor(Actor):
             stats = self.trainer.step(samples, on_progress=progress)
             # After the last micro-batch: the all-reduce, the clip and AdamW's step.
             self.spans.add("optimizer", marks[-1], time.monotonic_ns() - marks[-1], msg.step)
-            # The checkpoint and the push below do not need the step's gradients (a model's worth): freed,
+            # The checkpoint and the push after the step do not need its gradients (a model's worth): freed,
             # their memory serves the push's cast copies.
             self.trainer.free_gradients()
         self.version = msg.version
         elapsed = time.perf_counter() - started
         metrics = {k: float(v) for k, v in stats.items() if k not in ("step", "loss", "grad_norm", "tokens")}
-        if msg.push_to:  # what the push after this step moves: one copy of the policy in the push dtype
-            metrics["push_bytes"] = float(
-                sum(p.numel() for p in self.model.parameters()) * self.push_dtype.itemsize
-            )
         self.send(
             COORDINATOR,
             StepStats(
@@ -249,15 +245,6 @@ class LearnerActor(Actor):
             **counts,
             **memory_now(),
         )
-        if self.rank == 0:
-            if msg.checkpoint:
-                self._save(msg.checkpoint)
-            # The drafters' head first (`push`): they apply it while the rollouts receive and apply the whole
-            # policy, so the sync (which waits for both) ends with no process still copying weights. Pushed
-            # last, the drafter applied it during the next rollout's first iterations and took CPU and
-            # memory bandwidth from them: +0.3-0.8 s on those iterations on a 2-core host (docs/training.md).
-            if msg.push_to or msg.push_head_to:
-                self.push(msg.push_to, msg.version, delta_base=msg.delta_base, head_to=msg.push_head_to)
         return True
 
     def push(
@@ -294,7 +281,17 @@ class LearnerActor(Actor):
             moved = self._push_buckets(groups, version, delta_base or {})
             fields.update(moved)
         # Said to the coordinator too: what crossed hosts is the run's to report (StepStats leave before this).
-        self.send(COORDINATOR, Status(topic=event, fields={"version": version, **moved}))
+        self.send(
+            COORDINATOR,
+            WeightsPushed(
+                version=version,
+                head_only=not dests,
+                full_bytes=moved["full_bytes"],
+                wire_bytes=moved["wire_bytes"],
+                bytes=moved["bytes"],
+                deltas=moved["deltas"],
+            ),
+        )
         self.log.info(event, dests=dests, head_to=head_to, version=version, **moved)
 
     def _push_buckets(

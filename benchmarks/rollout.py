@@ -362,7 +362,6 @@ async def _step(
             trace.append({"mode": mode, "group_base": group_base, "t": round(time.monotonic() - started, 4),
                           **msgspec.structs.asdict(msg)})  # fmt: skip
 
-    coord.on_iteration = on_iteration
     requests = [
         GenerateRequest(
             group_id=group_base + i,
@@ -374,7 +373,8 @@ async def _step(
         )
         for i, prompt in enumerate(prompts)
     ]
-    completions, m = await rollout_step(coord, requests)  # every rollout idle, every lease accounted
+    # every rollout idle, every lease accounted
+    completions, m = await rollout_step(coord, requests, on_iteration=on_iteration)
     responses = {key: completion.token_ids.tolist() for key, completion in completions.items()}
     return _Step(
         makespan_s=round(m.rollout_s, 3),

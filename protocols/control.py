@@ -32,6 +32,8 @@ class ControlKind(StrEnum):
     DEAD = "control.dead"
     CHECKPOINT = "control.checkpoint"
     PEERS = "control.peers"
+    CHECKPOINT_SAVED = "control.checkpoint_saved"
+    FAILED = "control.failed"
 
 
 class Hello(Message, frozen=True, kw_only=True):
@@ -162,12 +164,32 @@ class Dead(Message, frozen=True, kw_only=True):
 
 class SaveCheckpoint(Message, frozen=True, kw_only=True):
     """Coordinator → learner rank 0 and the drafter owner, after step `step` is trained and synced: save a
-    checkpoint (the learner to `path`, atomically, then Status "checkpoint_saved" with step and path; the
-    drafter to its own directory, in the background). Handled between steps, so it sees whole weights."""
+    checkpoint (the learner to `path`, atomically, then `CheckpointSaved`; the drafter to its own directory,
+    in the background). Handled between steps, so it sees whole weights."""
 
     kind = ControlKind.CHECKPOINT
     step: NonNeg
     path: str = ""
+
+
+class CheckpointSaved(Message, frozen=True, kw_only=True):
+    """Learner rank 0 → coordinator: the answer to `SaveCheckpoint`: on disk at `path`, or not (`error`: why,
+    a full disk)."""
+
+    kind = ControlKind.CHECKPOINT_SAVED
+    step: NonNeg
+    path: str
+    version: NonNeg
+    error: str = ""
+
+
+class Failed(Message, frozen=True, kw_only=True):
+    """Actor → the sender of a request whose handler raised: the request's kind and the error, so that
+    whoever waits for an answer hears one (the actor serves on)."""
+
+    kind = ControlKind.FAILED
+    request: str
+    error: str
 
 
 class Peers(Message, frozen=True, kw_only=True):
@@ -192,6 +214,8 @@ MESSAGES: tuple[type[Message], ...] = (
     Released,
     Shutdown,
     SaveCheckpoint,
+    CheckpointSaved,
+    Failed,
     Dead,
     Peers,
 )

@@ -20,6 +20,7 @@ class DrafterKind(StrEnum):
     UPDATE = "drafter.update"
     STATS = "drafter.stats"
     DELTA = "drafter.delta"
+    HEAD_ACK = "drafter.head_ack"
 
 
 class HiddenStates(Message, frozen=True, kw_only=True):
@@ -77,6 +78,18 @@ class DrafterDelta(Message, frozen=True, kw_only=True):
     tensors: list[torch.Tensor]
 
 
-MESSAGES: tuple[type[Message], ...] = (HiddenStates, DrafterUpdate, DrafterStats, DrafterDelta)
+class HeadAck(Message, frozen=True, kw_only=True):
+    """Drafter → coordinator: the head parts of policy `version` applied (`ok`), or refused (`why`).
+    `checksum`: the applied parts re-hashed, when the drafter is asked to (`verify_applied_head`)."""
+
+    kind = DrafterKind.HEAD_ACK
+    rank: NonNeg
+    version: NonNeg
+    ok: bool
+    why: str = ""
+    checksum: str = ""
+
+
+MESSAGES: tuple[type[Message], ...] = (HiddenStates, DrafterUpdate, DrafterStats, DrafterDelta, HeadAck)
 
 __all__ = [m.__name__ for m in MESSAGES] + ["MESSAGES", "DrafterKind"]

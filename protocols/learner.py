@@ -22,6 +22,7 @@ class LearnerKind(StrEnum):
     STEP = "learner.step"
     TRAIN = "learner.train"
     PUSH = "learner.push"
+    PUSHED = "learner.pushed"
 
 
 class ScoredGroup(Message, frozen=True, kw_only=True):
@@ -41,36 +42,28 @@ class ScoredGroup(Message, frozen=True, kw_only=True):
 
 
 class TrainStep(Message, frozen=True, kw_only=True):
-    """Coordinator → learner: train on step `step`'s `num_groups` groups, producing policy `version`; rank 0
-    then saves policy + optimizer to `checkpoint` when it names a file (`train` sends `SaveCheckpoint` after
-    the sync instead; this field stays for the learner's own tests and older coordinators), pushes the
-    weights to `push_to`, then the drafter's head parts (embedding, final norm, untied LM head) to
-    `push_head_to`.
-
-    New fields go last, with defaults: an older encoding (a shorter array) still decodes."""
+    """Coordinator → learner: train on step `step`'s `num_groups` groups, producing policy `version`. Pushing
+    it is `PushWeights`', saving it `SaveCheckpoint`'s: each its own message, after the step."""
 
     kind = LearnerKind.TRAIN
     step: NonNeg
     num_groups: NonNeg  # ScoredGroups this rank receives for the step (may be 0 on one of several ranks)
     version: NonNeg
-    push_to: list[str] = []
-    checkpoint: str = ""
-    push_head_to: list[str] = []  # drafters: the head parts only, as buckets numbered over that subset
-    push_only: bool = False  # no training, only the pushes (with one rank, num_groups=0 also means this)
-    # Destination -> the newest version it acknowledged. A cross-host destination whose entry is the version
-    # the learner kept a copy of gets deltas against it; any other gets full buckets.
-    delta_base: dict[str, NonNeg] = {}
 
 
 class PushWeights(Message, frozen=True, kw_only=True):
     """Coordinator → learner rank 0: send the current policy, version `version`, to `to` (every parameter)
-    and to `head_to` (the drafter's head parts alone), outside a step: a restarted rollout or drafter, or a
-    resumed run's fresh actors. A learner holding another version refuses (a WeightAck with the reason)."""
+    and to `head_to` (the drafter's head parts alone: embedding, final norm, untied LM head), after a step
+    or to an actor that lost what it held. A learner holding another version refuses (a WeightAck with
+    the reason)."""
 
     kind = LearnerKind.PUSH
     version: NonNeg
     to: list[str]
     head_to: list[str] = []
+    # Destination -> the newest version it acknowledged. A cross-host destination whose entry is the version
+    # the learner kept a copy of gets deltas against it; any other gets full buckets.
+    delta_base: dict[str, NonNeg] = {}
 
 
 XOR_ZSTD = "xor-zstd"
@@ -105,6 +98,20 @@ class WeightAck(Message, frozen=True, kw_only=True):
     want_full: bool = False
 
 
+class WeightsPushed(Message, frozen=True, kw_only=True):
+    """Learner rank 0 → coordinator, after a push of `version` left: what it moved (`bytes`: one copy of
+    its buckets; `full_bytes` across hosts as full buckets would, `wire_bytes` as sent). `head_only`: the
+    push went to drafters alone (the head parts)."""
+
+    kind = LearnerKind.PUSHED
+    version: NonNeg
+    head_only: bool = False
+    full_bytes: NonNeg = 0
+    wire_bytes: NonNeg = 0
+    bytes: NonNeg = 0
+    deltas: NonNeg = 0  # destinations sent deltas
+
+
 class StepStats(Message, frozen=True, kw_only=True):
     """Learner → coordinator: what one optimisation step did (`metrics`: mismatch, ratio and clip stats)."""
 
@@ -124,6 +131,7 @@ MESSAGES: tuple[type[Message], ...] = (
     PushWeights,
     WeightUpdate,
     WeightAck,
+    WeightsPushed,
     StepStats,
 )
 

@@ -1,21 +1,31 @@
-"""The rollout half of one synchronous RL step, shared by `slipstream train` and `bench rollout`.
+"""One RL step's rollout: its handle (`RolloutStep`, what `Coordinator.rollout` returns) and its metrics.
 
-`rollout_step` deals the step's requests through the coordinator, hands each completion to the caller the
-moment it arrives (train sends it to a verifier at once, so rewards overlap the rollout's tail), then
-waits until every drafter lease is released and every rollout is idle, and returns the completions by
-(group, sample) with the step's metrics (`StepMetrics`, which the coordinator fills). Restarts, requeues
-and duplicates are the coordinator's; what comes back here is each (group, sample) once.
+The handle owns the step's state: the requests, the ledger of what was dealt to whom and what came back
+(each (group, sample) taken once), the completions routed to it, and its `StepMetrics`, which the
+coordinator fills from IterationStats, leases and DrafterStats. Iterating it deals the groups (the least
+loaded rollout first, by expected work) and yields each completion as it arrives; `finish()` waits until
+every drafter lease is released and every rollout is idle. A rollout, drafter or verifier that dies
+meanwhile is recovered (rl/recovery.py). `rollout_step` is the whole half-step, shared by `slipstream
+train` and `bench rollout`: train sends each completion to a verifier at once (rewards overlap the tail).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from slipstream.protocols.rollout import Completion, GenerateRequest
+from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats
+from slipstream.rl import recovery
+from slipstream.rl.ledger import Ledger
 
-__all__ = ["BATCH_BUCKETS", "StepMetrics", "batch_bucket", "rollout_step"]
+if TYPE_CHECKING:
+    from slipstream.rl.coordinator import Coordinator
+
+__all__ = ["BATCH_BUCKETS", "RolloutStep", "StepMetrics", "batch_bucket", "rollout_step"]
 
 T = TypeVar("T")
 
@@ -138,16 +148,146 @@ def batch_bucket(batch_size: int) -> str:
     return BATCH_BUCKETS[-1]
 
 
+class RolloutStep:
+    """One step's rollout; see the module docstring. Iterate it (once), then `finish()`."""
+
+    def __init__(
+        self,
+        coord: Coordinator,
+        requests: Sequence[GenerateRequest],
+        expected_tokens: Callable[[GenerateRequest], float] | None = None,
+        on_iteration: Callable[[str, IterationStats], None] | None = None,
+    ) -> None:
+        self.coord = coord
+        self.on_iteration = on_iteration
+        self.requests = {request.group_id: request for request in requests}  # group id -> its request
+        self.cost = expected_tokens or (lambda r: float(r.num_samples * r.sampling.max_tokens))
+        self.ledger = Ledger()
+        self.metrics = StepMetrics()
+        self.completions: asyncio.Queue[Completion] = asyncio.Queue()  # bounded by what was dealt
+        self.started = 0.0
+        self.decoding = False  # until the last completion is in: idle devices are lent meanwhile
+        self._stream_of: AsyncIterator[Completion] | None = None
+
+    def __aiter__(self) -> RolloutStep:
+        return self
+
+    async def __anext__(self) -> Completion:
+        if self._stream_of is None:  # the first call deals
+            self._stream_of = self._stream()
+        return await anext(self._stream_of)
+
+    async def _deal(self) -> None:
+        """Whole groups to the rollout actors, longest first to the least loaded (a greedy balance)."""
+        coord = self.coord
+        load = dict.fromkeys(coord.rollouts, 0.0)
+        for request in sorted(self.requests.values(), key=self.cost, reverse=True):
+            target = min(load, key=lambda name: (load[name], name))
+            load[target] += self.cost(request)
+            self.ledger.deal(target, [(request.group_id, i) for i in range(request.num_samples)])
+            await coord.sup.send(target, request)
+        for name in [r for r, work in load.items() if work == 0]:
+            # Dealt nothing (fewer groups than rollouts): idle from the start, and it never says Idle itself.
+            coord.on_idle(name, self.started)
+
+    async def _stream(self) -> AsyncIterator[Completion]:
+        coord, ledger, m = self.coord, self.ledger, self.metrics
+        self.started, self.decoding = time.monotonic(), True
+        coord.begin(self)
+        await self._deal()
+        expected = sum(request.num_samples for request in self.requests.values())
+        received = 0
+        try:
+            while received < expected:
+                while self.completions.empty():
+                    for name in [r for r in coord.rollouts if r in coord.dead]:
+                        await recovery.recover_rollout(coord, name, self)
+                    if self.completions.empty():
+                        await coord.changed()
+                completion = self.completions.get_nowait()
+                if not ledger.take((completion.group_id, completion.sample_index)):
+                    coord.emit("duplicate_dropped", group_id=completion.group_id,
+                               sample_index=completion.sample_index, what="completion", level="warning")  # fmt: skip
+                    continue
+                received += 1
+                m.tokens += len(completion.token_ids)
+                reason = completion.finish_reason
+                m.finish_reasons[reason] = m.finish_reasons.get(reason, 0) + 1
+                if received == expected:
+                    m.rollout_s = time.monotonic() - self.started
+                    self.decoding = False
+                    coord.preempt_all("rollout done")  # every idle device goes back to the rollouts
+                yield completion
+        finally:
+            self.decoding = False
+            m.requeued += ledger.requeued
+            m.duplicates += ledger.duplicates
+
+    async def finish(self, timeout_s: float = 60.0) -> StepMetrics:
+        """Waits until every lease is released and every rollout has reported Idle, then returns the step's
+        metrics (idle device-seconds and the share drafter training reclaimed). A drafter or rollout that
+        has not settled `timeout_s` after the last completion is killed and handled as dead (restarted;
+        drafters change speed, never samples), not waited on for ever."""
+        coord, table = self.coord, self.coord.leases
+        ended = self.started + self.metrics.rollout_s
+
+        def unsettled() -> list[str]:
+            return table.unsettled(r for r in coord.rollouts if r not in coord.dead)
+
+        deadline = time.monotonic() + timeout_s
+        while unsettled():
+            for drafter in [d for d in table.drafters if d in coord.dead]:
+                await recovery.recover_drafter(coord, drafter)
+            for rollout in [r for r in coord.rollouts if r in coord.dead]:
+                # Its share was in (the rollout is over): back up with the current weights, and idle.
+                await recovery.revive_rollout(coord, rollout, "leases released", coord.policy_version)
+                coord.on_idle(rollout, ended)
+            if time.monotonic() >= deadline:
+                for name in unsettled():
+                    if name not in coord.dead:
+                        coord.emit("unsettled_killed", actor=name, after_s=timeout_s, level="error")
+                        coord.sup.kill(name)
+                deadline = time.monotonic() + timeout_s
+            with contextlib.suppress(TimeoutError):
+                await coord.changed(timeout_s=1.0)
+        self._record_devices(ended)
+        account = table.account(ended)
+        m = self.metrics
+        m.idle_device_s, m.reclaimed_s, m.preempt_ms = (
+            account.idle_device_s,
+            account.reclaimed_s,
+            account.preempt_ms,
+        )
+        return m
+
+    def _record_devices(self, ended: float) -> None:
+        """The device tracks of the trace: each rollout's idle window, and whether it was lent."""
+        table = self.coord.leases
+        for rollout, idle_at in table.idle_at.items():
+            if ended > idle_at:
+                self.coord.spans.add(
+                    "device_idle",
+                    int(idle_at * 1e9),  # time.monotonic() seconds: the same clock as monotonic_ns
+                    int((ended - idle_at) * 1e9),
+                    self.coord.policy_version,
+                    device=rollout,
+                    lent_to=d if (d := table.drafter_of.get(rollout)) in table.trained_at_lease else None,
+                )
+
+
 async def rollout_step(
     coord: Any,
     requests: Sequence[GenerateRequest],
     on_completion: Callable[[Completion], Awaitable[None]] | None = None,
+    *,
+    on_iteration: Callable[[str, IterationStats], None] | None = None,
 ) -> tuple[dict[tuple[int, int], Completion], StepMetrics]:
     """Rolls `requests` out on `coord` (a `Coordinator`); see the module docstring."""
     completions: dict[tuple[int, int], Completion] = {}
-    async for completion in coord.rollout(requests):
+    step = coord.rollout(requests, on_iteration=on_iteration)
+    async for completion in step:
         completions[(completion.group_id, completion.sample_index)] = completion
         if on_completion is not None:
             await on_completion(completion)
-    metrics: StepMetrics = await coord.finish_step()  # every lease released, every rollout idle
+    metrics: StepMetrics = await step.finish()  # every lease released, every rollout idle
     return completions, metrics

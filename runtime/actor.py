@@ -12,7 +12,8 @@ inbox, control first, to the handler whose annotation names each message's type,
 between; a long step polls `control_pending()`, so a preemption waits at most one step.
 
 A handler that raises is a bug in that handler: the exception is logged with the message kind, the
-message is dropped and the actor keeps serving. `Fatal` ends the actor (it sends `Dead` first).
+message is dropped, the coordinator (when it sent the message) is answered `Failed` naming the error, so
+no waiter hangs, and the actor keeps serving. `Fatal` ends the actor (it sends `Dead` first).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import structlog
 import zmq
 
 from slipstream.protocols.base import Message
-from slipstream.protocols.control import Peers, Shutdown
+from slipstream.protocols.control import Failed, Peers, Shutdown
 from slipstream.runtime.codec import Codec
 from slipstream.runtime.inbox import Inbox
 from slipstream.runtime.shm import MAX_READERS
@@ -182,8 +183,10 @@ class Actor:
             getattr(self, name)(msg, sender)
         except Fatal:
             raise
-        except Exception:
+        except Exception as exc:
             self.log.exception("handler_failed", kind=msg.kind, sender=sender)
+            if sender == COORDINATOR:  # its requests have waiters
+                self.send(COORDINATOR, Failed(request=msg.kind, error=f"{type(exc).__name__}: {exc}"))
         finally:
             self.handled += 1
 

@@ -18,7 +18,7 @@ from slipstream.actors.drafter import DrafterActor
 from slipstream.engine.drafter_train import DrafterTrainer
 from slipstream.engine.weights import load_head_parts, load_model
 from slipstream.protocols.control import Lease, Preempt, Released, Status
-from slipstream.protocols.drafter import DrafterUpdate
+from slipstream.protocols.drafter import DrafterUpdate, HeadAck
 from slipstream.protocols.learner import WeightUpdate
 from slipstream.runtime.codec import checksum
 from slipstream.runtime.inbox import Inbox
@@ -65,7 +65,14 @@ def digest(parts: dict[str, torch.Tensor]) -> str:
 
 
 def statuses(out: Sent, topic: str) -> list[dict]:
-    return [m.fields for _, m in out.messages if isinstance(m, Status) and m.topic == topic]
+    """The drafter's HeadAcks as fields: "head_synced" (applied) or "head_refused"."""
+    return [fields(m) for _, m in out.messages if isinstance(m, HeadAck) and m.ok == (topic == "head_synced")]
+
+
+def fields(ack: HeadAck) -> dict:
+    if not ack.ok:
+        return {"rank": ack.rank, "version": ack.version, "why": ack.why}
+    return {"rank": ack.rank, "version": ack.version, **({"checksum": ack.checksum} if ack.checksum else {})}
 
 
 def in_process(model: Path, tmp_path: Path, **config: object) -> tuple[DrafterActor, Sent]:
@@ -101,9 +108,9 @@ def test_a_drafter_process_applies_a_head_update_and_refuses_a_bad_one(tmp_path:
             bad = head_update(parts, version=1)
             bad[0] = msgspec.structs.replace(bad[0], checksum="0" * 64)
             send_as(endpoint, "learner:0", bad)
-            refused = await wait_for(sup, Status, lambda m: m.topic == "head_refused")
+            refused = await wait_for(sup, HeadAck, lambda m: not m.ok)
             send_as(endpoint, "learner:0", head_update(parts, version=1))
-            synced = await wait_for(sup, Status, lambda m: m.topic == "head_synced")
+            synced = await wait_for(sup, HeadAck, lambda m: m.ok)
             after = await wait_for(sup, DrafterUpdate)  # and it still trains
             await sup.send("drafter:0", Preempt(lease_id=1, reason="test", sent_ns=time.time_ns()))
             await wait_for(sup, Released)
@@ -112,9 +119,9 @@ def test_a_drafter_process_applies_a_head_update_and_refuses_a_bad_one(tmp_path:
             await sup.shutdown(grace_s=5.0)
 
     refused, synced, before, after = uvloop.run(main())
-    assert refused.fields["version"] == 1 and "checksum mismatch" in str(refused.fields["why"])
+    assert refused.version == 1 and "checksum mismatch" in str(refused.why)
     # The checksum of what the process holds now: the pushed tensors, bit for bit.
-    assert synced.fields == {"rank": 0, "version": 1, "checksum": digest(parts)}
+    assert fields(synced) == {"rank": 0, "version": 1, "checksum": digest(parts)}
     assert after.version > before.version
 
 

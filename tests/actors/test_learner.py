@@ -11,8 +11,15 @@ import pytest
 import torch
 
 from slipstream.actors.learner import LearnerActor, policy_samples
-from slipstream.protocols.control import SaveCheckpoint, Status
-from slipstream.protocols.learner import ScoredGroup, StepStats, TrainStep, WeightAck, WeightUpdate
+from slipstream.protocols.control import CheckpointSaved, SaveCheckpoint
+from slipstream.protocols.learner import (
+    PushWeights,
+    ScoredGroup,
+    StepStats,
+    TrainStep,
+    WeightAck,
+    WeightUpdate,
+)
 from slipstream.protocols.rollout import Completion
 from slipstream.runtime.inbox import Inbox
 from tests.actors.test_rollout_actor import Captured, drain, make_actor, request
@@ -63,13 +70,32 @@ def scored_groups(
     return groups
 
 
-def train(learner: LearnerActor, groups: list[ScoredGroup], **step: Any) -> None:
+def train(
+    learner: LearnerActor,
+    groups: list[ScoredGroup],
+    *,
+    version: int,
+    push_to: list[str] | None = None,
+    push_head_to: list[str] | None = None,
+    delta_base: dict[str, int] | None = None,
+    checkpoint: str = "",
+    **step: Any,
+) -> None:
+    """One step as the coordinator asks for it: the groups, `TrainStep`, then `SaveCheckpoint` (with
+    `checkpoint`) and `PushWeights` (with `push_to` or `push_head_to`), each its own message."""
     for g in groups:
         learner.on_group(g, "coordinator")
     step.setdefault("step", groups[0].step if groups else 0)
-    learner.on_train(TrainStep(num_groups=len(groups), **step), "coordinator")
+    learner.on_train(TrainStep(num_groups=len(groups), version=version, **step), "coordinator")
     assert learner.step()
     assert not learner.step()  # one TrainStep, one optimizer step
+    if checkpoint:
+        learner.on_checkpoint(SaveCheckpoint(step=step["step"] + 1, path=checkpoint), "coordinator")
+    if push_to or push_head_to:
+        push = PushWeights(
+            version=version, to=push_to or [], head_to=push_head_to or [], delta_base=delta_base or {}
+        )
+        learner.on_push(push, "coordinator")
 
 
 def test_step_zero_matches_the_rollout_and_the_push_is_bitwise_exact(tiny: Path, tmp_path: Path) -> None:
@@ -201,10 +227,10 @@ def test_a_checkpoint_that_cannot_be_written_is_answered_as_failed(tiny: Path, t
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
     learner.on_checkpoint(SaveCheckpoint(step=3, path=str(blocker / "step-3" / "learner.pt")), "coordinator")
-    (answer,) = out.of(Status)
-    assert answer.topic == "checkpoint_failed" and answer.fields["step"] == 3
-    assert "not-a-directory" in answer.fields["error"]
+    (answer,) = out.of(CheckpointSaved)
+    assert answer.error and answer.step == 3
+    assert "not-a-directory" in answer.error
     good = tmp_path / "ckpt" / "learner.pt"
     learner.on_checkpoint(SaveCheckpoint(step=4, path=str(good)), "coordinator")
-    assert [s.topic for s in out.of(Status)] == ["checkpoint_failed", "checkpoint_saved"]
+    assert [bool(s.error) for s in out.of(CheckpointSaved)] == [True, False]
     assert good.is_file() and not good.with_suffix(".pt.tmp").exists()

@@ -1,6 +1,6 @@
 """The learner's masters and pushes: fp32 weights and optimizer state from a bf16 checkpoint, pushes cast to
 the rollout's dtype (what a rollout re-hashes), checkpoints of the masters, the drafter's head parts, the
-config's device field, and old `TrainStep` encodings."""
+config's device field."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from slipstream.actors.learner import LearnerActor
 from slipstream.engine.weights import load_head_parts
-from slipstream.protocols.learner import TrainStep, WeightAck, WeightUpdate
-from slipstream.runtime.codec import Codec, checksum
+from slipstream.protocols.learner import WeightAck, WeightUpdate
+from slipstream.runtime.codec import checksum
 from tests.actors.test_learner import make_learner, scored_groups, train
 from tests.actors.test_rollout_actor import drain, make_actor
 from tests.engine.conftest import build_checkpoint
@@ -128,10 +128,10 @@ def test_the_head_parts_lead_the_push_and_rollouts_and_drafters_share_them(
     assert sorted(n for u in alone for n in u.names) == heads
 
 
-def test_push_only_trains_nothing_and_pushes(tiny: Path, tmp_path: Path) -> None:
+def test_a_step_without_groups_trains_nothing_and_pushes(tiny: Path, tmp_path: Path) -> None:
     learner, sent = make_learner(tiny, tmp_path)
     start = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
-    train(learner, [], version=5, push_to=["rollout:0"], push_head_to=["drafter:0"], push_only=True)
+    train(learner, [], version=5, push_to=["rollout:0"], push_head_to=["drafter:0"])
     assert learner.trainer.steps == 0 and learner.version == 5
     assert all(torch.equal(p, start[n]) for n, p in learner.model.named_parameters())
     assert {u.version for u in sent.of(WeightUpdate)} == {5} and {d for d, _ in sent.sent} >= {"drafter:0"}
@@ -145,14 +145,3 @@ def test_device_is_validated_naming_the_field() -> None:
             LearnerActor.Config(model="m", device=bad)
     with pytest.raises(msgspec.ValidationError, match="push_dtype"):
         msgspec.convert({"model": "m", "push_dtype": "int8"}, LearnerActor.Config)
-
-
-def test_a_train_step_encoded_before_the_new_fields_still_decodes() -> None:
-    codec = Codec()
-    kind = codec.encode(TrainStep(step=0, num_groups=0, version=0))[0]
-    old = bytes.fromhex("9501080291a9726f6c6c6f75743a30ae636b70742f737465702d312e7074")  # the old golden
-    msg = codec.decode([kind, old])
-    assert msg == TrainStep(
-        step=1, num_groups=8, version=2, push_to=["rollout:0"], checkpoint="ckpt/step-1.pt"
-    )
-    assert msg.push_head_to == [] and msg.push_only is False

@@ -20,8 +20,16 @@ import uvloop
 from slipstream.actors.drafter import DrafterActor
 from slipstream.actors.learner import LearnerActor
 from slipstream.actors.rollout import RolloutActor
-from slipstream.protocols.control import Status
-from slipstream.protocols.learner import XOR_ZSTD, PushWeights, ScoredGroup, WeightAck, WeightUpdate
+from slipstream.protocols.drafter import HeadAck
+from slipstream.protocols.learner import (
+    XOR_ZSTD,
+    PushWeights,
+    ScoredGroup,
+    WeightAck,
+    WeightsPushed,
+    WeightUpdate,
+)
+from slipstream.rl import recovery
 from slipstream.rl.coordinator import Coordinator
 from slipstream.runtime.codec import checksum
 from slipstream.runtime.inbox import Inbox
@@ -63,7 +71,13 @@ def to(out: Captured, dest: str, start: int = 0) -> list[WeightUpdate]:
 
 
 def pushed(out: Captured, topic: str = "weights_pushed") -> list[dict[str, Any]]:
-    return [m.fields for _, m in out.sent if isinstance(m, Status) and m.topic == topic]
+    """The learner's WeightsPushed reports of pushes to rollouts ("weights_pushed") or drafters alone."""
+    head_only = topic == "head_pushed"
+    return [
+        msgspec.structs.asdict(m)
+        for _, m in out.sent
+        if isinstance(m, WeightsPushed) and m.head_only == head_only
+    ]
 
 
 def at_step(groups: list[ScoredGroup], step: int) -> list[ScoredGroup]:
@@ -221,7 +235,7 @@ def test_a_remote_drafter_takes_head_deltas_bitwise(tmp_path: Path, tied: bool) 
         assert {u.encoding for u in updates} == ({XOR_ZSTD} if version > 1 else {""})
         for update in updates:
             drafter.on_weights(update, "learner:0")
-        (synced,) = [m.fields for _, m in sent.messages[-1:] if isinstance(m, Status)]
+        (synced,) = [msgspec.structs.asdict(m) for _, m in sent.messages[-1:] if isinstance(m, HeadAck)]
         head = {n: t for n, t in cast(learner).items() if n in drafter._head_params}
         names = sorted(head)
         assert synced["version"] == version and synced["checksum"] == checksum(
@@ -233,8 +247,8 @@ def test_a_remote_drafter_takes_head_deltas_bitwise(tmp_path: Path, tied: bool) 
     stale = msgspec.structs.replace(updates[0], version=9, base_version=5)
     drafter.on_weights(stale, "learner:0")
     refused = sent.messages[-1][1]
-    assert isinstance(refused, Status) and refused.topic == "head_refused"
-    assert "delta base mismatch: against v5, the head is v3" in str(refused.fields["why"])
+    assert isinstance(refused, HeadAck) and not refused.ok
+    assert "delta base mismatch: against v5, the head is v3" in str(refused.why)
     assert drafter.head_version == 3
 
 
@@ -283,7 +297,9 @@ def test_real_processes_sync_by_deltas_across_hosts_and_recover_a_restarted_roll
             async with Coordinator(sup, rollouts=rollouts, learners=["learner:0"], restart=True) as coord:
 
                 async def sync(version: int) -> None:
-                    await coord.train(version, at_step(groups, version), version=version, push_to=rollouts)
+                    await coord.train(version, at_step(groups, version), version=version)
+                    push = coord.push_weights(version, to=rollouts, deltas=True)
+                    await asyncio.wait_for(push, timeout=60)
                     await asyncio.wait_for(coord.weights_applied(version), timeout=60)
 
                 for version in (1, 2, 3):
@@ -292,7 +308,9 @@ def test_real_processes_sync_by_deltas_across_hosts_and_recover_a_restarted_roll
                 sup.kill("rollout:0")
                 while "rollout:0" not in coord.dead:
                     await asyncio.sleep(0.05)
-                await coord._restart("rollout:0", "the test")  # as its recovery does, minus the re-push
+                await recovery.restart(
+                    coord, "rollout:0", "the test"
+                )  # as its recovery does, minus the re-push
                 await sync(4)
                 await sync(5)  # deltas again, against the v4 it got in full
                 # A restart it has not seen yet (the death still in flight): the coordinator names v5 as its
@@ -300,7 +318,7 @@ def test_real_processes_sync_by_deltas_across_hosts_and_recover_a_restarted_roll
                 sup.kill("rollout:0")
                 while "rollout:0" not in coord.dead:
                     await asyncio.sleep(0.05)
-                await coord._restart("rollout:0", "the test")
+                await recovery.restart(coord, "rollout:0", "the test")
                 coord._holds["rollout:0"] = 5
                 await sync(6)
                 await sync(7)

@@ -22,7 +22,7 @@ from slipstream.cli import export
 from slipstream.engine import hf_export
 from slipstream.engine.model import Transformer
 from slipstream.engine.weights import load_model
-from slipstream.protocols.control import SaveCheckpoint, Status
+from slipstream.protocols.control import CheckpointSaved, SaveCheckpoint
 from slipstream.rl import run_dir as run_dir_files
 from slipstream.rl.run_config import TrainConfig
 from tests.actors.test_learner import make_learner
@@ -48,7 +48,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
         path = run_dir / "checkpoints" / f"step-{step}" / run_dir_files.CHECKPOINT_FILE
         learner.on_checkpoint(SaveCheckpoint(step=step, path=str(path)), "coordinator")
         weights[step] = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
-    assert [s.topic for s in out.of(Status)] == ["checkpoint_saved"] * 2
+    assert [s.error for s in out.of(CheckpointSaved)] == [""] * 2
     return run_dir, weights
 
 

@@ -11,7 +11,7 @@ import pytest
 import uvloop
 
 from slipstream.cli import train
-from slipstream.rl import loop, run_config, run_dir
+from slipstream.rl import run, run_config, run_dir
 from tests.cli.conftest import config
 
 pytestmark = pytest.mark.timeout(300)
@@ -26,12 +26,12 @@ def test_checkpoints_are_due_by_steps_by_time_and_at_the_end() -> None:
     cfg = msgspec.convert(
         {"steps": 10, "checkpoint_every": 4, "checkpoint_minutes": 1.0}, run_config.TrainConfig
     )
-    assert [s for s in range(10) if loop._checkpoint_due(cfg, s, since_last_s=0)] == [3, 7, 9]
-    assert loop._checkpoint_due(cfg, 0, since_last_s=61)  # a minute passed: protect the work
+    assert [s for s in range(10) if run.checkpoint_due(cfg, s, since_last_s=0)] == [3, 7, 9]
+    assert run.checkpoint_due(cfg, 0, since_last_s=61)  # a minute passed: protect the work
     never = msgspec.convert(
         {"steps": 10, "checkpoint_every": 0, "checkpoint_minutes": 0.0}, run_config.TrainConfig
     )
-    assert [s for s in range(10) if loop._checkpoint_due(never, s, since_last_s=1e9)] == [9]
+    assert [s for s in range(10) if run.checkpoint_due(never, s, since_last_s=1e9)] == [9]
 
 
 def test_only_the_newest_checkpoints_are_kept(tmp_path: Path) -> None:

@@ -33,6 +33,8 @@ def samples() -> dict[str, Message]:
         control.Released(lease_id=9, latency_ns=1000),
         control.Shutdown(reason="done"),
         control.SaveCheckpoint(step=4, path="run/checkpoints/step-4/learner.pt"),
+        control.CheckpointSaved(step=4, path="run/checkpoints/step-4/learner.pt", version=4, error=""),
+        control.Failed(request="control.checkpoint", error="ValueError: bad path"),
         control.Dead(role="drafter", rank=0, reason="OOM", exit_code=137),
         control.Peers(peers={"rollout:1": "ipc:///tmp/r1"}),
         sampling,
@@ -92,10 +94,8 @@ def samples() -> dict[str, Message]:
             top_k=20,
             policy_version=2,
         ),
-        learner.TrainStep(
-            step=1, num_groups=8, version=2, push_to=["rollout:0"], checkpoint="ckpt/step-1.pt"
-        ),
-        learner.PushWeights(version=3, to=["rollout:1"], head_to=["drafter:1"]),
+        learner.TrainStep(step=1, num_groups=8, version=2),
+        learner.PushWeights(version=3, to=["rollout:1"], head_to=["drafter:1"], delta_base={"rollout:1": 2}),
         learner.WeightUpdate(
             version=3,
             bucket=0,
@@ -105,6 +105,7 @@ def samples() -> dict[str, Message]:
             checksum="abc",
         ),
         learner.WeightAck(version=3, role="rollout", rank=0, ok=True, error=None),
+        learner.WeightsPushed(version=3, head_only=False, full_bytes=100, wire_bytes=40, bytes=100, deltas=1),
         learner.StepStats(
             step=1,
             version=3,
@@ -129,6 +130,7 @@ def samples() -> dict[str, Message]:
             tensors=[torch.zeros(2, dtype=torch.float16)],
             checksum="d",
         ),
+        drafter.HeadAck(rank=0, version=3, ok=False, why="bucket 0: checksum", checksum=""),
         drafter.DrafterStats(rank=0, version=1, steps=10, loss=0.5, buffer_tokens=1000, elapsed_s=1.0),
         drafter.DrafterDelta(
             rank=1,

@@ -9,11 +9,22 @@ from typing import Any
 import pytest
 import torch
 
-from slipstream.protocols.control import Idle, Lease, Preempt, Released, Status
-from slipstream.protocols.drafter import DrafterStats
+from slipstream.protocols.control import (
+    CheckpointSaved,
+    Failed,
+    Idle,
+    Lease,
+    Preempt,
+    Released,
+    SaveCheckpoint,
+)
+from slipstream.protocols.drafter import DrafterStats, HeadAck
 from slipstream.protocols.learner import PushWeights, ScoredGroup, StepStats, TrainStep, WeightAck
 from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats, SamplingSpec
-from slipstream.rl.coordinator import ActorDiedError, Coordinator
+from slipstream.rl.coordinator import ActorDiedError, Coordinator, RequestFailedError
+from slipstream.runtime.actor import Actor, handler
+from slipstream.runtime.codec import Codec
+from slipstream.runtime.inbox import Inbox
 
 
 @dataclass(frozen=True)
@@ -110,7 +121,7 @@ def test_rollout_deals_by_expected_work_leases_idle_devices_and_preempts_at_the_
                 DrafterStats(rank=1, version=3, steps=3, loss=1.0, buffer_tokens=10, elapsed_s=0.5),
             )
             sup.deliver("rollout:0", Idle(role="rollout", rank=0, policy_version=0))
-            metrics = await coord.finish_step()
+            metrics = await stream.finish()
             assert metrics.tokens == 16 and metrics.finish_reasons == {"stop": 8}
             # 1 + accepted / sequence-iterations: the prefill-born token does not count as a gain.
             assert metrics.accept_length == 1 + 4 / 6 and metrics.arms == {"ngram:d3": 1, "off": 1}
@@ -170,11 +181,11 @@ def test_train_deals_groups_over_learner_ranks_and_gathers_their_stats() -> None
                 )
                 for g in range(3)
             ]
-            task = asyncio.ensure_future(coord.train(4, groups, version=5, push_to=["rollout:0"]))
+            task = asyncio.ensure_future(coord.train(4, groups, version=5))
             await asyncio.sleep(0)
             steps = {n: m for n, m in sup.sent if isinstance(m, TrainStep)}
             assert steps["learner:0"].num_groups == 2 and steps["learner:1"].num_groups == 1
-            assert steps["learner:0"].push_to == ["rollout:0"] and steps["learner:1"].push_to == []
+            assert {m.version for m in steps.values()} == {5}  # training only: the push is push_weights'
             for r in (1, 0):
                 sup.deliver(
                     f"learner:{r}",
@@ -342,7 +353,7 @@ def test_a_rollout_dealt_nothing_is_idle_from_the_start_and_its_device_is_leased
             sup.deliver(
                 drafter, DrafterStats(rank=0, version=0, steps=1, loss=1.0, buffer_tokens=0, elapsed_s=0.5)
             )
-            metrics = await coord.finish_step(timeout_s=5)  # returns: no wait for an Idle that never comes
+            metrics = await stream.finish(timeout_s=5)  # returns: no wait for an Idle that never comes
             assert metrics.idle_device_s > 0
 
     run(main())
@@ -383,7 +394,7 @@ def test_a_rollout_restarted_owing_nothing_counts_as_idle() -> None:
             sup.deliver(dealt[1], completion(1, 0))
             await stream.__anext__()  # the rollout's wait restarts the dead one, which owes nothing
             sup.deliver(dealt[1], Idle(role="rollout", rank=int(dealt[1][-1]), policy_version=0))
-            await coord.finish_step(timeout_s=5)  # no wait for an Idle the restarted one never sends
+            await stream.finish(timeout_s=5)  # no wait for an Idle the restarted one never sends
             assert sup.restarted == [dealt[0]]
 
     run(main())
@@ -409,26 +420,33 @@ def test_a_drafter_that_never_releases_its_lease_is_killed_and_restarted_not_wai
             await stream.__anext__()
             sup.deliver("rollout:0", Idle(role="rollout", rank=0, policy_version=0))
             # drafter:1 is preempted but never answers (alive, stuck): killed at the deadline, restarted.
-            metrics = await coord.finish_step(timeout_s=0.3)
+            metrics = await stream.finish(timeout_s=0.3)
             assert sup.killed == ["drafter:1"] and sup.restarted == ["drafter:1"]
             assert metrics.rollout_s > 0 and not coord.leases.active
 
     run(main())
 
 
+def recovering(sup: RestartingSupervisor, recovered: list[int]) -> Coordinator:
+    """A coordinator at v3 with one rollout and one learner, whose learner recovery (the run's: restart from
+    the checkpoint, replay to v3) appends the policy version it recovers to `recovered`."""
+
+    async def recover_learners() -> None:
+        recovered.append(coord.policy_version)
+        del coord.dead["learner:0"]
+
+    coord = Coordinator(
+        sup, rollouts=["rollout:0"], learners=["learner:0"], restart=True, policy_version=3,
+        recover_learners=recover_learners,
+    )  # fmt: skip
+    return coord
+
+
 def test_a_rollout_revived_while_the_learner_is_dead_waits_for_the_learners_recovery() -> None:
     async def main() -> None:
         sup = RestartingSupervisor()
-        coord = Coordinator(
-            sup, rollouts=["rollout:0"], learners=["learner:0"], restart=True, policy_version=3
-        )
         recovered: list[int] = []
-
-        async def recover_learners() -> None:  # the loop's: restart from the checkpoint, replay to v3
-            recovered.append(coord.policy_version)
-            del coord.dead["learner:0"]
-
-        coord.recover_learners = recover_learners
+        coord = recovering(sup, recovered)
         async with coord:
             stream = coord.rollout([request(0, 1)]).__aiter__()
             nxt = asyncio.ensure_future(stream.__anext__())
@@ -459,7 +477,7 @@ def test_a_version_synced_again_after_a_learner_death_is_not_waited_on() -> None
                 sup.deliver(
                     f"rollout:{rank}", WeightAck(version=5, role="rollout", rank=rank, ok=True, error=None)
                 )
-            sup.deliver("drafter:0", Status(topic="head_synced", fields={"version": 5}))
+            sup.deliver("drafter:0", HeadAck(rank=0, version=5, ok=True))
             await first
             await asyncio.wait_for(coord.weights_applied(5, heads=["drafter:0"]), timeout=1.0)  # no answers
             # A restarted rollout holds only what it loaded: it is waited on again.
@@ -486,10 +504,10 @@ def test_rollouts_alone_end_the_sync_and_heads_are_awaited_later() -> None:
             sup.deliver("rollout:0", WeightAck(version=3, role="rollout", rank=0, ok=True, error=None))
             await asyncio.wait_for(coord.weights_applied(3), timeout=1.0)
             heads = asyncio.ensure_future(coord.heads_applied(3, ["drafter:0", "drafter:1"]))
-            sup.deliver("drafter:0", Status(topic="head_synced", fields={"version": 3}))
+            sup.deliver("drafter:0", HeadAck(rank=0, version=3, ok=True))
             await asyncio.sleep(0.05)
             assert not heads.done()  # drafter:1 has not answered
-            sup.deliver("drafter:1", Status(topic="head_refused", fields={"version": 3}))
+            sup.deliver("drafter:1", HeadAck(rank=1, version=3, ok=False, why="checksum"))
             await asyncio.wait_for(heads, timeout=1.0)
             # A learner that dies before pushing the head ends the wait: nobody would answer.
             orphan = asyncio.ensure_future(coord.heads_applied(4, ["drafter:0"]))
@@ -509,15 +527,81 @@ def test_a_checkpoint_the_learner_could_not_save_ends_the_wait_naming_its_error(
         async with Coordinator(sup, rollouts=["rollout:0"], learners=["learner:0"]) as coord:
             saved = asyncio.ensure_future(coord.save_checkpoint(1, "ckpt/step-1"))
             await asyncio.sleep(0.05)
-            sup.deliver(
-                "learner:0", Status(topic="checkpoint_saved", fields={"step": 1, "path": "ckpt/step-1"})
-            )
+            sup.deliver("learner:0", CheckpointSaved(step=1, path="ckpt/step-1", version=1))
             await saved
             failed = asyncio.ensure_future(coord.save_checkpoint(2, "ckpt/step-2"))
             await asyncio.sleep(0.05)
-            fields = {"step": 2, "path": "ckpt/step-2", "error": "No space left on device"}
-            sup.deliver("learner:0", Status(topic="checkpoint_failed", fields=fields))
+            failure = CheckpointSaved(step=2, path="ckpt/step-2", version=2, error="No space left on device")
+            sup.deliver("learner:0", failure)
             with pytest.raises(RuntimeError, match=r"learner:0 could not save checkpoint 2 .*No space left"):
                 await failed
+
+    run(main())
+
+
+def test_a_request_whose_handler_raises_is_answered_failed_and_its_waiter_ends() -> None:
+    """An actor's handler that raises (a bug, not a death) answers the coordinator `Failed` naming the
+    error; the coordinator's wait on that actor then raises it instead of hanging."""
+
+    class Broken(Actor):
+        role = "learner"
+
+        @handler
+        def on_checkpoint(self, msg: SaveCheckpoint, sender: str) -> None:
+            raise ValueError(f"no room for {msg.path}")
+
+    class Outbox:
+        def __init__(self) -> None:
+            self.sent: list[tuple[str, Any]] = []
+
+        def send(self, dest: str, frames: list[Any]) -> None:
+            self.sent.append((dest, Codec().decode(frames)))
+
+    outbox = Outbox()
+    actor = Broken(Broken.Config(), rank=0, outbox=outbox, inbox=Inbox(4))
+    request = SaveCheckpoint(step=2, path="ckpt/step-2")
+    actor.dispatch(request, "coordinator")
+    actor.dispatch(request, "rollout:0")  # a peer's message has no waiter: no answer
+    ((dest, answer),) = outbox.sent
+    assert dest == "coordinator" and answer == Failed(
+        request="control.checkpoint", error="ValueError: no room for ckpt/step-2"
+    )
+
+    async def main() -> None:
+        sup = FakeSupervisor()
+        async with Coordinator(sup, rollouts=[], learners=["learner:0"]) as coord:
+            saved = asyncio.ensure_future(coord.save_checkpoint(2, "ckpt/step-2"))
+            await asyncio.sleep(0.05)
+            sup.deliver("learner:0", answer)
+            with pytest.raises(RequestFailedError, match=r"learner:0 failed .*checkpoint of step 2.*no room"):
+                await asyncio.wait_for(saved, 5)
+
+    run(main())
+
+
+def test_a_learner_that_dies_while_a_restarted_rollout_is_re_pushed_is_recovered_then_pushes_again() -> None:
+    """Mid-step a rollout dies and is restarted; while the learner re-pushes it the current policy, the
+    learner dies too. Its recovery (checkpoint, replay) runs, and then the rollout gets its weights."""
+
+    async def main() -> None:
+        sup = RestartingSupervisor()
+        recovered: list[int] = []
+        coord = recovering(sup, recovered)
+        async with coord:
+            stream = coord.rollout([request(0, 1)])
+            nxt = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0.01)
+            sup.deaths.put_nowait(Died("rollout:0", "killed by SIGKILL"))
+            await until(lambda: sup.sent_any(PushWeights))  # restarted, the re-push asked for
+            assert sup.restarted == ["rollout:0"] and not recovered
+            sup.deaths.put_nowait(Died("learner:0", "killed by SIGKILL"))  # before the rollout's ack
+            await until(lambda: len([m for _, m in sup.sent if isinstance(m, PushWeights)]) == 2, seconds=2.0)
+            assert recovered == [3] and sup.restarted == ["rollout:0"]  # the rollout is not restarted again
+            pushes = [m for _, m in sup.sent if isinstance(m, PushWeights)]
+            assert [(p.version, p.to) for p in pushes] == [(3, ["rollout:0"])] * 2
+            sup.deliver("rollout:0", WeightAck(version=3, role="rollout", rank=0, ok=True, error=None))
+            await until(lambda: any(isinstance(m, GenerateRequest) and m.sample_indices for _, m in sup.sent))
+            sup.deliver("rollout:0", completion(0, 0))
+            assert (await nxt).sample_index == 0
 
     run(main())

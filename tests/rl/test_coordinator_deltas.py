@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from slipstream.protocols.control import Status
-from slipstream.protocols.learner import PushWeights, StepStats, TrainStep, WeightAck
+from slipstream.protocols.drafter import HeadAck
+from slipstream.protocols.learner import PushWeights, WeightAck, WeightsPushed
 from slipstream.rl.coordinator import Coordinator
 from tests.rl.test_coordinator import FakeSupervisor, run
 
@@ -29,19 +29,17 @@ def test_train_names_the_version_each_destination_acknowledged() -> None:
             sup.deliver("rollout:0", ack(0, 1))
             sup.deliver("rollout:0", ack(0, 2))
             sup.deliver("rollout:1", ack(1, 2, ok=False, error="checksum"))  # refused: holds nothing known
-            sup.deliver("drafter:0", Status(topic="head_synced", fields={"rank": 0, "version": 2}))
+            sup.deliver("drafter:0", HeadAck(rank=0, version=2, ok=True))
             await asyncio.sleep(0.05)
             task = asyncio.ensure_future(
-                coord.train(2, [], version=3, push_to=ROLLOUTS, push_head_to=["drafter:0"])
+                coord.push_weights(3, to=ROLLOUTS, head_to=["drafter:0"], deltas=True)
             )
             await asyncio.sleep(0.05)
-            steps = {n: m for n, m in sup.sent if isinstance(m, TrainStep)}
-            assert steps["learner:0"].delta_base == {"rollout:0": 2, "drafter:0": 2}
-            assert steps["learner:1"].delta_base == {}  # only rank 0 pushes
-            for name in learners:
-                sup.deliver(
-                    name, StepStats(step=2, version=3, loss=0.0, grad_norm=0.0, tokens=0, elapsed_s=0.0)
-                )
+            pushes = [(n, m) for n, m in sup.sent if isinstance(m, PushWeights)]
+            assert [n for n, _ in pushes] == ["learner:0"]  # only rank 0 pushes
+            assert pushes[0][1].delta_base == {"rollout:0": 2, "drafter:0": 2}
+            for rank in (0, 1):
+                sup.deliver(f"rollout:{rank}", ack(rank, 3))
             await task
 
     run(main())
@@ -89,14 +87,12 @@ def test_push_reports_are_summed_per_version() -> None:
     async def main() -> None:
         sup = FakeSupervisor()
         async with Coordinator(sup, rollouts=ROLLOUTS, learners=["learner:0"]) as coord:
-            for topic, full, wire in (
-                ("weights_pushed", 100, 40),
-                ("head_pushed", 20, 5),
-                ("weights_pushed", 100, 100),
-            ):
-                fields = {"version": 7, "full_bytes": full, "wire_bytes": wire, "deltas": 1, "encode_s": 0.1}
-                sup.deliver("learner:0", Status(topic=topic, fields=fields))  # type: ignore[arg-type]
+            for head_only, full, wire in ((False, 100, 40), (True, 20, 5), (False, 100, 100)):
+                report = WeightsPushed(
+                    version=7, head_only=head_only, full_bytes=full, wire_bytes=wire, deltas=1
+                )
+                sup.deliver("learner:0", report)
             await asyncio.sleep(0.05)
-            assert coord.pushed[7] == {"full_bytes": 220, "wire_bytes": 145}
+            assert coord.pushed[7] == {"full_bytes": 220, "wire_bytes": 145, "push_bytes": 0}  # bytes unsaid
 
     run(main())

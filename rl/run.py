@@ -1,0 +1,476 @@
+"""One training run's verbs: what rl/loop.py calls, step by step, to read top to bottom.
+
+`Run` holds what lives as long as the run: the config, the data stream, the supervisor and its actors,
+the coordinator, the metrics files and sinks. `open` starts them; per step `batch` takes the prompts,
+then `roll_out_and_score`, `learn`, `push`, `checkpoint` and `record`, each marking its own time (its span
+and its field of the step's record); `close` stops everything in order and writes the summary.
+
+Non-obvious choices:
+- What belongs to one step lives in its `StepWork` (prompts, groups, stats, marks, the record as it
+  fills), never in the run's fields: a step can be trained again after a learner death without
+  anything of the previous try leaking into it.
+- The policy version has one owner, the coordinator (`policy_version`, moved only when every rollout
+  acknowledged a push). The learner's version counts steps: step s trains version s + 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import msgspec
+import torch
+
+from slipstream.actors.learner import RENDEZVOUS_FILE
+from slipstream.engine import hub
+from slipstream.engine.sampling import group_seed
+from slipstream.engine.tokenizer import Tokenizer
+from slipstream.protocols.learner import ScoredGroup, StepStats
+from slipstream.protocols.reward import ScoreRequest
+from slipstream.protocols.rollout import Completion, GenerateRequest, SamplingSpec
+from slipstream.rl import recovery
+from slipstream.rl import run_dir as run_dir_files
+from slipstream.rl.coordinator import Coordinator
+from slipstream.rl.run_config import TrainConfig, actor_names, actor_specs, data_stream, lease_plan
+from slipstream.rl.run_dir import StepRecord
+from slipstream.rl.step import StepMetrics, rollout_step
+from slipstream.runtime.agent import AgentLauncher
+from slipstream.runtime.cluster import RENDEZVOUS, Cluster, run_keys
+from slipstream.runtime.placement import Host
+from slipstream.runtime.sinks import open_sinks
+from slipstream.runtime.spans import SpanRecorder, span_path
+from slipstream.runtime.supervisor import Supervisor
+from slipstream.runtime.turns import Turns
+from slipstream.tasks.datasets import Row, chat_prompt_ids
+
+__all__ = ["Run", "StepWork"]
+
+
+@dataclass
+class StepWork:
+    """One step's state, filled phase by phase."""
+
+    step: int
+    rows: dict[int, Row]  # group id -> its dataset row (group ids are global, their seeds too)
+    prompts: dict[int, list[int]]  # group id -> prompt token ids
+    data_cursor: dict[str, Any]  # the stream after this step's rows: where a resume reads on
+    restarts_before: int  # the run's restarts before this step (the step reports its own)
+    started: float = field(default_factory=time.monotonic)
+    completions: dict[tuple[int, int], Completion] = field(default_factory=dict)
+    rewards: dict[tuple[int, int], float | None] = field(default_factory=dict)
+    reward_errors: dict[str, int] = field(default_factory=dict)
+    metrics: StepMetrics = field(default_factory=StepMetrics)
+    groups: list[ScoredGroup] = field(default_factory=list)
+    stats: list[StepStats] = field(default_factory=list)
+    checkpoint: str = ""  # relative to the run directory; "" when none is due
+    marks: dict[str, float] = field(default_factory=dict)  # phase -> seconds (its last try)
+
+    @property
+    def version(self) -> int:
+        """The policy version this step trains."""
+        return self.step + 1
+
+
+class Run:
+    """See the module docstring. `open`, then the verbs, then `close` (in a `finally`)."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        run_dir: Path,
+        *,
+        baseline: bool,
+        resume: bool,
+        log: Any = None,
+        step_lines: TextIO | None = None,
+        turns: Turns | None = None,
+    ) -> None:
+        self.cfg, self.run_dir, self.baseline, self.log = cfg, run_dir, baseline, log
+        self.step_lines, self.turns = step_lines, turns
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # The learner ranks' rendezvous file: one a crashed run left behind would hand a resumed run stale
+        # addresses and counts.
+        (run_dir / RENDEZVOUS_FILE).unlink(missing_ok=True)
+        self.tokenizer = Tokenizer.from_dir(hub.resolve(cfg.model))
+        state = run_dir_files.read_state(run_dir) if resume else {"step": 0, "checkpoint": ""}
+        if state["checkpoint"]:
+            state["checkpoint"] = str(run_dir / state["checkpoint"])  # relative (an absolute one stays)
+        self.state = state
+        self.start = int(state["step"])
+        self.stream = data_stream(cfg, state, log)
+        self.sampling = SamplingSpec(
+            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_tokens,
+            stop_token_ids=sorted(self.tokenizer.stop_ids),
+        )  # fmt: skip
+        self.spans = SpanRecorder(
+            span_path(run_dir, "coordinator") if cfg.trace else None, actor="coordinator", role="coordinator"
+        )
+        # A resumed run keeps the steps before its checkpoint and drops those after it (they are done
+        # again): metrics.jsonl and the summary then hold every step once.
+        self.records = (
+            run_dir_files.read_records(run_dir / "metrics.jsonl", before=self.start) if resume else []
+        )
+        run_dir_files.write_records(run_dir / "metrics.jsonl", self.records)
+        self.sinks = open_sinks(
+            cfg.metrics, run_dir, resume_step=self.start, run_config=msgspec.to_builtins(cfg)
+        )
+        self.metrics_file = (run_dir / "metrics.jsonl").open("a")
+        self.last_checkpoint, self.invalid_steps = time.monotonic(), 0
+        self.agents: AgentLauncher | None = None
+        self.sup: Supervisor | None = None
+        self._exit = contextlib.AsyncExitStack()
+
+    # -- start and stop ---------------------------------------------------------------------------------
+
+    async def open(self, cluster: Cluster, *, keys_dir: Path | None, join_timeout_s: float) -> None:
+        """Starts every actor (on every node of a multi-node `cluster`: this is node 0, the head, and it
+        waits `join_timeout_s` for the others' agents) and the coordinator. A resumed run's learner then
+        hands its weights to the fresh rollouts and drafters."""
+        cfg, run_dir = self.cfg, self.run_dir
+        hosts, key_file = await self._join(cluster, keys_dir, join_timeout_s)
+        self.specs = actor_specs(
+            cfg, run_dir, baseline=self.baseline, resume_from=str(self.state["checkpoint"]), hosts=hosts,
+            rendezvous=cluster.head_endpoint(RENDEZVOUS) if cluster.multi and cfg.learner.ranks > 1 else "",
+        )  # fmt: skip
+        self.rollouts, self.drafters, verifiers, learners = actor_names(
+            cfg, baseline=self.baseline, hosts=hosts
+        )
+        drafter_of, lease_cpus = lease_plan(cfg, baseline=self.baseline, hosts=hosts)
+        self.sup = Supervisor(
+            run_dir, max_restarts=cfg.faults.max_restarts, restart_backoff_s=cfg.faults.restart_backoff_s,
+            log=self.log, trace=cfg.trace, cluster=cluster, curve_key=key_file, remote=self.agents,
+        )  # fmt: skip
+        await self.take_turn()
+        await self.sup.start(self.specs)
+        self.end_turn()
+        self.coord = await self._exit.enter_async_context(
+            Coordinator(
+                self.sup, rollouts=self.rollouts, drafters=drafter_of, lease_cpus=lease_cpus,
+                verifiers=verifiers, learners=learners,
+                restart=True,  # a dead rollout, verifier or drafter is restarted and dealt its work again
+                policy_version=self.start, recover_learners=self.recover_learners, spans=self.spans,
+                log=self.log,
+            )
+        )  # fmt: skip
+        if self.start > 0:  # the resumed learner hands its weights to the fresh rollouts first
+            await self.coord.push_weights(self.start, to=self.rollouts, head_to=self.drafters)
+            await self.coord.heads_applied(self.start, self.drafters)
+
+    async def _join(
+        self, cluster: Cluster, keys_dir: Path | None, join_timeout_s: float
+    ) -> tuple[list[Host] | None, Path | None]:
+        """On several nodes: the run's key, the other nodes' agents, and every node's cores and GPUs."""
+        if not cluster.multi:
+            return None, None
+        keys, key_file = None, None
+        if self.cfg.transport.security == "curve":
+            keys, key_file = run_keys(self.run_dir, keys_dir=keys_dir, create=keys_dir is None)
+        self.agents = AgentLauncher(cluster, curve=keys, log=self.log)
+        try:
+            joined = await self.agents.wait_for_agents(join_timeout_s)
+        except BaseException:
+            await self.agents.close("the head gave up waiting")
+            self.agents = None
+            raise
+        hosts = [Host(len(os.sched_getaffinity(0)), gpu_count(self.cfg.device))]
+        hosts += [Host(joined[n].cores, joined[n].gpus) for n in range(1, cluster.nnodes)]
+        return hosts, key_file
+
+    async def close(self) -> dict[str, Any]:
+        """Stops the coordinator, the actors (in a turn of their own: stopping computes too), the agents,
+        the sinks; returns the summary, also written to run_dir/summary.json."""
+        try:
+            await self._exit.aclose()
+        finally:
+            self.metrics_file.close()
+            try:
+                if self.sup is not None:
+                    await self.take_turn()  # stopping the actors computes too (their checkpoints, logs)
+                    await self.sup.shutdown(reason="training finished")
+            finally:
+                if self.turns is not None:
+                    self.turns.done()  # the other run waits for this one no more, whatever happened here
+            if self.agents is not None:  # after their actors are down: the agents stop and exit
+                await self.agents.close("training finished")
+            self.sinks.close()  # after the actors are down: a failing sink cannot keep them running
+            self.spans.close()
+        summary = run_dir_files.summary(
+            msgspec.to_builtins(self.cfg), self.records, self.run_dir, baseline=self.baseline
+        )
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    async def take_turn(self) -> None:
+        """Before start-up, each step and the shutdown (`turns`: bench e2e interleaves two runs)."""
+        if self.turns is not None:
+            await self.turns.acquire()
+
+    def end_turn(self) -> None:
+        if self.turns is not None:
+            self.turns.release()
+
+    # -- the step's verbs ---------------------------------------------------------------------------------
+
+    def batch(self, step: int) -> StepWork:
+        """Step `step`'s prompts: the next rows of the data stream, as chat prompts."""
+        cfg = self.cfg
+        chunk = range(step * cfg.prompts_per_step, (step + 1) * cfg.prompts_per_step)
+        rows = dict(zip(chunk, self.stream.take(cfg.prompts_per_step), strict=True))
+        system = cfg.system_prompt or None
+        prompts = {g: chat_prompt_ids(self.tokenizer, row.question, system=system) for g, row in rows.items()}
+        return StepWork(step, rows, prompts, self.stream.state(), len(self.coord.restarted))
+
+    async def roll_out_and_score(self, work: StepWork, advance: Any) -> None:
+        """Deals the prompts to the rollouts and sends each completion to a verifier the moment it arrives
+        (rewards overlap the tail) while idle rollout devices are leased to drafter training; then the
+        rewards' tail, and the GRPO groups. `advance`: the progress bar, a completion at a time."""
+        last_completion = [work.started]
+
+        async def score(completion: Completion) -> None:
+            last_completion[0] = time.monotonic()
+            await self.coord.score(self._score_request(work, completion))
+            advance()
+
+        work.completions, work.metrics = await rollout_step(self.coord, self._requests(work), score)
+        self._mark(work, "rollout", work.started, work.metrics.rollout_s)
+        tail = last_completion[0]  # the reward tail: from the last completion to the last reward
+        while len(work.rewards) < len(work.completions):
+            reward = await self.coord.reward()
+            work.rewards[(reward.group_id, reward.sample_index)] = reward.reward
+            if reward.error is not None:
+                work.reward_errors[reward.error] = work.reward_errors.get(reward.error, 0) + 1
+        self._mark(work, "reward", tail)
+        work.groups = self._groups(work)
+        if checkpoint_due(self.cfg, work.step, time.monotonic() - self.last_checkpoint):
+            work.checkpoint = f"checkpoints/step-{work.step + 1}/{run_dir_files.CHECKPOINT_FILE}"
+
+    async def learn(self, work: StepWork) -> None:
+        """One GRPO step on the learner ranks: policy version `work.version`."""
+        began = time.monotonic()
+        work.stats = await self.coord.train(work.step, work.groups, version=work.version)
+        self._mark(work, "learn", began)
+
+    async def push(self, work: StepWork) -> None:
+        """The line where weights are pushed: the learner sends `work.version` to every rollout (deltas
+        across hosts) and its head parts to the drafters; returns when all of them applied it. The heads
+        too: copied during the next rollout, they took its cores' time."""
+        began = time.monotonic()
+        coord, version = self.coord, work.version
+        await coord.push_weights(version, to=self.rollouts, head_to=self.drafters, deltas=True)
+        await coord.weights_applied(version, heads=self.drafters)
+        self._mark(work, "sync", began, version=version)
+
+    async def checkpoint(self, work: StepWork) -> None:
+        """When due: the policy and its optimizer (the learner), the drafter (its owner), after the sync."""
+        if work.checkpoint:
+            began = time.monotonic()
+            path = str(self.run_dir / work.checkpoint)
+            await self.coord.save_checkpoint(work.step + 1, path, drafters=self.drafters[:1])
+            self._mark(work, "checkpoint", began)
+
+    def record(self, work: StepWork) -> None:
+        """The step's record to metrics.jsonl, the sinks, the log and the step line; its samples (what a
+        replayed learner trains on); when it checkpointed, the run's state. Raises after
+        `faults.max_invalid_steps` steps in a row where every reward failed."""
+        cfg, run_dir = self.cfg, self.run_dir
+        record = self._record(work)
+        self.spans.add("step", _ns(work.started), _ns(time.monotonic() - work.started), work.step)
+        run_dir_files.write_samples(
+            run_dir / "samples" / f"step-{work.step}.jsonl", work.groups, self.tokenizer
+        )
+        if work.checkpoint:
+            # Relative to the run directory: a run moved or resumed from elsewhere still finds it.
+            state = {"step": work.step + 1, "checkpoint": work.checkpoint, "data": work.data_cursor}
+            run_dir_files.write_state(run_dir, state)
+            run_dir_files.prune_checkpoints(run_dir, cfg.keep_checkpoints)
+            self.last_checkpoint = time.monotonic()
+        self.records.append(record)
+        self.metrics_file.write(msgspec.json.encode(record).decode() + "\n")
+        self.metrics_file.flush()
+        self.sinks.write(record.step, msgspec.to_builtins(record))
+        if self.log is not None:
+            self.log.info("step", **msgspec.structs.asdict(record))
+        if self.step_lines is not None:
+            print(step_line(record, cfg.steps), file=self.step_lines, flush=True)
+        all_invalid = record.invalid == cfg.prompts_per_step * cfg.group_size
+        self.invalid_steps = self.invalid_steps + 1 if all_invalid else 0
+        if self.invalid_steps >= cfg.faults.max_invalid_steps:
+            raise RuntimeError(
+                f"{self.invalid_steps} steps in a row where every reward failed (faults.max_invalid_steps): "
+                f"{_explain(record.reward_errors)}"
+            )
+
+    async def recover_learners(self, cause: BaseException | None = None) -> None:
+        """A learner died: its ranks restart from the newest checkpoint and train again the steps after it
+        from their samples files (rl/recovery.py). `cause`, re-raised, when no learner died."""
+        if cause is not None and not any(n in self.coord.dead for n in self.coord.learners):
+            raise cause
+        await recovery.replay_learner(self.coord, self.cfg, self.run_dir, self.specs, self.steps_recorded)
+
+    @property
+    def steps_recorded(self) -> int:
+        """Steps whose samples are on disk (the resumed ones and this run's): what a replay trains up to."""
+        return self.start + sum(r.step >= self.start for r in self.records)
+
+    # -- the parts of a step ---------------------------------------------------------------------------
+
+    def _mark(
+        self, work: StepWork, phase: str, began: float, seconds: float | None = None, **fields: Any
+    ) -> None:
+        """A phase's timing mark: its seconds in the step's record and its span in the trace."""
+        seconds = time.monotonic() - began if seconds is None else seconds
+        work.marks[phase] = seconds
+        self.spans.add(phase, _ns(began), _ns(seconds), work.step, **fields)
+
+    def _requests(self, work: StepWork) -> list[GenerateRequest]:
+        cfg = self.cfg
+        return [
+            GenerateRequest(
+                group_id=g,
+                prompt_ids=torch.tensor(work.prompts[g], dtype=torch.int64),
+                num_samples=cfg.group_size,
+                seed=group_seed(cfg.seed, g),
+                sampling=self.sampling,
+                policy_version=work.step,
+            )
+            for g in work.rows
+        ]
+
+    def _score_request(self, work: StepWork, completion: Completion) -> ScoreRequest:
+        row = work.rows[completion.group_id]
+        return ScoreRequest(
+            group_id=completion.group_id,
+            sample_index=completion.sample_index,
+            prompt=row.question,
+            completion=self.tokenizer.decode(completion.token_ids.tolist(), skip_special_tokens=True),
+            row_json=json.dumps({"question": row.question, "answer": row.answer, "metadata": row.metadata}),
+            policy_version=completion.policy_version,
+        )
+
+    def _groups(self, work: StepWork) -> list[ScoredGroup]:
+        cfg, groups = self.cfg, []
+        for g in work.rows:
+            done = [work.completions[(g, i)] for i in range(cfg.group_size)]
+            groups.append(
+                ScoredGroup(
+                    step=work.step,
+                    group_id=g,
+                    prompt_ids=torch.tensor(work.prompts[g], dtype=torch.int64),
+                    response_ids=[c.token_ids for c in done],
+                    behaviour_logprobs=[c.logprobs for c in done],
+                    # A request the rollout could not serve comes back as an "error" completion: invalid.
+                    rewards=[
+                        None if c.finish_reason == "error" else work.rewards[(g, i)]
+                        for i, c in enumerate(done)
+                    ],
+                    temperature=cfg.temperature,
+                    top_p=cfg.top_p,
+                    top_k=cfg.top_k,
+                    policy_version=work.step,
+                )
+            )
+        return groups
+
+    def _record(self, work: StepWork) -> StepRecord:
+        """The step's metrics.jsonl record (fields: rl/run_dir.py)."""
+        groups, m, marks, lead = work.groups, work.metrics, work.marks, work.stats[0]
+        valid = [r for grp in groups for r in grp.rewards if r is not None]
+        mixed = sum(len({r for r in grp.rewards if r is not None}) > 1 for grp in groups)
+        tokens = sum(len(c.token_ids) for c in work.completions.values())
+        moved = self.coord.pushed.pop(work.version, {})  # what the push of this version sent across hosts
+        for late in [v for v in self.coord.pushed if v < work.version]:  # a head push reported after its step
+            del self.coord.pushed[late]
+        return StepRecord(
+            step=work.step,
+            reward_mean=round(sum(valid) / len(valid), 4) if valid else math.nan,
+            correct_share=round(sum(r >= 1.0 for r in valid) / len(valid), 4) if valid else math.nan,
+            nonzero_adv_share=round(mixed / len(groups), 4),
+            invalid=sum(r is None for grp in groups for r in grp.rewards),
+            tokens=tokens,
+            mean_response_tokens=round(tokens / max(len(work.completions), 1), 1),
+            step_s=round(time.monotonic() - work.started, 3),
+            rollout_s=round(m.rollout_s, 3),
+            reward_s=round(marks["reward"], 3),
+            learn_s=round(marks["learn"], 3),
+            sync_s=round(marks["sync"], 3),
+            checkpoint_s=round(marks.get("checkpoint", 0.0), 3),
+            accept_length=round(m.accept_length, 3),
+            spec_accept_length=round(m.spec_accept_length, 3),
+            spec_token_share=round(m.spec_token_share, 4),
+            arms=dict(m.arms),
+            accept_by_batch=m.speculated_accept_length(),
+            arms_by_batch={bucket: dict(arms) for bucket, arms in m.arms_by_batch.items()},
+            decode_by_batch=m.decode_seconds_by_batch(),
+            accept_by_position=m.accept_by_position(),
+            drafter_loss=None if m.drafter_loss is None else round(m.drafter_loss, 5),
+            idle_device_s=round(m.idle_device_s, 3),
+            reclaimed_s=round(m.reclaimed_s, 3),
+            loss=lead.loss,
+            grad_norm=lead.grad_norm,
+            reward_errors=work.reward_errors,
+            requeued=m.requeued,
+            duplicates=m.duplicates,
+            mismatch_logp_abs_max=lead.metrics.get("mismatch_logp_abs_max", 0.0),
+            sync_bytes=moved.get("push_bytes", 0),
+            wire_bytes=moved.get("wire_bytes", 0),
+            wire_full_bytes=moved.get("full_bytes", 0),
+            policy_version=work.version,
+            restarts=self.coord.restarted[work.restarts_before :],
+        )
+
+
+def gpu_count(device: str) -> int:
+    return torch.cuda.device_count() if device == "cuda" and torch.cuda.is_available() else 0
+
+
+def _ns(seconds: float) -> int:
+    """time.monotonic() seconds as the nanoseconds spans are kept in (the same clock)."""
+    return int(seconds * 1e9)
+
+
+def checkpoint_due(cfg: TrainConfig, step: int, since_last_s: float) -> bool:
+    """After step `step` (0-based): every `checkpoint_every` steps, at least every `checkpoint_minutes`,
+    and after the last step."""
+    by_steps = cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0
+    by_time = cfg.checkpoint_minutes > 0 and since_last_s >= cfg.checkpoint_minutes * 60
+    return by_steps or by_time or step + 1 == cfg.steps
+
+
+def step_line(r: StepRecord, steps: int) -> str:
+    """One finished step, compact: printed as it finishes, whether stdout is a terminal or not (the progress
+    bars are transient and on stderr; a step's line comes after its bar is gone)."""
+    split = f"rollout {r.rollout_s:.1f}, reward {r.reward_s:.1f}, learn {r.learn_s:.1f}, sync {r.sync_s:.1f}"
+    split += f", ckpt {r.checkpoint_s:.1f}" if r.checkpoint_s else ""
+    invalid = f"  {r.invalid} invalid" if r.invalid else ""
+    return (
+        f"step {r.step + 1}/{steps}  reward {r.reward_mean:.3f}  correct {r.correct_share:.3f}  {r.tokens} tok  "
+        f"{r.step_s:.1f} s ({split})  {_speculation(r)}{invalid}"
+    )
+
+
+def _speculation(r: StepRecord) -> str:
+    """What speculation did in the step: its accept length where it ran, and the share of tokens it decoded
+    (an average over every iteration would count the tuner's plain ones as 1.0)."""
+    if not r.spec_token_share:
+        return "no speculation"
+    return f"accept {r.spec_accept_length:.2f} on {r.spec_token_share:.0%} of tokens"
+
+
+def _explain(errors: dict[str, int]) -> str:
+    """The reward's most common errors, with the fix for the usual signature mistake."""
+    if not errors:
+        return "no error was reported"
+    top = sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+    text = "; ".join(f"{n}× {e}" for e, n in top)
+    if any("unexpected keyword argument" in e for e in errors):
+        text += (
+            " — a reward is called as fn(prompt, completion, **row), row being the dataset row's fields "
+            "(question, answer, metadata): accept **kwargs (e.g. def reward(prompt, completion, answer, **_))"
+        )
+    return text
