@@ -54,16 +54,19 @@ def reward() -> HiddenTests:
 
 @pytest.fixture
 def host_checked() -> Iterator[None]:
-    """After the test: no sandbox process left, no new sandbox dir, no child of ours, and fork works."""
-    dirs = sandbox_dirs()
+    """After the test: no sandbox process left, no new sandbox dir, no new child of ours, and fork works."""
+    dirs, children = sandbox_dirs(), our_children()
     yield
     assert sandbox_processes() == []
     assert sandbox_dirs() <= dirs
-    children = subprocess.run(
-        ["pgrep", "-P", str(os.getpid())], capture_output=True, text=True
-    ).stdout.split()
-    assert children == [], f"children left: {children}"
+    assert our_children() <= children, f"children left: {our_children() - children}"
     assert subprocess.run(["true"]).returncode == 0
+
+
+def our_children() -> set[str]:
+    return set(
+        subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
+    )
 
 
 def solution(body: str) -> str:
@@ -201,6 +204,7 @@ def test_every_built_in_problem_is_solvable(reward: HiddenTests, host_checked: N
         )
 
 
+@pytest.mark.timeout(60)
 def test_a_row_without_tests_cannot_be_judged(reward: HiddenTests) -> None:
     with pytest.raises(ValueError, match="needs answer"):
         reward("p", solution("def add(a, b): return 1"), answer="5")
