@@ -200,7 +200,26 @@ class Generator:
         """Requests whose prompt is not fully cached yet, waiting ones included: the next iteration will
         spend part of its pass on their prefill if any of them gets a slot."""
         waiting = len(self.scheduler.waiting) if self.cache.num_free_slots else 0
-        return len(self.scheduler.running) - self.num_decoding + waiting
+        return len(self.scheduler.running) - self.num_decoding - self.num_parked + waiting
+
+    @property
+    def num_parked(self) -> int:
+        """Requests whose turn ended (`pause`), waiting for `resume`."""
+        return sum(seq.parked for seq in self.scheduler.running.values())
+
+    def pause(self, request_id: str, keep: int | None = None) -> int:
+        """End a decoding request's turn (multi-turn: the caller saw a tool call; `Scheduler.park`): it
+        holds its slot and decodes nothing until `resume`; its tokens past `keep` are dropped (speculation
+        emitted beyond the turn's end). Returns how many were dropped."""
+        dropped = self.scheduler.park(self.scheduler.get(request_id), keep)
+        if dropped:
+            self.speculator.finish(request_id, None)  # drafters forget what they saw of the dropped tokens
+        return dropped
+
+    def resume(self, request_id: str, tokens: Sequence[int]) -> None:
+        """Append the environment's answer to a paused request (`Scheduler.unpark`): prefilled on the same
+        cache and masked out of training; then the request decodes its next turn."""
+        self.scheduler.unpark(self.scheduler.get(request_id), tokens, self.model.config.vocab_size)
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
@@ -215,6 +234,8 @@ class Generator:
         if scheduler.share_prompts:
             prefills, copied = scheduler.share(prefills)
             self._stats["shared_prompt_tokens"] += copied
+        if not decodes and not prefills:
+            return []  # every running request is paused (or waits for a sibling's prefill)
         self.last_draft_ns = 0
         if self._static is not None:
             return self._static_iteration(decodes, prefills)
@@ -525,6 +546,8 @@ class Generator:
         if taken < len(tokens):
             tokens, logprobs = tokens[:taken], logprobs[:taken]
         seq.logprobs.extend(logprobs)
+        if seq.policy is not None:
+            seq.policy.extend([True] * taken)
         if hidden is not None:
             hidden = hidden[:taken]
             if self.return_hidden:
@@ -554,6 +577,7 @@ class Generator:
             target_passes=seq.target_passes,
             drafted=seq.drafted,
             accepted=seq.accepted,
+            policy_mask=seq.policy,
         )
         return StepOutput(
             request_id=request_id,

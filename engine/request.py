@@ -53,6 +53,9 @@ class Completion:
     """Draft tokens sent to verification for this request."""
     accepted: int = 0
     """Draft tokens accepted and emitted."""
+    policy_mask: list[bool] | None = None
+    """Per token of `token_ids`: sampled by the policy (True) or the environment's (False, log-prob 0, no
+    hidden row: `hidden` then holds the policy's tokens' rows only); None for a single turn (all True)."""
 
 
 @dataclass(frozen=True, kw_only=True)

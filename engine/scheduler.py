@@ -47,15 +47,21 @@ class Running:
     target_passes: int = 0
     drafted: int = 0
     accepted: int = 0
+    parked: bool = False
+    """Its turn ended (`park`): it keeps its slot and pending token, and decodes nothing until `unpark`."""
+    policy: list[bool] | None = None
+    """Per token after the prompt: sampled by the policy (True) or appended by `unpark` (False); None while
+    every one is the policy's (a single turn)."""
 
     @property
     def num_generated(self) -> int:
+        """Tokens after the prompt (the environment's too)."""
         return len(self.tokens) - self.num_prompt
 
     @property
     def decoding(self) -> bool:
-        """It has a pending token (its prompt is cached)."""
-        return self.num_cached == len(self.tokens) - 1
+        """It has a pending token (everything before it cached) and is not parked."""
+        return not self.parked and self.num_cached == len(self.tokens) - 1
 
 
 class Scheduler:
@@ -147,10 +153,70 @@ class Scheduler:
             del self._group_live[group]
         return bool(live)
 
+    def park(self, seq: Running, keep: int | None = None) -> int:
+        """End `seq`'s turn: it decodes nothing until `unpark`. keep: tokens after the prompt to keep (None:
+        all); the policy's tokens past it are dropped (speculation emitted beyond the turn's end) and their
+        K/V rolled back. Returns how many were dropped; ValueError where `keep` would cut into what the
+        environment appended or leave no pending token."""
+        if not seq.decoding:
+            raise ValueError(f"request {seq.request.request_id!r} is not decoding: only a decoding turn ends")
+        generated = seq.num_generated
+        keep = generated if keep is None else keep
+        floor = 1 if seq.policy is None else max(i for i, own in enumerate(seq.policy) if not own) + 2
+        if not floor <= keep <= generated:
+            raise ValueError(
+                f"request {seq.request.request_id!r}: keep must lie in [{floor}, {generated}], got {keep}"
+            )
+        dropped = generated - keep
+        if dropped:
+            del seq.tokens[seq.num_prompt + keep :]  # in place: drafters read the same list
+            del seq.logprobs[keep:]
+            if seq.hidden:
+                del seq.hidden[len(seq.hidden) - dropped :]
+            if seq.policy is not None:
+                del seq.policy[keep:]
+            seq.num_cached = len(seq.tokens) - 1
+            self.cache.rollback(seq.slot, min(seq.num_cached, self.cache.length(seq.slot)))
+        seq.parked = True
+        return dropped
+
+    def get(self, request_id: str) -> Running:
+        """The running request `request_id` (ValueError naming it if it is not running)."""
+        seq = self.running.get(request_id)
+        if seq is None:
+            raise ValueError(f"request {request_id!r} is not running")
+        return seq
+
+    def unpark(self, seq: Running, tokens: Sequence[int], vocab_size: int) -> None:
+        """Append the environment's `tokens` to a parked sequence (not the policy's: masked, log-prob 0); it
+        prefills them, then decodes its next turn. ValueError naming what is wrong (not parked, ids out of
+        the vocabulary, no room left in max_len)."""
+        name = seq.request.request_id
+        if not seq.parked:
+            raise ValueError(f"request {name!r} is not paused")
+        if not tokens or min(tokens) < 0 or max(tokens) >= vocab_size:
+            raise ValueError(
+                f"request {name!r}: observation ids must be non-empty and lie in [0, {vocab_size})"
+            )
+        if len(seq.tokens) + len(tokens) >= self.cache.max_len:
+            raise ValueError(
+                f"request {name!r}: {len(tokens)} observation tokens leave no room in max_len "
+                f"{self.cache.max_len} ({len(seq.tokens)} held)"
+            )
+        if seq.policy is None:
+            seq.policy = [True] * seq.num_generated
+        seq.tokens.extend(tokens)
+        seq.logprobs.extend([0.0] * len(tokens))
+        seq.policy.extend([False] * len(tokens))
+        seq.parked = False
+
     def split(self) -> tuple[list[Running], list[Running]]:
-        """Sequences with a pending token (in slot order) and sequences still prefilling (FIFO)."""
+        """Sequences with a pending token (in slot order) and sequences still prefilling (FIFO); parked ones
+        are neither."""
         decodes, prefills = [], []
         for seq in self.running.values():
+            if seq.parked:
+                continue
             (decodes if seq.decoding else prefills).append(seq)
         decodes.sort(key=lambda s: s.slot)
         return decodes, prefills
