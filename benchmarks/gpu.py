@@ -32,6 +32,7 @@ import msgspec
 import torch
 
 from slipstream.benchmarks.decode import Arm, Tally, _generator, bench_requests, record_outputs
+from slipstream.engine import invariant
 from slipstream.engine.config import ModelConfig
 from slipstream.engine.device import require_device
 from slipstream.engine.drafters.eagle import EagleDrafter
@@ -137,6 +138,7 @@ class GpuResult(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int
     context_tokens: int  # cached tokens per row when step times and verify costs are measured
     wall_s: float
+    batch_invariant: bool = False  # SLIPSTREAM_BATCH_INVARIANT=1: every step on the invariant kernels
 
 
 HBM_TB_S = {"H200": 4.8, "H100": 3.35}
@@ -532,6 +534,7 @@ def run(
     except ImportError:
         hf_version = None
     return GpuResult(
+        batch_invariant=invariant.enabled(),
         device=str(device),
         device_name=torch.cuda.get_device_name(device),
         torch=str(torch.__version__),

@@ -10,7 +10,8 @@
 # Run from the repo root on the GPU machine with `.whl` carried (pyzmq, msgspec, structlog, zstandard,
 # and reasoning-gym with its dependencies for the train part: the image lacks them). Extra arguments go to
 # `bench gpu` (e.g. --shapes qwen2.5-1.5b --batches 1,16). At most 8 files come back from $OUT. Limits in
-# seconds: TESTS_S, TRAIN_S (0 skips the train part), BENCH_S; TESTS picks test paths (default: tests).
+# seconds: TESTS_S, TRAIN_S (0 skips the train part), BENCH_S, INVARIANT_S (0 skips the batch-invariant
+# pass, $OUT/gpu-invariant.json); TESTS picks test paths (default: tests).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/slipstream-gpu}
@@ -34,3 +35,11 @@ fi
 timeout "$BENCH_S" python3 -m slipstream.cli.main bench gpu --json --no-tests "$@" >"$OUT/gpu.json" \
   2> >(tee -a "$OUT/gpu.log" >&2)
 echo "bench gpu: exit $?" | tee -a "$OUT/gpu.log"
+# The batch-invariant kernels (engine/invariant.py) on the 1.5B shape: their cost against the rows above,
+# and whether self-draft replays are accepted (self_accept near d + 1) once node 0 is a plain row's bits.
+if [[ ${INVARIANT_S:-120} != 0 ]]; then
+  SLIPSTREAM_BATCH_INVARIANT=1 timeout "${INVARIANT_S:-120}" python3 -m slipstream.cli.main bench gpu --json \
+    --no-tests --no-peer --shapes qwen2.5-1.5b --batches 1,16 --eager-batches "" >"$OUT/gpu-invariant.json" \
+    2> >(tee -a "$OUT/gpu.log" >&2)
+  echo "bench gpu (batch-invariant): exit $?" | tee -a "$OUT/gpu.log"
+fi

@@ -57,6 +57,8 @@ then read by the merge) cost ~1/10 of its bf16 KV reads at g = 6–7, n = 1, and
 MAX_SPLITS = 128
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """What the split kernel computes in (its running max and sum are fp32); float64 takes the reference."""
+INVARIANT_SPLIT_TILES = 8
+"""Key tiles per split in the batch-invariant mode (engine/invariant.py): 512 keys a split."""
 MERGE_BLOCK = 32
 """Splits the merge kernel loads per step."""
 _LOG2E = 1.4426950408889634
@@ -123,8 +125,11 @@ if triton is not None:
         partial_rows,
         G: tl.constexpr, N_NEW: tl.constexpr, M: tl.constexpr, HD: tl.constexpr, HD_PAD: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+        SPLIT_KEYS: tl.constexpr,
     ):  # fmt: skip
-        """Program (b, kv head, split): the G·N_NEW query rows of one kv head against this split's keys.
+        """Program (b, kv head, split): the G·N_NEW query rows of one kv head against this split's keys
+        (SPLIT_KEYS > 0: split s takes keys [s·SPLIT_KEYS, (s+1)·SPLIT_KEYS), whatever the row's length and
+        node count, so a query's partials are the same at any batch: the batch-invariant mode).
 
         DIRECT (one split): writes the normalised output. Otherwise writes the partial (max, sum) to
         ml[0 / 1, row, split] and the unnormalised acc to acc[row, split, :], row = (b·N + i)·H + h."""
@@ -152,7 +157,10 @@ if triton is not None:
         capacity = table_width * PAGE
         ctx = tl.minimum(tl.load(ctx_ptr + b).to(tl.int32), capacity)
         total = tl.minimum(ctx + N_NEW, capacity)
-        per_split = tl.cdiv(tl.cdiv(total, BLOCK_N), nsplit) * BLOCK_N
+        if SPLIT_KEYS > 0:
+            per_split = SPLIT_KEYS
+        else:
+            per_split = tl.cdiv(tl.cdiv(total, BLOCK_N), nsplit) * BLOCK_N
         lo = split * per_split
         hi = tl.minimum(lo + per_split, total)
         full_end = lo + tl.maximum(tl.minimum(hi, ctx) - lo, 0) // BLOCK_N * BLOCK_N
@@ -380,7 +388,14 @@ def _paged_attention_triton(
     g = heads // kv_heads
     if splits is not None and splits < 1:
         raise ValueError(f"splits must be at least 1, got {splits}")
-    if splits is None:
+    from slipstream.engine import invariant  # (it imports this module)
+
+    split_keys = 0
+    if invariant.enabled():
+        # Fixed key ranges: a query's partials and their merge do not depend on the batch or node count.
+        split_keys = INVARIANT_SPLIT_TILES * BLOCK_N
+        splits = max(1, -(-block_table.shape[1] * page_size // split_keys))
+    elif splits is None:
         sms = _sm_count(q.device.index if q.device.index is not None else 0) if q.is_cuda else 132
         splits = num_splits(batch, kv_heads, block_table.shape[1] * page_size, sms)
     # The kernels index the last dim (and the table's pages) with unit stride; everything else by stride.
@@ -410,7 +425,7 @@ def _paged_attention_triton(
         tree_bits.stride(0), tree_bits.stride(1), out.stride(0), out.stride(1), out.stride(2),
         partial_rows,
         G=g, N_NEW=n, M=m_rows, HD=hd, HD_PAD=hd_pad, PAGE=page_size, BLOCK_N=BLOCK_N, DIRECT=direct,
-        PRECISION=precision, num_warps=4 if m_rows <= 16 else 8, num_stages=2,
+        PRECISION=precision, SPLIT_KEYS=split_keys, num_warps=4 if m_rows <= 16 else 8, num_stages=2,
     )  # fmt: skip
     if not direct:
         _merge_kernel[(partial_rows,)](

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from slipstream.engine import invariant
 from slipstream.engine.batch import AttentionGroup, BatchLayout
 from slipstream.engine.config import ModelConfig
 from slipstream.engine.device import PAD_ROWS, blas_rows, onednn_linear_ok, onednn_pad_rows, sdpa
@@ -66,6 +67,8 @@ class _PackedWeight:
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, pack: _PackedWeight) -> Tensor:
+    if invariant.active(x, weight):
+        return invariant.linear(x, weight, bias)  # rows independent of the batch (engine/invariant.py)
     if onednn_linear_ok(x.device, weight.dtype) and not (
         torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)
     ):
