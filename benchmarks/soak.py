@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -34,9 +34,13 @@ from slipstream.engine import hub
 from slipstream.runtime.process import parent_pid
 from slipstream.runtime.transport import parse_actor_name
 
-__all__ = ["OVERRIDES", "Kill", "RunOutcome", "SoakPlan", "SoakResult", "render", "run", "tiny_model"]
+__all__ = [
+    "OVERRIDES", "Kill", "LogTail", "RunOutcome", "SoakPlan", "SoakResult", "compare", "expected_keys", "metrics_records", "near_tie", "outcome",
+    "render", "run", "tiny_model",
+]  # fmt: skip
 
 Key = tuple[int, int, int]  # (step, group, sample)
+Sample = tuple[list[int], list[float]]  # its tokens and log-probs
 TrainFn = Callable[[Path], dict[str, Any]]  # run directory -> the run's summary; the loop runs in-process
 VICTIMS = ("rollout", "verifier", "drafter", "learner")
 NOT_KILLED: dict[str, str] = {}
@@ -149,18 +153,10 @@ def run(train: TrainFn, root: Path, plan: SoakPlan) -> SoakResult:
         stop.set()
         killer.join()
     clean, clean_samples = _outcome(train, root / "clean", plan)
-    steps = _records(root / "soak")
+    steps = metrics_records(root / "soak")
     restarts = Counter(parse_actor_name(a)[0] for s in steps for a in s["restarts"])
     killed = Counter(parse_actor_name(k.actor)[0] for k in kills)
-    differ = [
-        k
-        for k in _expected(plan)
-        if k not in soak_samples or k not in clean_samples or soak_samples[k][0] != clean_samples[k][0]
-    ]
-    near_ties = sum(
-        k in soak_samples and k in clean_samples and near_tie(soak_samples[k], clean_samples[k])
-        for k in differ
-    )
+    differing, near_ties = compare(expected_keys(plan), soak_samples, clean_samples)
     return SoakResult(
         steps=plan.steps,
         seed=plan.seed,
@@ -174,19 +170,17 @@ def run(train: TrainFn, root: Path, plan: SoakPlan) -> SoakResult:
         restarts=dict(restarts),
         requeued=sum(s["requeued"] for s in steps),
         duplicates=sum(s["duplicates"] for s in steps),
-        differing=len(differ),
+        differing=differing,
         near_ties=near_ties,
         soak=soak,
         clean=clean,
         ok=all(not o.error and o.lost == 0 and o.recorded == o.expected for o in (soak, clean))
-        and len(differ) == near_ties
+        and differing == near_ties
         and restarts == killed,
     )
 
 
-def _outcome(
-    train: TrainFn, run_dir: Path, plan: SoakPlan
-) -> tuple[RunOutcome, dict[Key, tuple[list[int], list[float]]]]:
+def _outcome(train: TrainFn, run_dir: Path, plan: SoakPlan) -> tuple[RunOutcome, dict[Key, Sample]]:
     """One run, timed; an error ends it, and is reported rather than raised (what it left is compared)."""
     started = time.monotonic()
     error = ""
@@ -194,22 +188,32 @@ def _outcome(
         train(run_dir)
     except Exception as exc:  # a soak reports how the run ended
         error = f"{type(exc).__name__}: {exc}"
-    wall_s = time.monotonic() - started
+    return outcome(plan, run_dir, time.monotonic() - started, error)
+
+
+class _Shape(Protocol):
+    steps: int
+    prompts_per_step: int
+    group_size: int
+
+
+def outcome(plan: _Shape, run_dir: Path, wall_s: float, error: str) -> tuple[RunOutcome, dict[Key, Sample]]:
+    """A finished run's outcome (`error`: why it ended early, "" if it did not) and its samples."""
     rows, samples = _samples(run_dir, plan.steps)
-    expected = _expected(plan)
-    outcome = RunOutcome(
+    expected = expected_keys(plan)
+    result = RunOutcome(
         run_dir=str(run_dir),
         wall_s=round(wall_s, 1),
-        steps_completed=len(_records(run_dir)),
+        steps_completed=len(metrics_records(run_dir)),
         expected=len(expected),
         recorded=rows,
         lost=sum(k not in samples for k in expected),
         error=error,
     )
-    return outcome, samples
+    return result, samples
 
 
-def _expected(plan: SoakPlan) -> list[Key]:
+def expected_keys(plan: _Shape) -> list[Key]:
     """Every (step, group, sample) the run deals: step s holds groups s*P ... s*P + P - 1 (the data cursor)."""
     p = plan.prompts_per_step
     return [
@@ -218,6 +222,13 @@ def _expected(plan: SoakPlan) -> list[Key]:
         for g in range(s * p, (s + 1) * p)
         for i in range(plan.group_size)
     ]
+
+
+def compare(expected: list[Key], soaked: dict[Key, Sample], clean: dict[Key, Sample]) -> tuple[int, int]:
+    """(expected samples that differ between the runs or are missing from either, near ties among them)."""
+    differ = [k for k in expected if k not in soaked or k not in clean or soaked[k][0] != clean[k][0]]
+    near = sum(k in soaked and k in clean and near_tie(soaked[k], clean[k]) for k in differ)
+    return len(differ), near
 
 
 NEAR_TIE_LOGP = 1e-4
@@ -247,7 +258,7 @@ def _samples(run_dir: Path, steps: int) -> tuple[int, dict[Key, tuple[list[int],
     return rows, out
 
 
-def _records(run_dir: Path) -> list[dict[str, Any]]:
+def metrics_records(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
@@ -256,7 +267,7 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
 
 
 @dataclass
-class _Tail:
+class LogTail:
     """A JSON-lines log read as it grows (a restarted actor appends to its predecessor's file)."""
 
     path: Path
@@ -278,7 +289,7 @@ class _Tail:
 @dataclass
 class _Actor:
     name: str
-    tail: _Tail
+    tail: LogTail
     pid: int | None = None  # the newest process's, from its "ready" event
     killed: set[int] = field(default_factory=set)
 
@@ -298,13 +309,13 @@ def _kill_loop(plan: SoakPlan, run_dir: Path, stop: threading.Event, kills: list
     """SIGKILLs a victim about every kill_every_s seconds until the last step begins or `stop`."""
     rng = random.Random(plan.seed)
     logs = run_dir / "logs"
-    actors = {a: _Actor(a, _Tail(logs / f"{a.replace(':', '-')}.jsonl")) for a in plan.actors}
+    actors = {a: _Actor(a, LogTail(logs / f"{a.replace(':', '-')}.jsonl")) for a in plan.actors}
     victims = sorted(a for a in actors if parse_actor_name(a)[0] in VICTIMS)
     count: Counter[str] = Counter()
     started = time.monotonic()
 
     def window_open() -> bool:  # the last step's kills could go unrecovered: none there
-        return not stop.is_set() and len(_records(run_dir)) < plan.steps - 1
+        return not stop.is_set() and len(metrics_records(run_dir)) < plan.steps - 1
 
     while window_open() and not all(a.pid for a in actors.values()):  # the whole run up first
         for actor in actors.values():
@@ -326,7 +337,7 @@ def _kill_loop(plan: SoakPlan, run_dir: Path, stop: threading.Event, kills: list
                     continue
                 victim.killed.add(pid)
                 count[victim.name] += 1
-                steps = len(_records(run_dir))
+                steps = len(metrics_records(run_dir))
                 kills.append(
                     Kill(at_s=round(time.monotonic() - started, 2), actor=victim.name, pid=pid, step=steps)
                 )

@@ -143,13 +143,18 @@ def _e2e(args: argparse.Namespace) -> int:
 
 
 def _soak(args: argparse.Namespace) -> int:
-    from slipstream.benchmarks import soak
+    from slipstream.benchmarks import soak, soak_nodes
     from slipstream.cli import train
 
+    if args.nodes not in (1, 2):
+        raise ValueError(f"--nodes must be 1 (in-process) or 2 (two namespaced nodes), got {args.nodes}")
     root = Path(args.run_dir or f"runs/bench-soak-{time.strftime('%Y%m%d-%H%M%S')}")
     model = args.model or str(soak.tiny_model(root / "model"))
-    overrides = [*soak.OVERRIDES, f"model={model}", f"steps={args.steps}", *args.overrides]
+    layout = soak_nodes.OVERRIDES if args.nodes == 2 else ()
+    overrides = [*soak.OVERRIDES, *layout, f"model={model}", f"steps={args.steps}", *args.overrides]
     cfg = train.load_config(args.config or packaged_config("demo.yaml"), overrides)
+    if args.nodes == 2:
+        return _soak_nodes(args, cfg, root)
     plan = soak.SoakPlan(
         actors=[a for names in train.actor_names(cfg, baseline=False) for a in names],
         steps=cfg.steps,
@@ -163,6 +168,43 @@ def _soak(args: argparse.Namespace) -> int:
     )
     result = soak.run(lambda run_dir: run_training(cfg, run_dir, baseline=False), root, plan)
     _print(result, args.json, soak.render)
+    return 0 if result.ok else 1
+
+
+def _soak_nodes(args: argparse.Namespace, cfg: Any, root: Path) -> int:
+    """`bench soak --nodes 2`: each node's `slipstream train` in a namespace of its own, reading the
+    resolved config from root/config.json; the run without kills on one node from root/reference.json."""
+    import msgspec
+
+    from slipstream.benchmarks import soak_nodes
+
+    root.mkdir(parents=True, exist_ok=True)
+    config, reference = root / "config.json", root / "reference.json"
+    config.write_text(json.dumps(msgspec.to_builtins(cfg)))
+    reference.write_text(json.dumps(msgspec.to_builtins(msgspec.structs.replace(cfg, nodes=[]))))
+    agent = max(1, cfg.steps // 3) if args.agent_kill_step is None else args.agent_kill_step
+    coordinator = (
+        max(agent + 1, 2 * cfg.steps // 3)
+        if args.coordinator_kill_step is None
+        else args.coordinator_kill_step
+    )
+    plan = soak_nodes.NodesPlan(
+        config=str(config),
+        reference=str(reference),
+        steps=cfg.steps,
+        prompts_per_step=cfg.prompts_per_step,
+        group_size=cfg.group_size,
+        max_restarts=cfg.faults.max_restarts,
+        kill_every_s=args.kill_every,
+        kills=args.kills,
+        seed=args.seed,
+        agent_kill_step=agent,
+        coordinator_kill_step=coordinator,
+        port=args.port,
+        timeout_s=args.timeout,
+    )  # fmt: skip
+    result = soak_nodes.run(plan, root)
+    _print(result, args.json, soak_nodes.render)
     return 0 if result.ok else 1
 
 
@@ -323,7 +365,8 @@ def add_parser(sub: Any) -> None:
         help="a training run under random SIGKILLs vs one without",
         description="Trains a tiny random model (or --model) under random SIGKILLs of rollout, verifier, "
         "drafter and learner actors, then without, and compares the samples (exit 1 if any was lost or "
-        "differs).",
+        "differs). With --nodes 2, on two nodes in network namespaces, node 1's agent and the coordinator "
+        "killed once each (the coordinator then resumed).",
     )
     _configured(p, "deploy/configs/demo.yaml")
     _json(p, "SoakResult")
@@ -333,6 +376,17 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--kill-every", type=float, default=3.0, help="mean seconds between kills")
     p.add_argument("--kills", type=int, default=0, help="the most kills (0 = no cap)")
     p.add_argument("--seed", type=int, default=0, help="the kills' RNG")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="1: the loop in this process; 2: `slipstream train` per node, two network namespaces "
+                   "(root), node 1's agent and the coordinator killed once each too")  # fmt: skip
+    p.add_argument("--agent-kill-step", type=int, default=None,
+                   help="--nodes 2: kill node 1's agent once this many steps are recorded (-1: never; "
+                   "default steps/3)")  # fmt: skip
+    p.add_argument("--coordinator-kill-step", type=int, default=None,
+                   help="--nodes 2: kill the head once this many steps are recorded and a checkpoint exists, "
+                   "then --resume both nodes (-1: never; default 2*steps/3)")  # fmt: skip
+    p.add_argument("--port", type=int, default=29500, help="--nodes 2: the head's port (in its namespace)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="--nodes 2: seconds each run may take")
 
     p = names.add_parser(
         "sync",

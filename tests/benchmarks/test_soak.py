@@ -1,18 +1,23 @@
 """`bench soak` end to end through the CLI: a 3-step tiny-model run with two real SIGKILLs (seeded victims
 among rollouts, verifiers, drafters and the learner), beside the same run without; nothing lost, every kill restarted, the same
-samples up to keyed near ties, and the JSON it prints round-trips through `SoakResult`.
+samples up to keyed near ties, and the JSON it prints round-trips through `SoakResult`. Then `--nodes 2`: the
+same on two nodes in network namespaces (real `slipstream train` processes), with node 1's agent and the
+coordinator killed too, the coordinator resumed; as root, like the multi-node tests.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from slipstream.benchmarks.soak import SoakResult, near_tie
+from slipstream.benchmarks.soak import VICTIMS, SoakResult, near_tie
+from slipstream.benchmarks.soak_nodes import NodesSoakResult
 from slipstream.cli.main import main
+from slipstream.runtime.process import pid_alive
 
 
 @pytest.mark.timeout(300)
@@ -46,3 +51,47 @@ def test_a_short_soak_loses_nothing_and_matches_the_run_without_kills(
     assert result.ok and code == 0
     # The builder's tiny model, with SmolLM2's tokenizer, in the run directory.
     assert (tmp_path / "model" / "tokenizer.json").is_file()
+
+
+def _namespaces() -> set[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_a_two_node_soak_kills_actors_the_agent_and_the_coordinator_and_loses_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Two namespaced nodes, every role on both; two random actor kills in step 0, node 1's agent once step 0
+    # is recorded, the head once step 1 is (a checkpoint a step), then both nodes resumed from it.
+    before = _namespaces()
+    argv = ["bench", "soak", "--nodes", "2", "--steps", "3", "--kills", "2", "--kill-every", "1", "--seed", "0",
+            "--agent-kill-step", "1", "--coordinator-kill-step", "2", "--timeout", "360", "--port", "29611"]  # fmt: skip
+    code = main([*argv, "--run-dir", str(tmp_path), "--json", "prompts_per_step=3", "checkpoint_every=1"])
+    out = capsys.readouterr().out
+    result = msgspec.json.decode(out, type=NodesSoakResult)
+    assert msgspec.json.decode(msgspec.json.encode(result)) == json.loads(out)
+
+    assert result.why_not_ok == [] and result.ok and code == 0, result.why_not_ok
+    actors = [k for k in result.kill_log if k.actor not in ("agent:1", "coordinator")]
+    assert len(actors) == 2 and {k.actor.partition(":")[0] for k in actors} <= set(VICTIMS)
+    assert result.kills["agent"] == 1 and result.kills["coordinator"] == 1
+    assert result.resumed == 1 and result.resumed_from_step >= 2  # the head died after step 1's checkpoint
+    # Node 1's actors died with its agent; those the run needed again restarted on node 0.
+    assert result.relocated and all(k.node == 1 for k in result.kill_log if k.actor == "agent:1")
+    assert sum(result.restarts.values()) >= 2 + len(result.relocated)
+    assert result.lost == 0 and result.soak.lost == 0 and result.clean.lost == 0
+    for run in (result.soak, result.clean):
+        assert run.error == "" and run.steps_completed == 3
+        assert run.recorded == run.expected == 3 * 3 * 4
+    assert result.differing == result.near_ties <= 1
+    # Nothing of the run is left: every process its logs name is gone, and so are the namespaces.
+    pids = [
+        int(e["pid"])
+        for log in (tmp_path / "soak" / "logs").glob("*.jsonl")
+        for e in map(json.loads, log.read_text().splitlines())
+        if "pid" in e
+    ]
+    assert pids and not [p for p in pids if pid_alive(p)]
+    assert _namespaces() <= before
