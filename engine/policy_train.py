@@ -54,12 +54,24 @@ class PolicySample:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    policy_mask: Sequence[bool] | None = None
+    """Per response token: sampled by the policy (True) or an environment's answer in a multi-turn episode
+    (False: context, never trained on or counted); None: every token is the policy's."""
 
     def __post_init__(self) -> None:
         if len(self.response_ids) != len(self.behaviour_logprobs):
             raise ValueError(
                 f"{len(self.response_ids)} response ids but {len(self.behaviour_logprobs)} behaviour log-probs"
             )
+        if self.policy_mask is not None and len(self.policy_mask) != len(self.response_ids):
+            raise ValueError(
+                f"{len(self.response_ids)} response ids but {len(self.policy_mask)} mask entries"
+            )
+
+    @property
+    def num_policy_tokens(self) -> int:
+        """Response tokens the policy sampled: what the loss averages over."""
+        return len(self.response_ids) if self.policy_mask is None else sum(map(bool, self.policy_mask))
         if not self.prompt_ids:
             raise ValueError("empty prompt")
         if not math.isfinite(self.advantage):
@@ -100,6 +112,11 @@ class OptimConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
             return 1.0
         progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _own(sample: PolicySample) -> Sequence[bool]:
+    """The sample's policy mask (all True for a single turn)."""
+    return [True] * len(sample.response_ids) if sample.policy_mask is None else sample.policy_mask
 
 
 def micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -204,7 +221,7 @@ class PolicyTrainer:
         device = self.model.embed_tokens.weight.device
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         counts = torch.tensor(
-            [sum(len(s.response_ids) for s in samples), sum(1 for s in samples if s.response_ids)],
+            [sum(s.num_policy_tokens for s in samples), sum(1 for s in samples if s.num_policy_tokens)],
             dtype=torch.float64,
             device=device,
         )
@@ -359,6 +376,10 @@ class PolicyTrainer:
                 ref = processed_logprobs(self._forward(self.ref_model, ids, rows), tokens, **sampling)
         pad = lambda x: pad_sequences(list(torch.split(x, per_token)))  # noqa: E731
         logp_padded, mask = pad(logp)
+        if any(s.policy_mask is not None for s in batch):
+            # An environment's tokens are context: out of the loss, the token count and the mismatch stats.
+            own = torch.tensor([bool(x) for s in batch for x in _own(s)], dtype=torch.bool, device=device)
+            mask = mask & pad(own)[0]
         behaviour = torch.cat([torch.as_tensor(s.behaviour_logprobs, dtype=torch.float32) for s in batch])
         behaviour_padded, _ = pad(behaviour.to(device))
         advantages = torch.tensor([s.advantage for s in batch], dtype=torch.float32, device=device)

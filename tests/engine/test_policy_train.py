@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -390,3 +391,33 @@ def test_a_bf16_step_keeps_fp32_masters_and_follows_the_fp32_step(make_checkpoin
     assert not torch.equal(g32, g16)  # bf16 did run
     with pytest.raises(ValueError, match="precision must be one of fp32, bf16"):
         PolicyTrainer(load_model(model_dir), precision="fp16")  # type: ignore[arg-type]
+
+
+def test_an_environments_tokens_are_context_never_trained_on(make_checkpoint) -> None:
+    """A multi-turn sample: policy tokens, an environment's answer, policy tokens. The answer's tokens (mask
+    False) are out of the loss and the token count: whatever behaviour log-probs they carry, the update is
+    the same bits; unmasked (the planted bug), they change it."""
+    model_dir = make_checkpoint()
+    base = rollout(model_dir)[0]
+    n = len(base.response_ids)
+    assert n >= 9
+    mask = [True] * 4 + [False] * 3 + [True] * (n - 7)
+
+    def grads(sample: PolicySample) -> tuple[torch.Tensor, dict]:
+        model = load_model(model_dir)
+        trainer = PolicyTrainer(model, optim=OptimConfig(lr=1e-3, max_grad_norm=1e9))
+        stats = trainer.step([sample])
+        return torch.cat([p.grad.reshape(-1) for p in trainer.params]), stats
+
+    def with_answer(logprob: float, policy_mask: list[bool] | None) -> PolicySample:
+        behaviour = list(base.behaviour_logprobs)
+        behaviour[4:7] = [logprob] * 3  # an environment's tokens: no sampling log-prob of the policy's
+        return replace(base, behaviour_logprobs=behaviour, policy_mask=policy_mask)
+
+    a, stats = grads(with_answer(0.0, mask))
+    b, _ = grads(with_answer(-7.0, mask))
+    assert torch.equal(a, b) and stats["tokens"] == n - 3
+    planted, planted_stats = grads(with_answer(-7.0, None))
+    assert not torch.equal(a, planted) and planted_stats["tokens"] == n
+    with pytest.raises(ValueError, match="mask entries"):
+        replace(base, policy_mask=[True])
