@@ -7,6 +7,7 @@
     slipstream bench soak [--steps N] --json                    # a run under random SIGKILLs vs without
     slipstream bench sync [--dtype bfloat16] --json             # a cross-host push: full vs XOR delta
     slipstream bench gpu --json [--quick] [--shapes S]          # the GPU runbook (docs/gpu.md)
+    slipstream bench reward --json                              # rewards/s: per completion vs batched; judge
 
 Only this module parses a bench's command line (`slipstream bench NAME --help` lists NAME's flags); it
 calls the typed `run` of benchmarks/NAME.py. Each bench prints one JSON object with --json (fields:
@@ -217,6 +218,23 @@ def _sync(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reward(args: argparse.Namespace) -> int:
+    from slipstream.benchmarks import reward
+
+    result = reward.run(
+        completions=args.completions,
+        rounds=args.rounds,
+        workers=args.workers,
+        batch_size=args.batch_size,
+        judge_model=args.judge_model,
+        judge_completions=args.judge_completions,
+        judge_batch=args.judge_batch,
+        judge_threads=args.judge_threads,
+    )
+    _print(result, args.json, reward.render)
+    return 0
+
+
 def _gpu(args: argparse.Namespace) -> int:
     import msgspec
 
@@ -253,6 +271,7 @@ BENCHES = {
     "soak": _soak,
     "gpu": _gpu,
     "sync": _sync,
+    "reward": _reward,
 }
 
 
@@ -423,6 +442,23 @@ def add_parser(sub: Any) -> None:
                    help="batch sizes where the dynamic eager path runs too (default 1,16)")  # fmt: skip
     p.add_argument("--tests-log", type=Path, default=None, help="write the gpu tests' whole output here")
     p.add_argument("--tests-timeout", type=int, default=600, help="seconds the gpu tests may take")
+
+    p = names.add_parser(
+        "reward",
+        help="completions scored/s: a per-completion reward vs batched, the LLM judge at batch 1 vs 16",
+        description="Completions scored per second through the verifier's worker pool, a per-completion "
+        "reward vs the same scoring batched (TRL's convention), then the LLM judge (tasks/judge.py) in this "
+        "process at batch 1 vs --judge-batch; each pair interleaved A B B A.",
+    )
+    _json(p, "RewardBenchResult")
+    p.add_argument("--completions", type=int, default=2048, help="completions per pool round")
+    p.add_argument("--rounds", type=int, default=2, help="rounds per arm (A B B A …)")
+    p.add_argument("--workers", type=int, default=2, help="verifier worker processes")
+    p.add_argument("--batch-size", type=int, default=32, help="most completions in a batched call")
+    p.add_argument("--judge-model", default="smollm2-135m", help="the judge's model directory or name")
+    p.add_argument("--judge-completions", type=int, default=32, help="completions the judge scores a round")
+    p.add_argument("--judge-batch", type=int, default=16, help="completions per judge call (vs 1)")
+    p.add_argument("--judge-threads", type=int, default=0, help="judge torch threads (0: its default)")
 
     for name, p in names.choices.items():
         if name not in CONFIGURED:  # KEY=VALUE left over by the parser lands here, and is refused
