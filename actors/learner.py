@@ -84,6 +84,8 @@ class LearnerActor(Actor):
         # buckets everywhere (for a network faster than the encode: `bench sync` measures encode_mb_s).
         push_deltas: bool = True
         delta_threads: Annotated[int, msgspec.Meta(ge=0)] = 0  # zstd threads per delta (0: this one alone)
+        # bf16: forward and backward under bf16 autocast, fp32 masters and optimizer state (PolicyTrainer)
+        precision: Literal["fp32", "bf16"] = "fp32"
 
         def __post_init__(self) -> None:
             parse_device(self.device)
@@ -115,7 +117,9 @@ class LearnerActor(Actor):
         ref = None
         if cfg.loss.kl_coef > 0:
             ref = load_model(path, dtype=torch.float32, device=device)
-        self.trainer = PolicyTrainer(self.model, optim=cfg.optim, loss=cfg.loss, ref_model=ref)
+        self.trainer = PolicyTrainer(
+            self.model, optim=cfg.optim, loss=cfg.loss, ref_model=ref, precision=cfg.precision
+        )
         self.version = 0
         if cfg.resume_from:
             self._load(cfg.resume_from)

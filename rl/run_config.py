@@ -27,11 +27,20 @@ from slipstream.engine.sampling import GROUP_BITS, MAX_SEED
 from slipstream.engine.tuner_config import TunerConfig
 from slipstream.runtime import config as run_config
 from slipstream.runtime.cluster import Cluster
-from slipstream.runtime.placement import Host, NodeShare, Placement, default_shares, place, place_nodes
+from slipstream.runtime.placement import (
+    GpuShares,
+    Host,
+    NodeShare,
+    Placement,
+    default_shares,
+    place,
+    place_nodes,
+)
 from slipstream.runtime.sinks import MetricsConfig
 from slipstream.runtime.supervisor import ActorSpec
 from slipstream.runtime.transport import actor_name
 from slipstream.tasks.datasets import DEFAULT_DATASET_SIZE, load_rows
+from slipstream.tasks.reward_conventions import RewardTerm
 from slipstream.tasks.stream import DataStream
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -79,6 +88,9 @@ class VerifierSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
     actors: Positive = 1
     workers: Positive = 1  # reward worker processes per verifier actor
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0  # per reward call; past it the sample is invalid
+    batch_size: Positive = 32  # most completions in one call of a batched reward (docs/rewards.md)
+    batch_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 0.05  # longest a batch waits to fill
+    batch_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0  # limit of one batched call
 
 
 class LearnerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -92,6 +104,23 @@ class LearnerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
     )
     optim: OptimConfig = OptimConfig()
     loss: LossConfig = LossConfig()
+    # Forward and backward under bf16 autocast with fp32 masters and optimizer state ("bf16"), or fp32
+    # throughout; "auto": bf16 on cuda, fp32 on a CPU (until a CPU measures it faster and learning as well).
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+
+
+class GpuMemorySection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Shares of a GPU's memory per actor of each role, where several actors share one (every role on a
+    one-GPU host; a rollout and its drafter on a larger one); unset: an even split of what the set ones
+    and the CUDA contexts leave (runtime/placement.py GpuShares). A plan that does not fit fails at start."""
+
+    rollout: Annotated[float, msgspec.Meta(gt=0, lt=1)] | None = None
+    drafter: Annotated[float, msgspec.Meta(gt=0, lt=1)] | None = None
+    learner: Annotated[float, msgspec.Meta(gt=0, lt=1)] | None = None
+
+
+class PlacementSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    gpu_memory: GpuMemorySection = GpuMemorySection()  # memory shares of a GPU that several actors share
 
 
 class FaultsSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -132,7 +161,9 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     # Rows per epoch of a reasoning-gym task (generated as read); a file's epoch is its rows. Epochs are
     # shuffled by the seed; the cursor is checkpointed, so a resume neither skips nor replays a prompt.
     dataset_size: Positive = DEFAULT_DATASET_SIZE
-    reward: str = ""  # "pkg.mod:fn"; "" = the task's scorer (reasoning-gym) or math-verify (JSONL)
+    # "pkg.mod:fn" (a per-completion, TRL-style batched or verl compute_score function, or a class), or
+    # weighted terms [{fn, weight, name, …}] (docs/rewards.md); "" = the task's scorer or math-verify
+    reward: str | tuple[RewardTerm, ...] = ""
     system_prompt: str = ""  # a system turn before every question ("" = none)
     steps: Positive = 8
     prompts_per_step: Positive = 8
@@ -162,6 +193,7 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     # spread evenly over the nodes, every learner rank on node 0 (runtime/placement.py).
     nodes: list[NodeSection] = []
     transport: TransportSection = TransportSection()
+    placement: PlacementSection = PlacementSection()
 
 
 def load_config(path: Path | str | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
@@ -195,7 +227,7 @@ def sampling_of(cfg: TrainConfig) -> dict[str, Any]:
     return {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
 
 
-def default_reward(cfg: TrainConfig) -> str:
+def default_reward(cfg: TrainConfig) -> str | tuple[RewardTerm, ...]:
     if cfg.reward:
         return cfg.reward
     name = "math_verify" if cfg.task.endswith((".jsonl", ".parquet")) else "reasoning_gym"
@@ -232,8 +264,14 @@ def placement(cfg: TrainConfig, hosts: list[Host] | None = None) -> Placement:
             rollouts=cfg.rollout.devices,
             learners=cfg.learner.ranks,
             learner_threads=cfg.learner.threads,
+            shares=gpu_shares(cfg),
         )
-    return place_nodes(cfg.device, node_shares(cfg, len(hosts)), hosts, cfg.learner.threads)
+    return place_nodes(cfg.device, node_shares(cfg, len(hosts)), hosts, cfg.learner.threads, gpu_shares(cfg))
+
+
+def gpu_shares(cfg: TrainConfig) -> GpuShares:
+    memory = cfg.placement.gpu_memory
+    return GpuShares(rollout=memory.rollout, drafter=memory.drafter, learner=memory.learner)
 
 
 def actor_names(
@@ -260,6 +298,13 @@ def lease_plan(
         return {}, {}
     drafter_of = {rollout: drafters[where.drafter_of[r]] for r, rollout in enumerate(rollouts)}
     return drafter_of, {rollout: where.rollouts[r].cpus for r, rollout in enumerate(rollouts)}
+
+
+def learner_precision(cfg: TrainConfig) -> str:
+    """The learner's precision ("auto": bf16 on cuda, fp32 on a CPU)."""
+    if cfg.learner.precision != "auto":
+        return cfg.learner.precision
+    return "bf16" if cfg.device == "cuda" else "fp32"
 
 
 def rollout_dtype(cfg: TrainConfig) -> str:
@@ -308,6 +353,7 @@ def actor_specs(
             hang_s=cfg.faults.hang_s,
             cpus=slot.cpus,
             node=slot.node,
+            env=slot.env(),
         )
         for r, slot in enumerate(where.rollouts)
     ]
@@ -334,6 +380,7 @@ def actor_specs(
                 hang_s=cfg.faults.hang_s,
                 cpus=slot.cpus,
                 node=slot.node,
+                env=slot.env(),
             )
             for r, slot in enumerate(where.drafters)
         ]
@@ -342,7 +389,13 @@ def actor_specs(
             VerifierActor,
             rank=r,
             config=VerifierActor.Config(
-                reward=default_reward(cfg), workers=cfg.verifier.workers, timeout_s=cfg.verifier.timeout_s
+                reward=default_reward(cfg),
+                workers=cfg.verifier.workers,
+                timeout_s=cfg.verifier.timeout_s,
+                batch_size=cfg.verifier.batch_size,
+                batch_wait_s=cfg.verifier.batch_wait_s,
+                batch_timeout_s=cfg.verifier.batch_timeout_s,
+                data_source=cfg.task,
             ),
             hang_s=cfg.faults.hang_s,
             node=where.verifier_nodes[r] if where.verifier_nodes else 0,
@@ -365,10 +418,12 @@ def actor_specs(
                 rendezvous=rendezvous,
                 push_deltas=cfg.learner.push_deltas,
                 delta_threads=cfg.learner.delta_threads,
+                precision=learner_precision(cfg),
             ),
             threads=slot.threads,
             hang_s=cfg.faults.hang_s,
             node=slot.node,
+            env=slot.env(),
         )
         for r, slot in enumerate(where.learners)
     ]
