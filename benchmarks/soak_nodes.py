@@ -161,7 +161,8 @@ class _Soak:
     names: list[str] = field(default_factory=list)  # the run's actors ("all_ready")
     ready_session: int = -1  # the value of `resumed` when "all_ready" was last logged
     pids: dict[str, int] = field(default_factory=dict)  # actor -> its newest process's pid ("ready")
-    placed: dict[str, int] = field(default_factory=dict)  # actor -> the node it first ran on
+    agent_log: soak.LogTail = field(init=False)
+    started_on_node1: set[str] = field(default_factory=set)  # actors node 1's agent started ("actor_started")
     killed: set[int] = field(default_factory=set)
     budget: Counter[str] = field(default_factory=Counter)  # deaths counted against each actor's restarts
     pending: Counter[str] = field(default_factory=Counter)  # deaths we caused that no restart followed yet
@@ -173,6 +174,7 @@ class _Soak:
 
     def __post_init__(self) -> None:
         self.coordinator = soak.LogTail(self.run_dir / "logs" / "coordinator.jsonl")
+        self.agent_log = soak.LogTail(self.run_dir / "logs" / "agent-1.jsonl")
 
     # -- what the run's logs say ---------------------------------------------------------------------------
 
@@ -185,6 +187,9 @@ class _Soak:
                 self.ready_session = self.resumed
             elif event.get("event") == "restarted" and self.pending[actor := str(event["actor"])] > 0:
                 self.pending[actor] -= 1
+        for event in self.agent_log.new():
+            if event.get("event") == "actor_started":
+                self.started_on_node1.add(str(event["actor"]))
         for path in (self.run_dir / "logs").glob("*-*.jsonl"):
             role, _, rank = path.stem.rpartition("-")
             if role not in soak.VICTIMS or not rank.isdigit():
@@ -205,10 +210,7 @@ class _Soak:
             return None
         parent = parent_pid(pid)
         node = next((n.rank for n in self.nodes if n.running() and n.pid == parent), None)
-        if node is None:
-            return None
-        self.placed.setdefault(name, node)
-        return pid, node
+        return None if node is None else (pid, node)
 
     def kill(self, actor: str, pid: int, node: int) -> bool:
         try:
@@ -244,12 +246,11 @@ class _Soak:
     def kill_agent(self) -> None:
         """SIGKILLs node 1's agent: its actors die with it, and restart on node 0 once the node is lost."""
         agent = self.nodes[1]
-        for name in self.names:
-            self.live(name)  # where each runs, if not known yet
-        self.node1 = sorted(n for n in self.names if self.placed.get(n) == 1)
+        self.node1 = sorted(self.started_on_node1)
+        up = [n for n in self.node1 if self.live(n)]  # a dead one owes its restart already
         if self.kill("agent:1", agent.pid, 1):
             agent.proc.wait()  # type: ignore[union-attr]
-            self.died(self.node1)
+            self.died(up)
 
     def kill_head_and_resume(self) -> bool:
         """SIGKILLs the head, waits for its actors and node 1's agent to stop by themselves (each killed

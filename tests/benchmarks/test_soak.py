@@ -54,8 +54,9 @@ def test_a_short_soak_loses_nothing_and_matches_the_run_without_kills(
 
 
 def _namespaces() -> set[str]:
+    """The network namespaces benchmarks/namespaces.py names (sk<tag>a, sk<tag>b) that exist now."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+    return {name for line in listed.splitlines() if (name := line.split(" ")[0]).startswith("sk")}
 
 
 @pytest.mark.slow
@@ -86,10 +87,15 @@ def test_a_two_node_soak_kills_actors_the_agent_and_the_coordinator_and_loses_no
         assert run.error == "" and run.steps_completed == 3
         assert run.recorded == run.expected == 3 * 3 * 4
     assert result.differing == result.near_ties <= 1
+    # Over CURVE with the run's key; node 1's agent started twice: at the start, and beside the resumed head.
+    logs = tmp_path / "soak" / "logs"
+    assert (tmp_path / "soak" / "keys" / "run.key").is_file()
+    agent = [json.loads(line) for line in (logs / "agent-1.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in agent].count("agent_started") == 2
     # Nothing of the run is left: every process its logs name is gone, and so are the namespaces.
     pids = [
         int(e["pid"])
-        for log in (tmp_path / "soak" / "logs").glob("*.jsonl")
+        for log in logs.glob("*.jsonl")
         for e in map(json.loads, log.read_text().splitlines())
         if "pid" in e
     ]
