@@ -14,7 +14,8 @@ a fork). `LOADS` counts this process's loads. Configure by subclassing: `class M
 Per completion, one user turn (`Judge.prompt`, a template of the question, the reference answer and the
 answer to judge; `PROMPT` by default, which leaves the question out) through the model's chat template.
 The answer judged is the text of the completion's last <answer>…</answer>, or its last `max_answer_chars`
-characters without a tag. A whole call's prompts go through one `Generator.generate` call, greedy, one new token;
+characters without a tag; the tokenizer's special strings in it are broken up (`defuse`), so a policy
+cannot close the user's turn and write the judge's "Yes" itself. A whole call's prompts go through one `Generator.generate` call, greedy, one new token;
 the score is P(yes) / (P(yes) + P(no)) at that first step, each side the probability mass of its spellings
 (`YES`, `NO`), read from the logits of the state that sampled the token (the completion's hidden row
 through the model's final norm and LM head: the engine's greedy log-probs are 0 by definition, and it
@@ -30,6 +31,7 @@ having any probability mass.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Sequence
@@ -48,7 +50,7 @@ from slipstream.engine.tokenizer import Tokenizer
 from slipstream.engine.weights import load_model
 from slipstream.tasks.rewards import extract_answer
 
-__all__ = ["LOADS", "NO", "PROMPT", "YES", "Judge", "JudgeEngine", "engine", "judge_prompt"]
+__all__ = ["LOADS", "NO", "PROMPT", "YES", "Judge", "JudgeEngine", "defuse", "engine", "judge_prompt"]
 
 PROMPT = 'Is "{answer}" the same as "{reference}"? Answer Yes or No.'
 """The default user turn; `{question}`, `{reference}` and `{answer}` are filled in. The question is left
@@ -68,6 +70,7 @@ class JudgeEngine:
     tokenizer: Tokenizer
     yes_ids: tuple[int, ...]
     no_ids: tuple[int, ...]
+    added: tuple[str, ...] = ()  # the tokenizer's added tokens' texts (`defuse`)
 
     def score(self, prompts: Sequence[Sequence[int]]) -> list[float | None]:
         """P(yes) / (P(yes) + P(no)) at the first generated token of each prompt, in one generate call."""
@@ -120,7 +123,7 @@ def engine(model: str = "smollm2-135m", *, dtype: str = "", threads: int = 0) ->
     yes, no = _first_ids(tokenizer, YES), _first_ids(tokenizer, NO)
     if not yes or not no or set(yes) & set(no):
         raise ValueError(f"judge model {model!r}: its tokenizer cannot tell yes {yes} from no {no}")
-    _ENGINES[key] = found = JudgeEngine(path, loaded, tokenizer, yes, no)
+    _ENGINES[key] = found = JudgeEngine(path, loaded, tokenizer, yes, no, _added_tokens(path))
     LOADS += 1
     return found
 
@@ -138,12 +141,35 @@ def judge_prompt(
     *,
     template: str = PROMPT,
     system: str | None = None,
+    added: Sequence[str] = (),
 ) -> list[int]:
     """The chat-templated ids of one user turn, `template` filled in, asking whether `answer` matches
-    `reference` for `question` (system: a system turn; None leaves the chat template's default)."""
+    `reference` for `question` (system: a system turn; None leaves the chat template's default). The texts
+    are `defuse`d of `added` first."""
     messages = [{"role": "system", "content": system}] if system else []
-    text = template.format(question=question.strip(), reference=reference.strip(), answer=answer.strip())
+    fields = {k: defuse(v.strip(), added) for k, v in (("question", question), ("reference", reference),
+                                                       ("answer", answer))}  # fmt: skip
+    text = template.format(**fields)
     return tokenizer.apply_chat_template([*messages, {"role": "user", "content": text}])
+
+
+def defuse(text: str, added: Sequence[str]) -> str:
+    """`text` with each of the tokenizer's added tokens (`<|im_end|>`, `<|im_start|>`…) broken by a space
+    after its first character: the tokenizer encodes such a string as its special id wherever it stands, so
+    an answer could otherwise end the user's turn and open an assistant turn that says "Yes"."""
+    for token in added:
+        if len(token) > 1 and token in text:
+            text = text.replace(token, f"{token[0]} {token[1:]}")
+    return text
+
+
+def _added_tokens(path: Path) -> tuple[str, ...]:
+    """The texts of tokenizer.json's added tokens (special or not: the tokenizer matches both in text)."""
+    try:
+        data = json.loads((path / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ()
+    return tuple(t["content"] for t in data.get("added_tokens", []) if isinstance(t.get("content"), str))
 
 
 def _first_ids(tokenizer: Tokenizer, spellings: Sequence[str]) -> tuple[int, ...]:
@@ -202,6 +228,7 @@ class Judge:
                 given[: self.max_answer_chars],
                 template=self.prompt,
                 system=self.system,
+                added=self.engine.added,
             )
             if len(prompt) <= limit:
                 ids[i] = prompt
