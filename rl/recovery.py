@@ -5,7 +5,8 @@ calls here. With `restart`, the actor is restarted through the supervisor (its b
 handed what it lost; without, the wait raises `ActorDiedError` naming it.
 
 - rollout: restarted, handed the current policy (a fresh process holds the step-0 weights), then dealt
-  again the samples it owed: same seeds, so the same tokens in reproducible mode.
+  again the samples it owed: same seeds, so the same tokens in reproducible mode. One that ran out of
+  device memory restarts with half its batch cap (`out_of_memory` event).
 - verifier: restarted and sent again the score requests it held (a reward is never lost or counted twice).
 - drafter: restarted from its own checkpoint, its leases void, handed the policy's head (drafters change
   speed, never samples: the step goes on meanwhile).
@@ -46,12 +47,30 @@ async def restart(coord: Coordinator, name: str, what: str) -> None:
     if not coord.restart:
         raise ActorDiedError(f"{name} died while the coordinator waited for {what}: {reason}")
     coord.emit("restarting", actor=name, reason=reason, level="warning")
+    config = _smaller_batch(coord, name, reason)
     try:
-        await coord.sup.restart(name)
+        await coord.sup.restart(name, config=config)
     except Exception as exc:  # the budget is spent, or the restart failed: final, not another death
         raise RuntimeError(f"{name} died ({reason}) and was not restarted: {exc}") from exc
     del coord.dead[name]
     coord.restarted.append(name)
+
+
+def _smaller_batch(coord: Coordinator, name: str, reason: str) -> msgspec.Struct | None:
+    """A rollout that ran out of device memory restarts with half its batch cap (its KV cache and decode
+    buffers grow with the batch); None for any other death (the same config). RuntimeError at a cap of 1."""
+    if not reason.startswith("OutOfMemoryError") or not name.startswith("rollout"):
+        return None
+    config = coord.sup.config(name)
+    cap = config["max_batch"] if isinstance(config, dict) else config.max_batch
+    if cap <= 1:
+        raise RuntimeError(f"{name} ran out of device memory at a batch cap of 1: {reason}")
+    if isinstance(config, dict):
+        smaller = {**config, "max_batch": cap // 2}
+    else:
+        smaller = msgspec.structs.replace(config, max_batch=cap // 2)
+    coord.emit("out_of_memory", actor=name, max_batch=cap // 2, was=cap, level="warning")
+    return smaller
 
 
 async def revive_rollout(coord: Coordinator, name: str, what: str, version: int) -> None:

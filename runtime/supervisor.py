@@ -433,6 +433,10 @@ class Supervisor:
         """How many restarts of `name` were tried this run (failed ones included)."""
         return self._restarts.get(name, 0)
 
+    def config(self, name: str) -> msgspec.Struct | dict[str, Any]:
+        """The config actor `name` runs with now (a restart with `config=` replaces it)."""
+        return self._procs[name].spec.config
+
     def last_death(self, name: str) -> ActorDied | None:
         """The last death of `name` (reason, exit code), or None if it never died."""
         return self._last_death.get(name)

@@ -267,3 +267,28 @@ def test_a_killed_learner_restarts_from_its_checkpoint_and_replays_to_the_same_r
     off = sum(int(((final[1][n] - t).abs() > 1e-5).sum()) for n, t in final[0].items())
     total = sum(t.numel() for t in final[0].values())
     assert off <= total * 1e-3, f"{off} of {total} weights differ from the uninterrupted run's by > 1e-5"
+
+
+def test_a_rollout_out_of_device_memory_is_restarted_with_half_its_batch(
+    tiny_chat: Path, clean_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's OutOfMemoryError injected into rollout:0's generator mid-step (tests/fixtures/oom): an event
+    with a recovery, not the end of the run — restarted with half its batch cap, handed the weights, dealt
+    again what it owed; the run's samples are the clean run's."""
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "oom"
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(fixture), os.environ.get("PYTHONPATH")]))
+    )
+    monkeypatch.setenv("SLIPSTREAM_TEST_OOM", str(tmp_path / "oom-marker"))
+    run = tmp_path / "oom"
+    summary = uvloop.run(train.train(_config(tiny_chat), run))
+    assert (tmp_path / "oom-marker").exists()  # the injection happened
+    steps = summary["steps"]
+    assert [s["policy_version"] for s in steps] == [1, 2, 3]
+    (where,) = [s for s in steps if "rollout:0" in s["restarts"]]
+    assert where["requeued"] > 0
+    events = _events(run / "logs" / "rollout-0.jsonl")
+    assert any(e["event"] == "serve_failed" or "OutOfMemoryError" in json.dumps(e) for e in events)
+    caps = [e["config"]["max_batch"] for e in events if e["event"] == "config"]
+    assert caps == [4, 2]  # restarted with half its batch cap
+    assert_same_samples(run, clean_run, steps=3)
