@@ -208,3 +208,24 @@ def test_in_the_verifier_each_worker_loads_once_and_scores_batches(pools: Pools,
     assert bad.reward is None and bad.error is not None and bad.error.startswith("none: judge")
     status = pools.status("verifier:0")
     assert status["restarts"] == 0 and status["invalid_none"] == 1
+
+
+def test_the_docs_configs_load_as_run_configs(tmp_path: Path) -> None:
+    import re
+
+    from slipstream.rl.run_config import load_config
+
+    text = (ROOT / "docs" / "rewards.md").read_text()
+    section = text[text.index("## An LLM judge") : text.index("## The code sandbox")]
+    blocks = re.findall(r"```yaml\n(.*?)```", section, re.DOTALL)
+    assert len(blocks) == 2
+    loaded = []
+    for i, block in enumerate(blocks):
+        path = tmp_path / f"{i}.yaml"
+        path.write_text(block)
+        loaded.append(load_config(path))
+    assert loaded[0].reward == "slipstream.tasks.judge:Judge"
+    assert [t.fn for t in loaded[1].reward] == [
+        "slipstream.tasks.rewards:reasoning_gym",
+        "slipstream.tasks.judge:Judge",
+    ]
