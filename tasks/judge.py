@@ -172,6 +172,14 @@ def _added_tokens(path: Path) -> tuple[str, ...]:
     return tuple(t["content"] for t in data.get("added_tokens", []) if isinstance(t.get("content"), str))
 
 
+def _text(value: Any) -> str:
+    """A prompt's or a completion's text: itself, or, in TRL's conversational form (a term's `chat: true`),
+    its last message's content."""
+    if isinstance(value, list) and value and isinstance(value[-1], dict):
+        return str(value[-1].get("content", ""))
+    return str(value)
+
+
 def _first_ids(tokenizer: Tokenizer, spellings: Sequence[str]) -> tuple[int, ...]:
     ids = []
     for text in spellings:
@@ -210,20 +218,22 @@ class Judge:
         **_: Any,
     ) -> list[float | None]:
         """One score in [0, 1] per completion, or None where there is no reference or the prompt cannot
-        fit the model's context; every judged completion of the call in one generate call."""
+        fit the model's context; every judged completion of the call in one generate call. Prompts and
+        completions are text, or TRL's conversational form (a term's `chat: true`): the last message's."""
         n = len(completions)
         references = list(answer) if answer is not None else [None] * n
-        questions = list(question) if question is not None else list(prompts)
+        questions = list(question) if question is not None else [_text(p) for p in prompts]
         limit = self.engine.model.config.max_position_embeddings - 1  # room for the one new token
         ids: dict[int, list[int]] = {}
         for i, (q, ref, text) in enumerate(zip(questions, references, completions, strict=True)):
             if ref is None or not str(ref).strip():
                 continue  # nothing to compare with: None, invalid
+            text = _text(text)
             tagged = extract_answer(text)
             given = tagged if tagged is not None else text[-self.max_answer_chars :]
             prompt = judge_prompt(
                 self.engine.tokenizer,
-                str(q if q is not None else prompts[i])[: self.max_question_chars],
+                str(q if q is not None else _text(prompts[i]))[: self.max_question_chars],
                 str(ref),
                 given[: self.max_answer_chars],
                 template=self.prompt,

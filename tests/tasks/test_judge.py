@@ -130,6 +130,15 @@ def test_the_judge_is_called_as_trl_batched_with_the_rows_columns(tiny_chat: Pat
     finally:
         loop.close()
     assert all(v[0] is not None and 0.0 <= v[0] <= 1.0 and v[1] is None for v in verdicts)
+    # A term's `chat: true` passes TRL's conversational form: the same texts, the same scores.
+    chat = Component(RewardTerm(fn="slipstream.tasks.judge:Judge", chat=True), j)
+    loop = asyncio.new_event_loop()
+    try:
+        assert [v[0] for v in chat.score_batch(samples, loop)] == pytest.approx(
+            [v[0] for v in verdicts], abs=1e-6
+        )
+    finally:
+        loop.close()
 
 
 # A fixed set a 135M judge can rank: the right answer, and a garbage one. (It cannot tell a plausible wrong
