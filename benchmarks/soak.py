@@ -10,7 +10,9 @@ begins, so every kill is recovered within the run. Then the same config runs wit
 samples are compared per (step, group, sample): reproducible mode makes them identical, up to a keyed near
 tie that float rounding in another batch shape flips (`near_tie`). The default model is a tiny random
 Llama with SmolLM2's tokenizer, built into the run directory (its answers are noise: a soak does not
-mind). `run` takes the loop as a callable (benchmarks do not import cli/).
+mind). `run` takes the loop as a callable (benchmarks do not import cli/). `--nodes 2` runs the training as
+`slipstream train` processes on two namespaced nodes instead, the agent and the coordinator killed too
+(benchmarks/soak_nodes.py).
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ def run(train: TrainFn, root: Path, plan: SoakPlan) -> SoakResult:
     steps = metrics_records(root / "soak")
     restarts = Counter(parse_actor_name(a)[0] for s in steps for a in s["restarts"])
     killed = Counter(parse_actor_name(k.actor)[0] for k in kills)
-    differing, near_ties = compare(expected_keys(plan), soak_samples, clean_samples)
+    differing, near_ties, _ = compare(expected_keys(plan), soak_samples, clean_samples)
     return SoakResult(
         steps=plan.steps,
         seed=plan.seed,
@@ -224,11 +226,25 @@ def expected_keys(plan: _Shape) -> list[Key]:
     ]
 
 
-def compare(expected: list[Key], soaked: dict[Key, Sample], clean: dict[Key, Sample]) -> tuple[int, int]:
-    """(expected samples that differ between the runs or are missing from either, near ties among them)."""
-    differ = [k for k in expected if k not in soaked or k not in clean or soaked[k][0] != clean[k][0]]
-    near = sum(k in soaked and k in clean and near_tie(soaked[k], clean[k]) for k in differ)
-    return len(differ), near
+def compare(
+    expected: list[Key], soaked: dict[Key, Sample], clean: dict[Key, Sample], *, until_near_tie: bool = False
+) -> tuple[int, int, int]:
+    """(expected samples that differ between the runs or are missing from either, near ties among them, the
+    last step compared). With `until_near_tie`, the steps after the first one where only near ties differ
+    are left out: from there the two runs train on different samples and diverge by design (as
+    tests/cli/conftest.py `assert_same_samples` compares two runs)."""
+    last = max((k[0] for k in expected), default=-1)
+    differ: list[Key] = []
+    near = 0
+    for step in range(last + 1):
+        keys = [k for k in expected if k[0] == step]
+        here = [k for k in keys if k not in soaked or k not in clean or soaked[k][0] != clean[k][0]]
+        ties = sum(k in soaked and k in clean and near_tie(soaked[k], clean[k]) for k in here)
+        differ += here
+        near += ties
+        if until_near_tie and here and ties == len(here):
+            return len(differ), near, step
+    return len(differ), near, last
 
 
 NEAR_TIE_LOGP = 1e-4

@@ -12,8 +12,8 @@ and node 1 (its agent) each in a network namespace of their own, joined by a vet
   coordinator (a learner kill restarts every rank, and counts for each);
 - once `agent_kill_step` steps are recorded, node 1's agent is SIGKILLed: its actors die with it, the head
   declares the node lost and restarts them on node 0 (docs/cluster.md);
-- once `coordinator_kill_step` steps are recorded and a checkpoint exists, every actor being up, the head's
-  `slipstream train` is SIGKILLed. Its actors stop by themselves (they hear no coordinator), node 1's agent
+- once `coordinator_kill_step` steps are recorded and a checkpoint exists (after the agent's kill), the
+  head's `slipstream train` is SIGKILLed. Its actors stop by themselves (they hear no coordinator), node 1's agent
   stops its own once the head has been silent 10 s and exits; then both nodes' commands start again with
   `--resume RUN` (a resumed head makes a fresh key and waits for the other nodes' agents: node 1 must be
   started again too, as after any head loss), and the run continues from its newest checkpoint.
@@ -22,7 +22,8 @@ Random kills stop when the last step begins (as in the one-node soak) and pause 
 every actor of the resumed run is up. Then the same config runs on one node without kills (`reference`:
 `nodes` emptied; in reproducible mode a sample's tokens follow from its seed and the policy alone, so two
 nodes and one record the same samples, docs/cluster.md's two-node test), and the samples are compared per
-(step, group, sample) as in benchmarks/soak.py. Restarts, relocations and requeued work are counted from
+(step, group, sample) as in benchmarks/soak.py, up to the first step where only keyed near ties differ
+(from there the runs train on different samples). Restarts, relocations and requeued work are counted from
 the coordinator's log, which both heads append to (metrics.jsonl drops the records of the steps a resume
 does again, and with them their counts).
 """
@@ -62,8 +63,9 @@ WINDOWS = {
     **soak.WINDOWS,
     "agent": "once, when agent_kill_step steps are recorded, before the last step (its node is declared lost "
     "10 s later, and its actors restart on node 0)",
-    "coordinator": "once, when coordinator_kill_step steps are recorded and a checkpoint exists, every actor "
-    "up; then both nodes resume (--resume RUN); random kills pause until every actor is up again",
+    "coordinator": "once, when coordinator_kill_step steps are recorded and a checkpoint exists (after the "
+    "agent's kill); then both nodes resume (--resume RUN); random kills pause until the resumed head logs "
+    "all_ready",
 }
 HEAD_LOST_S = 10.0  # an agent stops its actors and exits when the head has been silent this long
 
@@ -115,6 +117,9 @@ class NodesSoakResult(msgspec.Struct, frozen=True, kw_only=True):
     lost: int  # (step, group, sample) the run with kills never recorded
     differing: int  # (step, group, sample) whose tokens differ from the run without kills, or missing
     near_ties: int  # of those, keyed near ties (benchmarks/soak.py near_tie)
+    # Steps whose tokens were compared: all, or up to the first where only near ties differ (the runs then
+    # train on different samples, and later steps are checked for completeness alone: `lost`)
+    compared_steps: int
     soak: soak.RunOutcome
     clean: soak.RunOutcome
     why_not_ok: list[str]  # [] when ok
@@ -430,7 +435,9 @@ def run(plan: NodesPlan, root: Path) -> NodesSoakResult:
     requeued = sum(
         int(e.get("samples", 0)) + int(e.get("scores", 0)) for e in logged if e.get("event") == "requeued"
     )  # type: ignore[call-overload]
-    differ, near = soak.compare(soak.expected_keys(plan), soak_samples, clean_samples)
+    differ, near, compared = soak.compare(
+        soak.expected_keys(plan), soak_samples, clean_samples, until_near_tie=True
+    )
     kills = Counter(k.actor.partition(":")[0] for k in driver.kills)
     by_node: dict[str, Counter[str]] = {}
     for k in driver.kills:
@@ -477,6 +484,7 @@ def run(plan: NodesPlan, root: Path) -> NodesSoakResult:
         lost=soaked.lost,
         differing=differ,
         near_ties=near,
+        compared_steps=compared + 1,
         soak=soaked,
         clean=clean,
         why_not_ok=why,

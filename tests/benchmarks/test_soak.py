@@ -14,13 +14,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from slipstream.benchmarks.soak import VICTIMS, SoakResult, near_tie
+from slipstream.benchmarks.soak import VICTIMS, SoakResult, compare, near_tie
 from slipstream.benchmarks.soak_nodes import NodesSoakResult
 from slipstream.cli.main import main
 from slipstream.runtime.process import pid_alive
 
 
-@pytest.mark.timeout(300)
 def test_a_near_tie_shares_a_prefix_whose_log_probs_agree() -> None:
     base = ([5, 6, 7, 8], [-1.0, -2.0, -3.0, -4.0])
     assert near_tie(base, ([5, 6, 9, 9], [-1.0, -2.0000005, -7.0, -1.0]))  # flipped at the third token
@@ -29,6 +28,21 @@ def test_a_near_tie_shares_a_prefix_whose_log_probs_agree() -> None:
     assert near_tie(base, ([5, 6, 7], [-1.0, -2.0, -3.0]))  # ended one token earlier
 
 
+def test_a_comparison_can_stop_at_the_first_near_tie() -> None:
+    expected = [(s, g, 0) for s in range(3) for g in range(2)]
+    clean = {k: ([1, 2, 3], [-1.0, -2.0, -3.0]) for k in expected}
+    soaked = dict(clean)
+    soaked[(1, 0, 0)] = ([1, 2, 9], [-1.0, -2.0000001, -0.5])  # a near tie in step 1
+    soaked[(2, 1, 0)] = ([7, 7, 7], [-9.0, -9.0, -9.0])  # step 2 trained on another sample: diverged
+    assert compare(expected, soaked, clean) == (2, 1, 2)
+    assert compare(expected, soaked, clean, until_near_tie=True) == (1, 1, 1)
+    soaked[(1, 1, 0)] = ([4, 2, 3], [-5.0, -2.0, -3.0])  # and a real difference beside it: no stop there
+    assert compare(expected, soaked, clean, until_near_tie=True) == (3, 1, 2)
+    del soaked[(0, 0, 0)]  # missing: differs, never a near tie
+    assert compare(expected, soaked, clean)[:2] == (4, 1)
+
+
+@pytest.mark.timeout(300)
 def test_a_short_soak_loses_nothing_and_matches_the_run_without_kills(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -87,6 +101,7 @@ def test_a_two_node_soak_kills_actors_the_agent_and_the_coordinator_and_loses_no
         assert run.error == "" and run.steps_completed == 3
         assert run.recorded == run.expected == 3 * 3 * 4
     assert result.differing == result.near_ties <= 1
+    assert result.compared_steps == 3 or result.near_ties == 1  # tokens compared up to a near tie at most
     # Over CURVE with the run's key; node 1's agent started twice: at the start, and beside the resumed head.
     logs = tmp_path / "soak" / "logs"
     assert (tmp_path / "soak" / "keys" / "run.key").is_file()
