@@ -16,7 +16,7 @@ answer to judge; `PROMPT` by default, which leaves the question out) through the
 The answer judged is the text of the completion's last <answer>…</answer>, or its last `max_answer_chars`
 characters without a tag; the tokenizer's special strings in it are broken up (`defuse`), so a policy
 cannot close the user's turn and write the judge's "Yes" itself. A whole call's prompts go through one `Generator.generate` call, greedy, one new token;
-the score is P(yes) / (P(yes) + P(no)) at that first step, each side the probability mass of its spellings
+the score is P(yes) / (P(yes) + P(no)) at that first step, each side the probability mass of its one-token spellings
 (`YES`, `NO`), read from the logits of the state that sampled the token (the completion's hidden row
 through the model's final norm and LM head: the engine's greedy log-probs are 0 by definition, and it
 keeps no logits).
@@ -55,7 +55,7 @@ __all__ = ["LOADS", "NO", "PROMPT", "YES", "Judge", "JudgeEngine", "defuse", "en
 PROMPT = 'Is "{answer}" the same as "{reference}"? Answer Yes or No.'
 """The default user turn; `{question}`, `{reference}` and `{answer}` are filled in. The question is left
 out: SmolLM2-135M separated right answers from garbage best without it (docs/rewards.md, "An LLM judge")."""
-YES = ("Yes", "yes", " Yes", " yes", "YES")  # spellings whose first token's probability counts for yes
+YES = ("Yes", "yes", " Yes", " yes", "YES")  # spellings whose probability counts for yes (those one token)
 NO = ("No", "no", " No", " no", "NO")
 
 LOADS = 0  # models this process has loaded (`engine`): a verifier worker's judge loads once
@@ -63,7 +63,7 @@ LOADS = 0  # models this process has loaded (`engine`): a verifier worker's judg
 
 @dataclass(frozen=True)
 class JudgeEngine:
-    """One loaded judge model: the model, its tokenizer and the first token of each yes and no spelling."""
+    """One loaded judge model: the model, its tokenizer and the ids of the yes and no spellings."""
 
     path: Path
     model: Transformer
@@ -120,7 +120,7 @@ def engine(model: str = "smollm2-135m", *, dtype: str = "", threads: int = 0) ->
     torch.set_num_threads(threads or default_threads())
     loaded = load_model(path, dtype=dtype_from_name(dtype) if dtype else None)
     tokenizer = Tokenizer.from_dir(path)
-    yes, no = _first_ids(tokenizer, YES), _first_ids(tokenizer, NO)
+    yes, no = _token_ids(tokenizer, YES), _token_ids(tokenizer, NO)
     if not yes or not no or set(yes) & set(no):
         raise ValueError(f"judge model {model!r}: its tokenizer cannot tell yes {yes} from no {no}")
     _ENGINES[key] = found = JudgeEngine(path, loaded, tokenizer, yes, no, _added_tokens(path))
@@ -180,11 +180,13 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-def _first_ids(tokenizer: Tokenizer, spellings: Sequence[str]) -> tuple[int, ...]:
+def _token_ids(tokenizer: Tokenizer, spellings: Sequence[str]) -> tuple[int, ...]:
+    """The ids of the spellings that are one token each (a first piece such as "Y" of "YES" would count
+    whatever else starts with it)."""
     ids = []
     for text in spellings:
         encoded = tokenizer.encode(text, add_special_tokens=False)
-        if encoded and encoded[0] not in ids:
+        if len(encoded) == 1 and encoded[0] not in ids:
             ids.append(encoded[0])
     return tuple(ids)
 
