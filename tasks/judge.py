@@ -129,8 +129,14 @@ def engine(model: str = "smollm2-135m", *, dtype: str = "", threads: int = 0) ->
 
 
 def default_threads() -> int:
-    """Half this process's cores, 1 to 4: a verifier's two workers then share the cores, not oversubscribe."""
-    return max(1, min(4, len(os.sched_getaffinity(0)) // 2))
+    """The run's share where it set one, else half this process's cores, 1 to 4 (a verifier's two workers
+    then share the cores). The share is OMP_NUM_THREADS: the supervisor sets it to an actor's `threads`,
+    and a verifier's workers inherit it."""
+    try:
+        share = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        share = 0
+    return share if share > 0 else max(1, min(4, len(os.sched_getaffinity(0)) // 2))
 
 
 def judge_prompt(

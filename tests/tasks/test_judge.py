@@ -84,6 +84,13 @@ def test_the_model_loads_once_per_process(tiny_chat: Path) -> None:
     assert judge.engine(str(tiny_chat)) is first.engine and judge.LOADS == loads
 
 
+def test_threads_follow_the_runs_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert judge.default_threads() == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert 1 <= judge.default_threads() <= min(4, max(1, len(os.sched_getaffinity(0)) // 2))
+
+
 def test_what_cannot_be_judged_is_none(tiny_chat: Path) -> None:
     j = tiny_judge(tiny_chat, max_question_chars=20_000, prompt="Question: {question}\n" + judge.PROMPT)
     long_question = "why " * 2500  # past the tiny model's 2048 positions
