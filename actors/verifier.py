@@ -34,6 +34,7 @@ import msgspec
 from slipstream.protocols.control import Status
 from slipstream.protocols.reward import Reward, ScoreRequest
 from slipstream.runtime.actor import COORDINATOR, Actor, Fatal, handler
+from slipstream.runtime.process import exit_how
 from slipstream.tasks.reward_conventions import REWARD_PATH, RewardTerm, describe
 from slipstream.tasks.reward_worker import (
     REASONS,
@@ -51,14 +52,7 @@ _RESERVED = frozenset(("prompt", "completion"))  # passed by name, so a row may 
 
 
 def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "stopped answering"
-    if code >= 0:
-        return f"exited with code {code}"
-    try:
-        return f"killed by {signal.Signals(-code).name}"
-    except ValueError:
-        return f"killed by signal {-code}"
+    return "stopped answering" if code is None else exit_how(code)
 
 
 # -- the actor -----------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import ctypes
 import ctypes.util
 import os
 import resource
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -245,3 +246,25 @@ def _pss_kib(pid: int) -> int | None:
     except (OSError, ValueError, IndexError):
         return None  # exited, or not ours to read
     return None
+
+
+def exit_how(code: int) -> str:
+    """How a process ended: "killed by SIGKILL" or "exited with code 3"."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def exit_code_text(code: int | None) -> str:
+    """An exit code for an error message: "exit code -9, SIGKILL", "exit code 2", "exit code unknown"."""
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
+        try:
+            return f"exit code {code}, {signal.Signals(-code).name}"
+        except ValueError:
+            return f"exit code {code}, signal {-code}"
+    return f"exit code {code}"

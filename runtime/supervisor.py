@@ -39,6 +39,7 @@ from slipstream.runtime.codec import Codec, ProtocolError
 from slipstream.runtime.config import ConfigError, convert
 from slipstream.runtime.host import import_actor
 from slipstream.runtime.launcher import ActorLaunch, Launcher, LocalLauncher, NodeLost, ProcessHandle
+from slipstream.runtime.process import exit_code_text, exit_how
 from slipstream.runtime.shm import cleanup as cleanup_shm
 from slipstream.runtime.spec import ActorDied, ActorSpec
 from slipstream.runtime.transport import (
@@ -377,7 +378,7 @@ class Supervisor:
     async def _watch_exit(self, entry: _Proc) -> None:
         code = await entry.proc.wait()
         if not self._closing and not entry.dead:
-            how = getattr(entry.proc, "exit_reason", "") or _exit_how(code)  # a remote one: "node 1 lost"
+            how = getattr(entry.proc, "exit_reason", "") or exit_how(code)  # a remote one: "node 1 lost"
             self._mark_dead(entry, how, code)
         entry.dead = True
 
@@ -535,7 +536,7 @@ class Supervisor:
         path = self.run_dir / "logs" / f"{entry.role}-{entry.spec.rank}.jsonl"
         tail = logs.log_tail(path, _LOG_TAIL_LINES)
         lines = "\n  ".join(tail) if tail else f"(nothing in {path})"
-        return f"last death: {reason} ({_exit_text(code)}); last log lines ({path}):\n  {lines}"
+        return f"last death: {reason} ({exit_code_text(code)}); last log lines ({path}):\n  {lines}"
 
     # -- shutdown -----------------------------------------------------------------------------------
 
@@ -583,26 +584,6 @@ class Supervisor:
     def _emit(self, event: str, level: str = "info", **fields: Any) -> None:
         if self.log is not None:
             getattr(self.log, level)(event, **fields)
-
-
-def _exit_how(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "exit code unknown"
-    if code < 0:
-        try:
-            return f"exit code {code}, {signal.Signals(-code).name}"
-        except ValueError:
-            return f"exit code {code}, signal {-code}"
-    return f"exit code {code}"
 
 
 async def _wait_all(procs: list[ProcessHandle], timeout: float) -> bool:
