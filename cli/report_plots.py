@@ -22,11 +22,12 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from slipstream.cli.report_tail import long_tail
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
     from slipstream.cli.report import RunData
-    from slipstream.runtime.spans import Span
 
 PHASES = (("rollout_s", "rollout"), ("reward_s", "reward"), ("learn_s", "learn"), ("sync_s", "sync"))
 PHASE_COLORS = {"rollout": "tab:blue", "reward": "tab:orange", "learn": "tab:green", "sync": "tab:red"}
@@ -414,117 +415,6 @@ def mismatch(run: RunData) -> Figure | str:
     ax.set_title(f"train–rollout log-prob mismatch: worst {worst:.2e} nats")
     _steps_axis(ax)
     ax.legend(loc="best", fontsize="small")
-    return fig
-
-
-def long_tail(run: RunData) -> Figure | str:
-    if run.spans_missing:
-        return run.spans_missing
-    samples = [s for s in run.spans if s.name == "sample"]
-    if not samples:
-        return "RUN/spans has no `sample` spans: the rollout did not record them"
-    by_step = sample_steps(samples, run.spans)
-    if not by_step:
-        return "no `sample` span carries a step or falls inside a coordinator `rollout` span"
-    step = run.tail_step if run.tail_step is not None else longest_rollout(run, by_step)
-    if step not in by_step:
-        return f"no `sample` spans for step {step} (spans cover steps {', '.join(map(str, sorted(by_step)))})"
-    return _draw_tail(run.spans, by_step[step], step)
-
-
-def sample_steps(samples: list[Span], spans: list[Span]) -> dict[int, list[Span]]:
-    """`sample` spans by step: the coordinator's `rollout` span they start in, else their own `step` (the
-    policy version they decoded with, which is the step in the synchronous loop)."""
-    windows = [
-        (s.start_ns, s.end_ns, s.step)
-        for s in spans
-        if s.name == "rollout" and s.role == "coordinator" and s.step is not None
-    ]
-    out: dict[int, list[Span]] = {}
-    for span in samples:
-        step = next((w[2] for w in windows if w[0] <= span.start_ns <= w[1]), span.step)
-        if step is not None:
-            out.setdefault(step, []).append(span)
-    return out
-
-
-def longest_rollout(run: RunData, by_step: dict[int, list[Span]]) -> int:
-    """The traced step whose rollout took longest (metrics' rollout_s; then the samples' own extent)."""
-    rollout_s = {r["step"]: r.get("rollout_s") or 0.0 for r in run.records}
-
-    def extent(step: int) -> tuple[float, int]:
-        spans = by_step[step]
-        return rollout_s.get(step, 0.0), max(s.end_ns for s in spans) - min(s.start_ns for s in spans)
-
-    return max(by_step, key=extent)
-
-
-def _draw_tail(spans: list[Span], samples: list[Span], step: int) -> Figure:
-    import matplotlib
-    from matplotlib.cm import ScalarMappable
-    from matplotlib.colors import Normalize
-    from matplotlib.patches import Patch
-
-    phase = next(
-        (s for s in spans if s.name == "rollout" and s.role == "coordinator" and s.step == step), None
-    )
-    t0 = phase.start_ns if phase else min(s.start_ns for s in samples)
-    actors = sorted({s.actor for s in samples}, key=lambda a: (len(a), a))
-    tokens = [int(s.args.get("tokens", 0)) for s in samples]
-    norm = Normalize(vmin=min(tokens), vmax=max(max(tokens), min(tokens) + 1))
-    cmap = matplotlib.colormaps["viridis"]
-    rows = max(len([s for s in samples if s.actor == a]) for a in actors)
-    fig = _figure(9.0, min(2.0 + 0.09 * rows * len(actors) + 0.6 * len(actors), 14.0))
-    axes = fig.subplots(len(actors), 1, sharex=True, squeeze=False)[:, 0]
-    ends = sorted((s.end_ns - t0) / 1e9 for s in samples)
-    p90 = ends[math.ceil(0.9 * len(ends)) - 1]  # when 90% of the samples had finished
-    t_end = max(phase.end_ns if phase else 0, max(s.end_ns for s in samples))
-    shaded: set[bool] = set()  # which kinds of device_idle span were drawn (lent or not)
-    idle_windows = [s for s in spans if s.name == "device_idle"]
-    for ax, actor in zip(axes, actors, strict=True):
-        mine = sorted((s for s in samples if s.actor == actor), key=lambda s: (s.start_ns, s.end_ns))
-        rows_at = list(range(len(mine)))
-        starts = [(s.start_ns - t0) / 1e9 for s in mine]
-        finish = [(s.end_ns - t0) / 1e9 for s in mine]
-        colors = [cmap(norm(int(s.args.get("tokens", 0)))) for s in mine]
-        for gap in idle_windows:  # the coordinator's view of this device: idle, and lent to a drafter or not
-            if gap.args.get("device") == actor and gap.end_ns >= t0 and gap.start_ns <= t_end:
-                lent = gap.args.get("lent_to") is not None
-                color = "tab:green" if lent else "tab:gray"
-                ax.axvspan((gap.start_ns - t0) / 1e9, (gap.end_ns - t0) / 1e9, color=color, alpha=0.15, lw=0)
-                shaded.add(lent)
-        ax.hlines(rows_at, starts, finish, colors=colors, linewidth=2)
-        ax.scatter(finish, rows_at, c=colors, marker="|", s=30)
-        ax.axvline(p90, color="tab:orange", linestyle="--", linewidth=1)
-        ax.axvline(ends[-1], color="tab:red", linestyle="--", linewidth=1)
-        if phase:
-            ax.axvline((phase.end_ns - t0) / 1e9, color="black", linestyle=":", linewidth=1)
-        ax.set_ylabel(f"{actor}\nsamples by admission", fontsize="small")
-        ax.set_ylim(len(mine) - 0.5, -0.5)
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(axis="x", alpha=0.3)
-    axes[-1].set_xlabel("seconds since the rollout began" if phase else "seconds since the first admission")
-    half = ends[math.ceil(0.5 * len(ends)) - 1]
-    axes[0].set_title(
-        f"step {step}: {len(samples)} samples; half finished at {half:.2f} s, 90% at {p90:.2f} s, "
-        f"the last at {ends[-1]:.2f} s"
-    )
-    handles = [
-        axes[0].plot([], [], "--", color="tab:orange")[0],
-        axes[0].plot([], [], "--", color="tab:red")[0],
-    ]
-    labels = ["90% of samples done", "last sample done"]
-    if phase:
-        handles.append(axes[0].plot([], [], ":", color="black")[0])
-        labels.append("rollout phase ends")
-    for lent in sorted(shaded):
-        color = "tab:green" if lent else "tab:gray"
-        handles.append(Patch(color=color, alpha=0.15))
-        labels.append("device idle, lent to the drafter" if lent else "device idle")
-    fig.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 3), fontsize="small")
-    fig.colorbar(
-        ScalarMappable(norm=norm, cmap=cmap), ax=list(axes), label="response tokens", shrink=0.6, aspect=40
-    )
     return fig
 
 

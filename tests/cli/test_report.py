@@ -202,15 +202,15 @@ def test_a_baseline_run_has_no_speculation_chart(tmp_path: Path) -> None:
 
 
 def test_sample_spans_are_placed_by_step_and_the_longest_rollout_is_the_default(tmp_path: Path) -> None:
-    from slipstream.cli import report_plots
+    from slipstream.cli import report_tail
 
     data = report.load_run(make_run(tmp_path))
     samples = [s for s in data.spans if s.name == "sample"]
-    by_step = report_plots.sample_steps(samples, data.spans)
+    by_step = report_tail.sample_steps(samples, data.spans)
     assert {step: len(spans) for step, spans in by_step.items()} == {0: 8, 1: 8, 2: 8}
-    assert report_plots.longest_rollout(data, by_step) == 1
+    assert report_tail.longest_rollout(data, by_step) == 1
     data.tail_step = 5  # not traced (build_report refuses steps the run does not have)
-    assert "no `sample` spans for step 5" in str(report_plots.long_tail(data))
+    assert "no `sample` spans for step 5" in str(report_tail.long_tail(data))
 
 
 def _cli(argv: list[str]) -> int:
