@@ -1,21 +1,16 @@
 """The drafter actor: trains the EAGLE head online in leased idle device time, and publishes it.
 
-Dormant until the coordinator leases it a device; until then it only buffers the `HiddenStates` rollouts
-stream to it (as copies: received tensors alias zmq frames or shared-memory slots). While leased, each
-`step()` is one short optimizer step, abandoned between its phases when a control message arrives, and a
-`Preempt`, being control, is served next: preemption waits for one phase of a step, and `Released` carries
-the latency from the coordinator's send.
+Dormant until the coordinator leases it a device, it buffers the `HiddenStates` rollouts stream to it
+(copies: received tensors alias frames or shared-memory slots). While leased, each `step()` is one short
+optimizer step, abandoned between phases when control arrives; a `Preempt` is served next, and `Released`
+carries the latency from the coordinator's send. Of the target it holds only what the head reads
+(embedding, final norm, LM head: `load_head_parts`), updated in place from the learner's pushes (deltas
+from another host) between two steps, so it trains against the moving policy.
 
-Of the target it holds only what the head uses, the embedding, final norm and LM head (`load_head_parts`),
-on `device` with the drafter. The learner pushes them after each RL step (`WeightUpdate`, from another
-host maybe as deltas against the head version held); a complete, checked version is copied in place
-between two steps, so the drafter trains against the moving policy.
-
-Several ranks (`world_size`) train one drafter by periodic averaging, never diverging copies. Rank 0 owns
-it and alone versions, checkpoints and publishes it; the other ranks send it `DrafterDelta`s (local −
-base), folded in as global += delta / n (n: ranks training now), and adopt the `DrafterUpdate`s it sends
-back. Versions count optimizer steps folded in; updates and deltas carry the newest policy version the
-weights trained on. Checkpoints let a restarted owner resume. The protocol and its limits: docs/actors.md.
+Several ranks (`world_size`) train one drafter by periodic averaging: rank 0 owns it and alone versions,
+checkpoints and publishes it; the others send `DrafterDelta`s (local − base), folded in as
+global += delta / n (n: ranks training now), and adopt the `DrafterUpdate`s it sends back. Versions count
+optimizer steps folded in; checkpoints let a restarted owner resume. The protocol: docs/actors.md.
 """
 
 from __future__ import annotations
