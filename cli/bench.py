@@ -319,7 +319,7 @@ def add_parser(sub: Any) -> None:
     """The `bench` subcommand on `sub` (the `slipstream` command's subparsers), a subcommand per bench."""
     bench = sub.add_parser(
         "bench",
-        help="benchmarks printing JSON: transport, decode, rollout, e2e, soak, sync, gpu",
+        help="benchmarks printing JSON: transport, decode, rollout, e2e, soak, sync, gpu, reward",
         description="Benchmarks; each prints one JSON object with --json (fields: docs/benchmarks.md). "
         "`slipstream bench NAME --help` lists a bench's flags.",
     )
