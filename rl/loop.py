@@ -72,5 +72,5 @@ async def train(
             run.record(work)  # metrics, samples, the run's state, the step line
             run.end_turn()
     finally:
-        summary = await run.close()
-    return summary
+        await run.close()
+    return run.summary()

@@ -3,7 +3,7 @@
 `Run` holds what lives as long as the run: the config, the data stream, the supervisor and its actors,
 the coordinator, the metrics files and sinks. `open` starts them; per step `batch` takes the prompts,
 then `roll_out_and_score`, `learn`, `push`, `checkpoint` and `record`, each marking its own time (its span
-and its field of the step's record); `close` stops everything in order and writes the summary.
+and its field of the step's record); `close` stops everything in order; `summary` writes the run's.
 
 Non-obvious choices:
 - What belongs to one step lives in its `StepWork` (prompts, groups, stats, marks, the record as it
@@ -182,9 +182,9 @@ class Run:
         hosts += [Host(joined[n].cores, joined[n].gpus) for n in range(1, cluster.nnodes)]
         return hosts, key_file
 
-    async def close(self) -> dict[str, Any]:
+    async def close(self) -> None:
         """Stops the coordinator, the actors (in a turn of their own: stopping computes too), the agents,
-        the sinks; returns the summary, also written to run_dir/summary.json."""
+        the sinks."""
         try:
             await self._exit.aclose()
         finally:
@@ -200,6 +200,9 @@ class Run:
                 await self.agents.close("training finished")
             self.sinks.close()  # after the actors are down: a failing sink cannot keep them running
             self.spans.close()
+
+    def summary(self) -> dict[str, Any]:
+        """The run's summary (its config, every step's record), also written to run_dir/summary.json."""
         summary = run_dir_files.summary(
             msgspec.to_builtins(self.cfg), self.records, self.run_dir, baseline=self.baseline
         )
