@@ -34,7 +34,8 @@ from slipstream.engine.weight_receiver import WeightReceiver, mistyped
 from slipstream.engine.weights import load_head_parts
 from slipstream.protocols.control import Lease, Preempt, Released, SaveCheckpoint, Status
 from slipstream.protocols.drafter import DrafterDelta, DrafterStats, DrafterUpdate, HeadAck, HiddenStates
-from slipstream.protocols.learner import WeightUpdate
+from slipstream.protocols.learner import CUDA_IPC, WeightUpdate
+from slipstream.runtime import cuda_ipc
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
 from slipstream.runtime.process import memory_now, pin_threads, release_freed_memory
@@ -119,6 +120,7 @@ class DrafterActor(Actor):
             expected={name: (p.shape, p.dtype) for name, p in self._head_params.items()},
             base=lambda name: self._head_params[name].detach(),
             checksum=checksum,
+            device_checksum=cuda_ipc.device_checksum,
             version=self.head_version,
             held_as="the head's {}",
             holds="the head is v{}",
@@ -301,15 +303,17 @@ class DrafterActor(Actor):
 
     @handler
     def on_weights(self, msg: WeightUpdate, sender: str) -> None:
-        """Stages a bucket of the learner's push of the target's head parts; applies a complete version.
-
-        Handlers run on the compute thread between two `step()`s, so weights never change mid-step. A bad
-        bucket is refused (logged, and said to the coordinator); the weights held stay, and serving goes on.
-        What a bucket is (duplicate, dropped, refused, accepted) is the one receiver's call, as a rollout's.
-        """
+        """Stages a bucket of the learner's push of the head parts; applies a complete version, between two
+        `step()`s. What a bucket is (duplicate, dropped, refused, accepted) is the one receiver's call, as a
+        rollout's; a refused one is logged and said to the coordinator, and serving goes on."""
+        try:  # a bucket in the learner's GPU memory (same node): mapped after its refs are checked
+            tensors, encoding = cuda_ipc.tensors_of(msg, self.receiver.expected)
+        except ValueError as exc:
+            return self._head_refused(msg.version, f"bucket {msg.bucket}: {exc}")
         verdict = self.receiver.receive(
             version=msg.version, bucket=msg.bucket, num_buckets=msg.num_buckets, names=msg.names,
-            tensors=msg.tensors, checksum=msg.checksum, encoding=msg.encoding, base_version=msg.base_version,
+            tensors=tensors, checksum=msg.checksum, encoding=encoding, base_version=msg.base_version,
+            on_device=msg.encoding == CUDA_IPC,
         )  # fmt: skip
         if verdict.kind == "duplicate":
             # The head it holds, again: after a restart the learner's push in flight when it died (queued by

@@ -43,6 +43,7 @@ from slipstream.engine.weight_delta import blob_tensor, xor_delta
 from slipstream.engine.weights import HEAD_PARTS, load_model
 from slipstream.protocols.control import CheckpointSaved, SaveCheckpoint
 from slipstream.protocols.learner import (
+    CUDA_IPC,
     XOR_ZSTD,
     PushWeights,
     ScoredGroup,
@@ -52,6 +53,7 @@ from slipstream.protocols.learner import (
     WeightsPushed,
     WeightUpdate,
 )
+from slipstream.runtime import cuda_ipc
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
 from slipstream.runtime.process import memory_now
@@ -86,6 +88,9 @@ class LearnerActor(Actor):
         delta_threads: Annotated[int, msgspec.Meta(ge=0)] = 0  # zstd threads per delta (0: this one alone)
         # bf16: forward and backward under bf16 autocast, fp32 masters and optimizer state (PolicyTrainer)
         precision: Literal["fp32", "bf16"] = "fp32"
+        # Weights on a GPU go to destinations on the same node as CUDA IPC refs (runtime/cuda_ipc.py):
+        # no host copy; False: through host memory as on a CPU.
+        push_ipc: bool = True
 
         def __post_init__(self) -> None:
             parse_device(self.device)
@@ -131,6 +136,7 @@ class LearnerActor(Actor):
         # Memory: one model copy in the push dtype on the CPU (the cast copies a push makes anyway, kept),
         # held only once a push has had a tcp:// destination, so never in a one-host run.
         self._pushed: dict[str, tuple[int, torch.Tensor]] = {}
+        self._ipc_buffers: dict[int, list[tuple[str, torch.Tensor]]] = {}  # bucket -> its GPU cast copies
 
     def on_stop(self) -> None:
         if dist.is_available() and dist.is_initialized():
@@ -323,9 +329,20 @@ class LearnerActor(Actor):
                     size = 0
                 buckets[-1][0].append((name, param))
                 size += nbytes
+        on_gpu = self.config.push_ipc and next(self.model.parameters()).device.type == "cuda"
         for index, (bucket, dests) in enumerate(buckets):
             remote = [d for d in dests if self.peers.get(d, "").startswith("tcp://")]
             names = [n for n, _ in bucket]
+            if on_gpu and (local := [d for d in dests if d not in remote]):
+                # Same node, same GPUs: the bucket stays in GPU memory, its IPC refs travel (no host copy).
+                update = self._ipc_update(index, version, len(buckets), bucket)
+                for dest in local:
+                    self.send(dest, update)
+                moved["bytes"] += sum(p.numel() for _, p in bucket) * itemsize
+                dests = remote
+                if not dests:
+                    self.tick()
+                    continue
             # One cast copy on the CPU for every destination: frames leave zero-copy, the next step must not
             # change what is still in flight, and the copy, not the master, is what the checksum covers.
             # (Same-host destinations then share one shared-memory slot per tensor: `broadcast`.)
@@ -364,6 +381,27 @@ class LearnerActor(Actor):
                     self._pushed[name] = (version, tensor)
             self.tick()  # a push of many buckets is progress, not a hang
         return {**moved, "encode_s": round(moved["encode_s"], 3), "deltas": len(delta_dests)}
+
+    def _ipc_update(
+        self, index: int, version: int, num_buckets: int, bucket: list[tuple[str, torch.nn.Parameter]]
+    ) -> WeightUpdate:
+        """Bucket `index` cast into this learner's GPU buffers for it (allocated once, rewritten in place, so
+        receivers' mappings of them stay valid) and described by CUDA IPC refs, checksummed on the GPU."""
+        names = [n for n, _ in bucket]
+        held = self._ipc_buffers.get(index)
+        if held is None or [n for n, _ in held] != names:
+            held = [(n, torch.empty_like(p, dtype=self.push_dtype).detach()) for n, p in bucket]
+            self._ipc_buffers[index] = held
+        with torch.no_grad():
+            for (_, buffer), (_, param) in zip(held, bucket, strict=True):
+                buffer.copy_(param)
+        tensors = [t for _, t in held]
+        refs = [cuda_ipc.export(n, t) for n, t in held]
+        torch.cuda.current_stream(tensors[0].device).synchronize()  # written before any receiver reads
+        return WeightUpdate(
+            version=version, bucket=index, num_buckets=num_buckets, names=names, tensors=[],
+            checksum=cuda_ipc.device_checksum(names, tensors), encoding=CUDA_IPC, ipc=refs,
+        )  # fmt: skip
 
     def _save(self, path: str) -> None:
         with self.spans.span("checkpoint", self.version - 1, path=path):

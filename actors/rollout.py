@@ -44,9 +44,10 @@ from slipstream.engine.weight_receiver import WeightReceiver
 from slipstream.engine.weights import load_model
 from slipstream.protocols.control import Idle
 from slipstream.protocols.drafter import DrafterUpdate, HiddenStates
-from slipstream.protocols.learner import WeightAck, WeightUpdate
+from slipstream.protocols.learner import CUDA_IPC, WeightAck, WeightUpdate
 from slipstream.protocols.rollout import Completion as CompletionMsg
 from slipstream.protocols.rollout import GenerateRequest, IterationStats
+from slipstream.runtime import cuda_ipc
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
 from slipstream.runtime.process import memory_now, release_freed_memory
@@ -150,6 +151,7 @@ class RolloutActor(Actor):
             expected={name: (p.shape, p.dtype) for name, p in self.model.named_parameters()},
             base=self.model.weight,
             checksum=checksum,
+            device_checksum=cuda_ipc.device_checksum,
             version=self.policy_version,
         )
         self._hidden_dtype = dtype_from_name(cfg.hidden_dtype)
@@ -310,9 +312,15 @@ class RolloutActor(Actor):
 
     @handler
     def on_weights(self, msg: WeightUpdate, sender: str) -> None:
+        try:  # a bucket in the learner's GPU memory (same node): mapped after its refs are checked
+            tensors, encoding = cuda_ipc.tensors_of(msg, self.receiver.expected)
+        except ValueError as exc:
+            self._refuse(msg, f"bucket {msg.bucket}: {exc}")
+            return
         verdict = self.receiver.receive(
             version=msg.version, bucket=msg.bucket, num_buckets=msg.num_buckets, names=msg.names,
-            tensors=msg.tensors, checksum=msg.checksum, encoding=msg.encoding, base_version=msg.base_version,
+            tensors=tensors, checksum=msg.checksum, encoding=encoding, base_version=msg.base_version,
+            on_device=msg.encoding == CUDA_IPC,
         )  # fmt: skip
         if verdict.kind == "duplicate":
             # The version it holds, again: after a restart both the push in flight when it died (queued by
@@ -351,6 +359,7 @@ class RolloutActor(Actor):
             names=list(msg.names),
             tensors=kept,
             checksum=msg.checksum,
+            encoding=CUDA_IPC if msg.encoding == CUDA_IPC else "",  # which checksum verifies it
         )
         if len(buckets) == msg.num_buckets:
             for old in [v for v in self._staged if v < msg.version]:
@@ -386,7 +395,10 @@ class RolloutActor(Actor):
             differing = [
                 u.bucket
                 for u in updates.values()
-                if checksum(u.names, [held[n] for n in u.names]) != u.checksum
+                if (cuda_ipc.device_checksum if u.encoding == CUDA_IPC else checksum)(
+                    u.names, [held[n] for n in u.names]
+                )
+                != u.checksum
             ]
             if differing:
                 error = f"applied weights differ from the learner's in buckets {sorted(differing)}"

@@ -52,6 +52,8 @@ class WeightReceiver:
     base: Callable[[str], Tensor]
     """The tensor held for a name: what a delta decodes against."""
     checksum: Callable[[Sequence[str], Sequence[Tensor]], str]
+    device_checksum: Callable[[Sequence[str], Sequence[Tensor]], str] | None = None
+    """The checksum of buckets mapped from the sender's GPU memory (`receive(on_device=True)`)."""
     version: int = 0
     """The version held (applied)."""
     held_as: str = "the loaded version {}"
@@ -72,8 +74,10 @@ class WeightReceiver:
         checksum: str,
         encoding: str = "",
         base_version: int = 0,
+        on_device: bool = False,
     ) -> Verdict:
-        """The verdict on one bucket (a pushed message's fields); an accepted bucket is remembered."""
+        """The verdict on one bucket (a pushed message's fields); an accepted bucket is remembered.
+        on_device: `tensors` were mapped from the sender's GPU memory and `checksum` is `device_checksum`'s."""
         if version == self.version:
             return Verdict("duplicate")
         decoded = bool(encoding)
@@ -106,7 +110,9 @@ class WeightReceiver:
                 # A checksum mismatch after decoding: the bases differed. Either way the full version will do.
                 self._delta_refused.add(version)
                 return Verdict("refused", error=f"{error}; full weights wanted", want_full=True)
-        elif (error := self._check(version, bucket, num_buckets, names, tensors, checksum)) is not None:
+        elif (
+            error := self._check(version, bucket, num_buckets, names, tensors, checksum, on_device)
+        ) is not None:
             return Verdict("refused", error=error)
         self._accepted.setdefault(version, set()).add(bucket)
         return Verdict("accepted", tensors=list(tensors), decoded=decoded)
@@ -129,13 +135,17 @@ class WeightReceiver:
         names: Sequence[str],
         tensors: Sequence[Tensor],
         checksum: str,
+        on_device: bool = False,
     ) -> str | None:
         if version <= self.version:
             return f"version {version} is not newer than {self.held_as.format(self.version)}"
         if bucket >= num_buckets:
             return f"out of range for num_buckets {num_buckets}"
         error = mistyped(names, tensors, self.expected)
-        if error is None and self.checksum(names, tensors) != checksum:
+        hasher = self.device_checksum if on_device else self.checksum
+        if error is None and hasher is None:
+            error = "a bucket mapped from GPU memory, and no device checksum to check it"
+        elif error is None and hasher is not None and hasher(names, tensors) != checksum:
             error = "checksum mismatch"
         return error
 

@@ -3,7 +3,8 @@
 A weight update is bucketed (a large model does not travel as one message) and every bucket carries
 a checksum of its raw tensor bytes, which the receiver checks before applying anything. Across hosts a
 bucket may travel as a delta against the version its receiver acknowledged (`encoding`: engine/weight_delta.py);
-the checksum is still over the new tensors, checked after decoding.
+the checksum is still over the new tensors, checked after decoding. On one node's GPUs a bucket travels
+as CUDA IPC refs instead (`CUDA_IPC`): receivers map the sender's memory and copy from it.
 """
 
 from enum import StrEnum
@@ -71,6 +72,32 @@ XOR_ZSTD = "xor-zstd"
 the parameter at `base_version` and at `version` (zstd of the XOR's byte planes)."""
 
 
+CUDA_IPC = "cuda-ipc"
+"""`WeightUpdate.encoding` on one node's GPUs: `tensors` is empty and `ipc` holds each tensor's CUDA IPC
+ref (runtime/cuda_ipc.py); `checksum` is `cuda_ipc.device_checksum`, computed on the GPU."""
+
+
+class CudaIpcRef(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One tensor in the sender's GPU memory (fields as torch's `_share_cuda_`), mapped by receivers on
+    the same node after `cuda_ipc.check`: the bytes never travel."""
+
+    device: NonNeg
+    handle: bytes
+    storage_size_bytes: NonNeg
+    storage_offset_bytes: NonNeg
+    ref_counter_handle: bytes
+    ref_counter_offset: NonNeg
+    event_handle: bytes
+    event_sync_required: bool
+    dtype: str
+    shape: list[NonNeg]
+    stride: list[int]
+    offset: int
+    """Offset of the tensor in its storage, in elements."""
+    checksum: str
+    """`device_checksum` of the tensor under its name, when it was exported."""
+
+
 class WeightUpdate(Message, frozen=True, kw_only=True):
     """Learner → rollout: bucket `bucket` of `num_buckets` of policy version `version`."""
 
@@ -81,8 +108,9 @@ class WeightUpdate(Message, frozen=True, kw_only=True):
     names: list[str]
     tensors: list[torch.Tensor]
     checksum: str  # hex digest over the raw bytes of the new tensors, in order (after decoding a delta)
-    encoding: str = ""  # "": `tensors` are the parameters; XOR_ZSTD: deltas against `base_version`
+    encoding: str = ""  # "": `tensors` are the parameters; XOR_ZSTD: deltas against `base_version`; CUDA_IPC
     base_version: NonNeg = 0  # the version a delta is against: the receiver must hold exactly it
+    ipc: list[CudaIpcRef] = []  # CUDA_IPC: where each named tensor lies in the sender's GPU memory
 
 
 class WeightAck(Message, frozen=True, kw_only=True):
@@ -135,4 +163,4 @@ MESSAGES: tuple[type[Message], ...] = (
     StepStats,
 )
 
-__all__ = [m.__name__ for m in MESSAGES] + ["MESSAGES", "XOR_ZSTD", "LearnerKind"]
+__all__ = [m.__name__ for m in MESSAGES] + ["CUDA_IPC", "MESSAGES", "XOR_ZSTD", "CudaIpcRef", "LearnerKind"]

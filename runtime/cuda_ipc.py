@@ -3,7 +3,7 @@
 Where the learner and the rollouts and drafters share a GPU (or a node's GPUs), a push needs no host round
 trip and no second host copy: the learner exports its cast bucket once (`export`: the storage's IPC
 handle, its ref-counter and event handles, the tensor's dtype, shape, stride and offset, and a checksum
-computed on the GPU) in a `CudaIpcRef`, a plain msgspec struct (never a pickle); each receiver checks the
+computed on the GPU) in a `CudaIpcRef` (protocols/learner.py: a plain struct, never a pickle); each receiver checks the
 ref (`check`), maps it (`open_ref`: torch's own `rebuild_cuda_tensor`, cached per handle by torch) and
 copies it into its weights in place, then compares `device_checksum` of what it wrote. The host's
 shared-memory lane (runtime/shm.py) stays the CPU path; XOR deltas stay the cross-host path.
@@ -20,37 +20,18 @@ Non-obvious choices:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-import msgspec
 import torch
 
-__all__ = ["DTYPES", "CudaIpcRef", "check", "device_checksum", "export", "open_ref"]
+from slipstream.protocols.learner import CUDA_IPC, CudaIpcRef, WeightUpdate
+
+__all__ = ["DTYPES", "CudaIpcRef", "check", "device_checksum", "export", "open_ref", "tensors_of"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """What a bucket may hold on this lane (weights in the receivers' dtype)."""
 _CHUNK_WORDS = 1 << 26  # words per chunk of the checksum's weights (512 MB of int64 at most at once)
 _MULTIPLIER = 0x9E3779B1  # odd: every word position gets a distinct weight mod 2^64
-
-
-class CudaIpcRef(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One tensor in another process's GPU memory on this node (fields as torch's `_share_cuda_`)."""
-
-    device: int
-    handle: bytes
-    storage_size_bytes: int
-    storage_offset_bytes: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes
-    event_sync_required: bool
-    dtype: str
-    shape: list[int]
-    stride: list[int]
-    offset: int
-    """Offset of the tensor in its storage, in elements."""
-    checksum: str
-    """`device_checksum` of the tensor (under its name) when it was exported."""
 
 
 def export(name: str, tensor: torch.Tensor) -> CudaIpcRef:
@@ -61,7 +42,13 @@ def export(name: str, tensor: torch.Tensor) -> CudaIpcRef:
         raise ValueError(f"{name}: the CUDA IPC lane carries CUDA tensors, got one on {tensor.device}")
     if dtype not in DTYPES:
         raise ValueError(f"{name}: dtype {dtype} is not one of {', '.join(DTYPES)}")
-    shared = tensor.untyped_storage()._share_cuda_()
+    from torch.multiprocessing.reductions import StorageWeakRef, shared_cache
+
+    storage = tensor._typed_storage()
+    shared = storage._share_cuda_()
+    shared_cache[shared[1]] = StorageWeakRef(
+        storage
+    )  # as torch's own reduce_tensor: this process maps it too
     return describe(name, tensor, shared)
 
 
@@ -85,16 +72,17 @@ def describe(name: str, tensor: torch.Tensor, shared: Sequence) -> CudaIpcRef:
     )
 
 
-def check(name: str, ref: CudaIpcRef, expected: torch.Tensor) -> None:
-    """ValueError naming what is wrong where `ref` cannot be `expected`'s new value: dtype, shape, or a
-    view that reaches past its storage (a malformed or hostile ref must not map foreign memory)."""
-    if ref.dtype not in DTYPES or DTYPES[ref.dtype] != expected.dtype:
-        raise ValueError(f"{name}: dtype {ref.dtype}, expected {str(expected.dtype).removeprefix('torch.')}")
-    if ref.shape != list(expected.shape):
-        raise ValueError(f"{name}: shape {ref.shape}, expected {list(expected.shape)}")
+def check(name: str, ref: CudaIpcRef, shape: Sequence[int], dtype: torch.dtype) -> None:
+    """ValueError naming what is wrong where `ref` cannot be the new value of a `shape` `dtype` tensor:
+    dtype, shape, or a view that reaches past its storage (a malformed or hostile ref must not map foreign
+    memory)."""
+    if ref.dtype not in DTYPES or DTYPES[ref.dtype] != dtype:
+        raise ValueError(f"{name}: dtype {ref.dtype}, expected {str(dtype).removeprefix('torch.')}")
+    if ref.shape != list(shape):
+        raise ValueError(f"{name}: shape {ref.shape}, expected {list(shape)}")
     if len(ref.stride) != len(ref.shape) or any(s < 0 for s in ref.stride) or ref.offset < 0:
         raise ValueError(f"{name}: bad layout (stride {ref.stride}, offset {ref.offset})")
-    itemsize = expected.element_size()
+    itemsize = torch.empty((), dtype=dtype).element_size()
     last = (
         ref.offset + sum((n - 1) * s for n, s in zip(ref.shape, ref.stride, strict=True))
         if all(ref.shape)
@@ -106,6 +94,25 @@ def check(name: str, ref: CudaIpcRef, expected: torch.Tensor) -> None:
         )
     if not ref.handle or not ref.ref_counter_handle or ref.device < 0:
         raise ValueError(f"{name}: empty IPC handle or bad device {ref.device}")
+
+
+def tensors_of(
+    update: WeightUpdate, expected: Mapping[str, tuple[Sequence[int], torch.dtype]]
+) -> tuple[list[torch.Tensor], str]:
+    """(tensors, encoding) of a pushed bucket for the weight receiver: a CUDA_IPC bucket's refs checked
+    against `expected` (name → shape, dtype) and mapped (encoding "": full tensors, checked by
+    `device_checksum`); any other bucket as it came. ValueError naming a ref that cannot be mapped."""
+    if update.encoding != CUDA_IPC:
+        return list(update.tensors), update.encoding
+    if len(update.ipc) != len(update.names) or update.tensors:
+        raise ValueError(
+            f"{len(update.names)} names, {len(update.ipc)} IPC refs, {len(update.tensors)} tensors"
+        )
+    for name, ref in zip(update.names, update.ipc, strict=True):
+        if name not in expected:
+            raise ValueError(f"{name}: not a weight of this model")
+        check(name, ref, *expected[name])
+    return [open_ref(ref) for ref in update.ipc], ""
 
 
 def open_ref(ref: CudaIpcRef) -> torch.Tensor:

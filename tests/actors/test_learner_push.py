@@ -145,3 +145,37 @@ def test_device_is_validated_naming_the_field() -> None:
             LearnerActor.Config(model="m", device=bad)
     with pytest.raises(msgspec.ValidationError, match="push_dtype"):
         msgspec.convert({"model": "m", "push_dtype": "int8"}, LearnerActor.Config)
+
+
+@pytest.mark.gpu
+def test_pushes_on_one_gpu_travel_as_ipc_refs_and_rollouts_apply_them_bitwise(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """Learner and two rollouts on one GPU: every bucket leaves as CUDA IPC refs (no tensor on the wire), and
+    after three pushes each rollout holds the masters cast to bf16, re-hashed on the GPU (verify)."""
+    from slipstream.protocols.learner import CUDA_IPC
+
+    groups = scored_groups(tiny, tmp_path, REWARDS)
+    learner, sent = make_learner(
+        tiny, tmp_path / "learner", device="cuda", push_dtype="bfloat16", bucket_bytes=4096
+    )
+    rollouts = [
+        make_actor(
+            tiny, tmp_path / f"rollout{r}", device="cuda", dtype="bfloat16", verify_applied_weights=True
+        )
+        for r in range(2)
+    ]
+    for version in (1, 2, 3):
+        sent.sent.clear()
+        train(learner, groups, version=version, push_to=["rollout:0", "rollout:1"])
+        updates = sent.of(WeightUpdate)
+        assert updates and all(u.encoding == CUDA_IPC and not u.tensors and u.ipc for u in updates)
+        for rollout, out in rollouts:
+            for update in updates:
+                rollout.on_weights(update, "learner:0")
+            drain(rollout)
+            assert [a.ok for a in out.of(WeightAck)][-1:] == [True] and rollout.policy_version == version
+    masters = dict(learner.model.named_parameters())
+    for rollout, _ in rollouts:
+        for name, weight in rollout.model.named_weights():
+            assert torch.equal(weight, masters[name].detach().to(torch.bfloat16)), name

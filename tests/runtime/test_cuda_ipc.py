@@ -57,7 +57,7 @@ def test_a_ref_is_a_plain_message_that_round_trips() -> None:
 def test_a_malformed_ref_is_refused_naming_what_is_wrong() -> None:
     expected = torch.zeros(3, 8, dtype=torch.bfloat16)
     good = describe("w", expected, SHARE)
-    check("w", good, expected)
+    check("w", good, expected.shape, expected.dtype)
     bad = {
         "dtype float32, expected bfloat16": msgspec.structs.replace(good, dtype="float32"),
         r"shape \[8, 3\], expected \[3, 8\]": msgspec.structs.replace(good, shape=[8, 3]),
@@ -68,7 +68,7 @@ def test_a_malformed_ref_is_refused_naming_what_is_wrong() -> None:
     }
     for message, ref in bad.items():
         with pytest.raises(ValueError, match=message):
-            check("w", ref, expected)
+            check("w", ref, expected.shape, expected.dtype)
 
 
 def test_export_takes_cuda_weights_only() -> None:
@@ -83,7 +83,7 @@ CHILD = textwrap.dedent(
     target = torch.zeros(256, 64, dtype=torch.bfloat16, device="cuda")
     for line in sys.stdin.buffer:
         ref = msgspec.json.decode(line, type=CudaIpcRef)
-        check("w", ref, target)
+        check("w", ref, target.shape, target.dtype)
         target.copy_(open_ref(ref))  # in place, as a rollout applies a bucket
         torch.cuda.synchronize()
         ok = device_checksum(["w"], [target]) == ref.checksum
@@ -116,3 +116,110 @@ def test_a_second_process_maps_three_pushes_bitwise_and_catches_a_stale_bucket()
     finally:
         child.stdin.close()
         assert child.wait(timeout=60) == 0
+
+
+# ---- the push path: learner's buckets as refs, the receivers' mapping and checks (all but the mapping) ----
+
+
+class _Stream:
+    def synchronize(self) -> None:
+        pass
+
+
+def _fake_gpu(monkeypatch: pytest.MonkeyPatch, mapped: dict[bytes, torch.Tensor]) -> None:
+    """CPU stand-ins for the two CUDA-only calls: export (a ref whose handle names the tensor) and open_ref
+    (the tensor a handle names)."""
+
+    def export(name: str, tensor: torch.Tensor) -> CudaIpcRef:
+        handle = f"h-{id(tensor)}".encode().ljust(64, b"-")
+        mapped[handle] = tensor
+        share = (0, handle, tensor.untyped_storage().nbytes(), 0, b"r" * 32, 8, b"e" * 64, True)
+        return describe(name, tensor, share)
+
+    monkeypatch.setattr(cuda_ipc, "export", export)
+    monkeypatch.setattr(cuda_ipc, "open_ref", lambda ref: mapped[ref.handle])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream())
+
+
+def test_a_learner_bucket_travels_as_refs_and_a_receiver_takes_it_bitwise(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from slipstream.actors.learner import LearnerActor
+    from slipstream.engine.weight_receiver import WeightReceiver
+    from slipstream.protocols.learner import CUDA_IPC, WeightUpdate
+    from slipstream.runtime.codec import Codec, checksum
+
+    mapped: dict[bytes, torch.Tensor] = {}
+    _fake_gpu(monkeypatch, mapped)
+    torch.manual_seed(0)
+    params = [("a.w", torch.nn.Parameter(torch.randn(4, 6))), ("b.w", torch.nn.Parameter(torch.randn(3)))]
+    learner = SimpleNamespace(_ipc_buffers={}, push_dtype=torch.bfloat16)
+    held = {n: torch.zeros(p.shape, dtype=torch.bfloat16) for n, p in params}
+    receiver = WeightReceiver(
+        expected={n: (t.shape, t.dtype) for n, t in held.items()}, base=held.__getitem__,
+        checksum=checksum, device_checksum=device_checksum,
+    )  # fmt: skip
+
+    def push(version: int) -> WeightUpdate:
+        update = LearnerActor._ipc_update(learner, 0, version, 1, params)  # type: ignore[arg-type]
+        wire = Codec().decode(Codec().encode(update))  # a plain message: the refs survive the codec
+        assert isinstance(wire, WeightUpdate) and wire.encoding == CUDA_IPC and wire.tensors == []
+        return wire
+
+    buffers = None
+    for version in (1, 2, 3):
+        with torch.no_grad():
+            for _, p in params:
+                p.add_(1.0)  # a step's update of the masters
+        update = push(version)
+        tensors, encoding = cuda_ipc.tensors_of(update, receiver.expected)
+        verdict = receiver.receive(
+            version=version, bucket=0, num_buckets=1, names=update.names, tensors=tensors,
+            checksum=update.checksum, encoding=encoding, on_device=True,
+        )  # fmt: skip
+        assert verdict.kind == "accepted"
+        for name, tensor in zip(update.names, verdict.tensors or [], strict=True):
+            held[name].copy_(tensor)
+        receiver.applied(version)
+        assert all(torch.equal(held[n], p.detach().to(torch.bfloat16)) for n, p in params)
+        now = [t.data_ptr() for _, t in learner._ipc_buffers[0]]
+        assert buffers in (None, now)  # allocated once, rewritten in place: the receivers' mappings hold
+        buffers = now
+    # Planted: version 4 announced with its checksum, but the buffers still hold version 3's bytes.
+    with torch.no_grad():
+        for _, p in params:
+            p.add_(1.0)
+    stale = msgspec.structs.replace(
+        push(4),
+        checksum=device_checksum(
+            [n for n, _ in params], [p.detach().to(torch.bfloat16) + 1 for _, p in params]
+        ),
+    )
+    tensors, encoding = cuda_ipc.tensors_of(stale, receiver.expected)
+    verdict = receiver.receive(
+        version=4, bucket=0, num_buckets=1, names=stale.names, tensors=tensors,
+        checksum=stale.checksum, encoding=encoding, on_device=True,
+    )  # fmt: skip
+    assert verdict.kind == "refused" and verdict.error == "checksum mismatch"
+
+
+def test_a_bucket_whose_refs_cannot_be_mapped_is_refused_naming_them() -> None:
+    from slipstream.protocols.learner import CUDA_IPC, WeightUpdate
+
+    expected = {"w": (torch.Size([3, 8]), torch.bfloat16)}
+    ref = describe("w", torch.zeros(3, 8, dtype=torch.bfloat16), SHARE)
+    base = WeightUpdate(
+        version=1, bucket=0, num_buckets=1, names=["w"], tensors=[], checksum="", encoding=CUDA_IPC, ipc=[ref]
+    )
+    plain = msgspec.structs.replace(base, encoding="", ipc=[], tensors=[torch.zeros(3, 8)])
+    assert cuda_ipc.tensors_of(plain, expected)[1] == ""  # not IPC: as it came
+    for update, message in [
+        (msgspec.structs.replace(base, ipc=[]), "1 names, 0 IPC refs"),
+        (msgspec.structs.replace(base, names=["v"]), "v: not a weight of this model"),
+        (
+            msgspec.structs.replace(base, ipc=[msgspec.structs.replace(ref, shape=[8, 3])]),
+            r"w: shape \[8, 3\]",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            cuda_ipc.tensors_of(update, expected)
