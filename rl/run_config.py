@@ -107,6 +107,7 @@ class LearnerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
     # Forward and backward under bf16 autocast with fp32 masters and optimizer state ("bf16"), or fp32
     # throughout; "auto": bf16 on cuda, fp32 on a CPU (until a CPU measures it faster and learning as well).
     precision: Literal["auto", "fp32", "bf16"] = "auto"
+    push_ipc: bool = True  # on a GPU, pushes to the same node as CUDA IPC refs; false: through host memory
 
 
 class GpuMemorySection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -419,6 +420,7 @@ def actor_specs(
                 push_deltas=cfg.learner.push_deltas,
                 delta_threads=cfg.learner.delta_threads,
                 precision=learner_precision(cfg),
+                push_ipc=cfg.learner.push_ipc,
             ),
             threads=slot.threads,
             hang_s=cfg.faults.hang_s,
