@@ -1,0 +1,36 @@
+"""Other frameworks' rewards in a real run: a TRL-style batched function and a verl-style `compute_score`,
+unchanged, combined by weights (`reward:` as terms), score every sample of a 2-step `slipstream train`
+exactly as the functions say (tests/cli/foreign_rewards.py), through the verifier's real worker pool."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import uvloop
+
+from slipstream.cli import train
+from tests.cli.conftest import config
+from tests.cli.foreign_rewards import compute_score, trl_length
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_trl_and_verl_rewards_run_unchanged_with_weights(tiny_chat: Path, tmp_path: Path) -> None:
+    terms = [
+        {"fn": "tests.cli.foreign_rewards:trl_length", "weight": 0.4},
+        {"fn": "tests.cli.foreign_rewards:compute_score", "weight": 0.6, "name": "verl"},
+    ]
+    cfg = config(tiny_chat, steps=2, checkpoint_every=0, reward=terms, drafter={"enabled": False})
+    run = tmp_path / "run"
+    summary = uvloop.run(train.train(cfg, run))
+    assert len(summary["steps"]) == 2
+    scored = 0
+    for step in range(2):
+        for line in (run / "samples" / f"step-{step}.jsonl").read_text().splitlines():
+            sample = json.loads(line)
+            expected = 0.4 * trl_length([""], [sample["text"]])[0] + 0.6 * compute_score("chain_sum", "", "x")
+            assert sample["reward"] == pytest.approx(expected), sample["text"]
+            scored += 1
+    assert scored == 2 * cfg.prompts_per_step * cfg.group_size
