@@ -34,3 +34,34 @@ def test_trl_and_verl_rewards_run_unchanged_with_weights(tiny_chat: Path, tmp_pa
             assert sample["reward"] == pytest.approx(expected), sample["text"]
             scored += 1
     assert scored == 2 * cfg.prompts_per_step * cfg.group_size
+
+
+def test_a_verifier_killed_while_a_batched_reward_scores_is_restarted_and_each_sample_scored_once(
+    tiny_chat: Path, tmp_path: Path
+) -> None:
+    import asyncio
+
+    from tests.cli.test_train_faults import _kill_while_working
+
+    terms = [{"fn": "tests.cli.foreign_rewards:trl_length", "weight": 1.0}]
+    cfg = config(
+        tiny_chat, steps=3, checkpoint_every=0, reward=terms, drafter={"enabled": False},
+        faults={"restart_backoff_s": 0.1}, verifier={"batch_wait_s": 0.5},
+    )  # fmt: skip
+    run = tmp_path / "run"
+
+    async def run_with_kill() -> dict:
+        job = asyncio.create_task(train.train(cfg, run))
+        kill = asyncio.create_task(_kill_while_working(run, "verifier-0", "rollout-0", step=1))
+        summary = await job
+        assert kill.done(), "the verifier was never killed (the run ended first)"
+        return summary
+
+    summary = uvloop.run(run_with_kill())
+    assert any("verifier:0" in s["restarts"] for s in summary["steps"])
+    for step in range(3):
+        lines = (run / "samples" / f"step-{step}.jsonl").read_text().splitlines()
+        keys = [(s["group_id"], s["sample_index"]) for s in map(json.loads, lines)]
+        assert len(keys) == len(set(keys)) == cfg.prompts_per_step * cfg.group_size  # each once
+        for sample in map(json.loads, lines):
+            assert sample["reward"] == pytest.approx(trl_length([""], [sample["text"]])[0])
