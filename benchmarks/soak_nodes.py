@@ -1,6 +1,6 @@
 """`slipstream bench soak --nodes 2`: a two-node run as a long run meets it, beside the same run without kills.
 
-    slipstream bench soak --nodes 2 --steps 100 --kill-every 5 --json
+    slipstream bench soak --nodes 2 --steps 100 --kill-every 3 --seed 1 --json   # as root
 
 Each node is a real `slipstream train` process (`python -m slipstream.cli.main train`), node 0 (the head)
 and node 1 (its agent) each in a network namespace of their own, joined by a veth pair
