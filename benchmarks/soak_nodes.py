@@ -8,7 +8,8 @@ and node 1 (its agent) each in a network namespace of their own, joined by a vet
 
 - a seeded RNG SIGKILLs a random actor (rollout, verifier, drafter, learner, on either node) about every
   `kill_every_s` seconds, by the pid its log's "ready" event names, if that pid is a child of the current
-  head or agent (no other process is ever killed); an actor is killed at most `max_restarts` times a
+  head or agent (no other process is ever killed; a victim still down after max(10 s, 2 x kill_every_s)
+  is given up for another); an actor is killed at most `max_restarts` times a
   coordinator (a learner kill restarts every rank, and counts for each);
 - once `agent_kill_step` steps are recorded, node 1's agent is SIGKILLed: its actors die with it, the head
   declares the node lost and restarts them on node 0 (docs/cluster.md);
@@ -348,6 +349,8 @@ class _Soak:
                 elif now >= next_kill and self.kill_actor(victim):
                     random_kills += 1
                     next_kill, victim = None, None
+                elif now >= next_kill + max(10.0, 2 * plan.kill_every_s):  # still down (a verifier may stay
+                    next_kill, victim = None, None  # down, rl/coordinator.py `reward`): pick another
             time.sleep(0.05)
         code = self.nodes[0].proc.returncode  # type: ignore[union-attr]
         agent = self.nodes[1]

@@ -393,7 +393,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", default=None, help="model directory or name (default: a tiny random one)")
     p.add_argument("--steps", type=int, default=30, help="steps per run")
     p.add_argument("--kill-every", type=float, default=3.0, help="mean seconds between kills")
-    p.add_argument("--kills", type=int, default=0, help="the most kills (0 = no cap)")
+    p.add_argument("--kills", type=int, default=0, help="the most random actor kills (0 = no cap)")
     p.add_argument("--seed", type=int, default=0, help="the kills' RNG")
     p.add_argument("--nodes", type=int, default=1,
                    help="1: the loop in this process; 2: `slipstream train` per node, two network namespaces "
