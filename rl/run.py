@@ -250,6 +250,10 @@ class Run:
                 work.reward_errors[reward.error] = work.reward_errors.get(reward.error, 0) + 1
         self._mark(work, "reward", tail)
         work.groups = self._groups(work)
+        # Before the learner trains on them: a learner that dies once the rollouts hold this step's version
+        # is rebuilt from them (`recover_learners`).
+        path = self.run_dir / "samples" / f"step-{work.step}.jsonl"
+        run_dir_files.write_samples(path, work.groups, self.tokenizer)
         if checkpoint_due(self.cfg, work.step, time.monotonic() - self.last_checkpoint):
             work.checkpoint = f"checkpoints/step-{work.step + 1}/{run_dir_files.CHECKPOINT_FILE}"
 
@@ -278,15 +282,12 @@ class Run:
             self._mark(work, "checkpoint", began)
 
     def record(self, work: StepWork) -> None:
-        """The step's record to metrics.jsonl, the sinks, the log and the step line; its samples (what a
-        replayed learner trains on); when it checkpointed, the run's state. Raises after
+        """The step's record to metrics.jsonl, the sinks, the log and the step line; when it checkpointed,
+        the run's state. Raises after
         `faults.max_invalid_steps` steps in a row where every reward failed."""
         cfg, run_dir = self.cfg, self.run_dir
         record = self._record(work)
         self.spans.add("step", _ns(work.started), _ns(time.monotonic() - work.started), work.step)
-        run_dir_files.write_samples(
-            run_dir / "samples" / f"step-{work.step}.jsonl", work.groups, self.tokenizer
-        )
         if work.checkpoint:
             # Relative to the run directory: a run moved or resumed from elsewhere still finds it.
             state = {"step": work.step + 1, "checkpoint": work.checkpoint, "data": work.data_cursor}
@@ -311,10 +312,14 @@ class Run:
 
     async def recover_learners(self, cause: BaseException | None = None) -> None:
         """A learner died: its ranks restart from the newest checkpoint and train again the steps after it
-        from their samples files (rl/recovery.py). `cause`, re-raised, when no learner died."""
+        from their samples files (rl/recovery.py), up to the steps recorded when the loop caught `cause`
+        (the step in flight then trains again; `cause` is re-raised when no learner died), else up to the
+        version the rollouts hold (the coordinator's call, to re-push it to a restarted rollout: after a
+        step's sync that is the step in flight's, whose samples are on disk before it trains)."""
         if cause is not None and not any(n in self.coord.dead for n in self.coord.learners):
             raise cause
-        await recovery.replay_learner(self.coord, self.cfg, self.run_dir, self.specs, self.steps_recorded)
+        version = self.steps_recorded if cause is not None else self.coord.policy_version
+        await recovery.replay_learner(self.coord, self.cfg, self.run_dir, self.specs, version)
 
     @property
     def steps_recorded(self) -> int:

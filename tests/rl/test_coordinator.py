@@ -205,7 +205,7 @@ class RestartingSupervisor(FakeSupervisor):
         self.restarted: list[str] = []
         self.killed: list[str] = []
 
-    async def restart(self, name: str) -> None:
+    async def restart(self, name: str, *, config: Any = None) -> None:  # as the Supervisor Protocol
         self.restarted.append(name)
 
     def kill(self, name: str) -> None:  # the real one SIGKILLs; the death then arrives like any other
