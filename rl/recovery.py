@@ -48,11 +48,13 @@ async def restart(coord: Coordinator, name: str, what: str) -> None:
         raise ActorDiedError(f"{name} died while the coordinator waited for {what}: {reason}")
     coord.emit("restarting", actor=name, reason=reason, level="warning")
     config = _smaller_batch(coord, name, reason)
+    # Out of `dead` before the restart, not after: a death of the new process during the restart's awaits
+    # is recorded there, and must stay (a soak killed a rank 84 ms after its restart and lost the news).
+    del coord.dead[name]
     try:
         await coord.sup.restart(name, config=config)
     except Exception as exc:  # the budget is spent, or the restart failed: final, not another death
         raise RuntimeError(f"{name} died ({reason}) and was not restarted: {exc}") from exc
-    del coord.dead[name]
     coord.restarted.append(name)
 
 
@@ -146,14 +148,12 @@ async def restart_learners(coord: Coordinator, configs: dict[str, msgspec.Struct
         if name not in coord.dead:
             coord.sup.kill(name)
     await coord.wait_until(lambda: all(n in coord.dead for n in learners), [], "learner ranks to stop", 30.0)
-    reasons = {n: coord.dead[n] for n in learners}
+    reasons = {n: coord.dead.pop(n) for n in learners}  # before the restarts: see `restart`
     coord.emit("restarting_learners", reasons=reasons, level="warning")
     try:
         await asyncio.gather(*(coord.sup.restart(n, config=configs[n]) for n in learners))
     except Exception as exc:  # final: not an ActorDiedError, which a caller would answer with a restart
         raise RuntimeError(f"learner ranks died ({reasons}) and were not restarted: {exc}") from exc
-    for name in learners:
-        del coord.dead[name]
     coord.forget_stats()  # stats of the step in flight died with the ranks
     coord.restarted.extend(learners)
 
