@@ -69,7 +69,7 @@ async def train(
                         break
                     except ActorDiedError as died:  # a learner: its checkpoint, a replay, then again
                         await run.recover_learners(died)
-            run.record(work)  # metrics, samples, the run's state, the step line
+            run.record(work)  # metrics, the run's state, the step line
             run.end_turn()
     finally:
         await run.close()

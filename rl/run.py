@@ -232,7 +232,8 @@ class Run:
     async def roll_out_and_score(self, work: StepWork, advance: Any) -> None:
         """Deals the prompts to the rollouts and sends each completion to a verifier the moment it arrives
         (rewards overlap the tail) while idle rollout devices are leased to drafter training; then the
-        rewards' tail, and the GRPO groups. `advance`: the progress bar, a completion at a time."""
+        rewards' tail, the GRPO groups and their samples file. `advance`: the progress bar, a completion at
+        a time."""
         last_completion = [work.started]
 
         async def score(completion: Completion) -> None:
