@@ -34,7 +34,7 @@ from slipstream.engine.weight_receiver import WeightReceiver, mistyped
 from slipstream.engine.weights import load_head_parts
 from slipstream.protocols.control import Lease, Preempt, Released, SaveCheckpoint, Status
 from slipstream.protocols.drafter import DrafterDelta, DrafterStats, DrafterUpdate, HeadAck, HiddenStates
-from slipstream.protocols.learner import CUDA_IPC, WeightUpdate
+from slipstream.protocols.learner import WeightUpdate
 from slipstream.runtime import cuda_ipc
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
@@ -120,6 +120,7 @@ class DrafterActor(Actor):
             expected={name: (p.shape, p.dtype) for name, p in self._head_params.items()},
             base=lambda name: self._head_params[name].detach(),
             checksum=checksum,
+            map_refs=cuda_ipc.map_refs,
             device_checksum=cuda_ipc.device_checksum,
             version=self.head_version,
             held_as="the head's {}",
@@ -306,14 +307,10 @@ class DrafterActor(Actor):
         """Stages a bucket of the learner's push of the head parts; applies a complete version, between two
         `step()`s. What a bucket is (duplicate, dropped, refused, accepted) is the one receiver's call, as a
         rollout's; a refused one is logged and said to the coordinator, and serving goes on."""
-        try:  # a bucket in the learner's GPU memory (same node): mapped after its refs are checked
-            tensors, encoding = cuda_ipc.tensors_of(msg, self.receiver.expected)
-        except ValueError as exc:
-            return self._head_refused(msg.version, f"bucket {msg.bucket}: {exc}")
         verdict = self.receiver.receive(
             version=msg.version, bucket=msg.bucket, num_buckets=msg.num_buckets, names=msg.names,
-            tensors=tensors, checksum=msg.checksum, encoding=encoding, base_version=msg.base_version,
-            on_device=msg.encoding == CUDA_IPC,
+            tensors=msg.tensors, checksum=msg.checksum, encoding=msg.encoding, base_version=msg.base_version,
+            ipc=msg.ipc,
         )  # fmt: skip
         if verdict.kind == "duplicate":
             # The head it holds, again: after a restart the learner's push in flight when it died (queued by

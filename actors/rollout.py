@@ -151,6 +151,7 @@ class RolloutActor(Actor):
             expected={name: (p.shape, p.dtype) for name, p in self.model.named_parameters()},
             base=self.model.weight,
             checksum=checksum,
+            map_refs=cuda_ipc.map_refs,
             device_checksum=cuda_ipc.device_checksum,
             version=self.policy_version,
         )
@@ -312,15 +313,10 @@ class RolloutActor(Actor):
 
     @handler
     def on_weights(self, msg: WeightUpdate, sender: str) -> None:
-        try:  # a bucket in the learner's GPU memory (same node): mapped after its refs are checked
-            tensors, encoding = cuda_ipc.tensors_of(msg, self.receiver.expected)
-        except ValueError as exc:
-            self._refuse(msg, f"bucket {msg.bucket}: {exc}")
-            return
         verdict = self.receiver.receive(
             version=msg.version, bucket=msg.bucket, num_buckets=msg.num_buckets, names=msg.names,
-            tensors=tensors, checksum=msg.checksum, encoding=encoding, base_version=msg.base_version,
-            on_device=msg.encoding == CUDA_IPC,
+            tensors=msg.tensors, checksum=msg.checksum, encoding=msg.encoding, base_version=msg.base_version,
+            ipc=msg.ipc,
         )  # fmt: skip
         if verdict.kind == "duplicate":
             # The version it holds, again: after a restart both the push in flight when it died (queued by

@@ -2,31 +2,16 @@
 
     slipstream bench soak --nodes 2 --steps 100 --kill-every 3 --seed 1 --json   # as root
 
-Each node is a real `slipstream train` process (`python -m slipstream.cli.main train`), node 0 (the head)
-and node 1 (its agent) each in a network namespace of their own, joined by a veth pair
-(benchmarks/namespaces.py): every socket between them is TCP with the run's CURVE keys. During the run:
-
-- a seeded RNG SIGKILLs a random actor (rollout, verifier, drafter, learner, on either node) about every
-  `kill_every_s` seconds, by the pid its log's "ready" event names, if that pid is a child of the current
-  head or agent (no other process is ever killed; a victim still down after max(10 s, 2 x kill_every_s)
-  is given up for another); an actor is killed at most `max_restarts` times a
-  coordinator (a learner kill restarts every rank, and counts for each);
-- once `agent_kill_step` steps are recorded, node 1's agent is SIGKILLed: its actors die with it, the head
-  declares the node lost and restarts them on node 0 (docs/cluster.md);
-- once `coordinator_kill_step` steps are recorded and a checkpoint exists (after the agent's kill), the
-  head's `slipstream train` is SIGKILLed. Its actors stop by themselves (they hear no coordinator), node 1's agent
-  stops its own once the head has been silent 10 s and exits; then both nodes' commands start again with
-  `--resume RUN` (a resumed head makes a fresh key and waits for the other nodes' agents: node 1 must be
-  started again too, as after any head loss), and the run continues from its newest checkpoint.
-
-Random kills stop when the last step begins (as in the one-node soak) and pause from the head's kill until
-every actor of the resumed run is up. Then the same config runs on one node without kills (`reference`:
-`nodes` emptied; in reproducible mode a sample's tokens follow from its seed and the policy alone, so two
-nodes and one record the same samples, docs/cluster.md's two-node test), and the samples are compared per
-(step, group, sample) as in benchmarks/soak.py, up to the first step where only keyed near ties differ
-(from there the runs train on different samples). Restarts, relocations and requeued work are counted from
-the coordinator's log, which both heads append to (metrics.jsonl drops the records of the steps a resume
-does again, and with them their counts).
+Each node is a real `slipstream train` process in a network namespace of its own (benchmarks/namespaces.py),
+CURVE between them. A seeded RNG SIGKILLs random actors of every role on both nodes (children of the
+current head or agent only, each at most `max_restarts` times); node 1's agent is killed once
+(`agent_kill_step`: its actors move to node 0), and once a checkpoint exists the head is killed
+(`coordinator_kill_step`) and both nodes' commands start again with `--resume RUN` (a resumed head makes a
+fresh key and waits for every agent). Then the same config runs on one node without kills (reproducible
+mode: the same samples), and samples are compared per (step, group, sample) as in benchmarks/soak.py, up
+to the first step where only keyed near ties differ. Restarts and requeued work are counted from the
+coordinator's log, which both heads append to (a resume drops later records from metrics.jsonl).
+Details and results: docs/benchmarks.md, "Two nodes".
 """
 
 from __future__ import annotations

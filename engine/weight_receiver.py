@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -52,8 +52,13 @@ class WeightReceiver:
     base: Callable[[str], Tensor]
     """The tensor held for a name: what a delta decodes against."""
     checksum: Callable[[Sequence[str], Sequence[Tensor]], str]
+    map_refs: Callable[[Sequence[str], Sequence[Any], Mapping[str, tuple[Any, Any]]], list[Tensor]] | None = (
+        None
+    )
+    """Checks a bucket's GPU refs against `expected` and maps them (runtime's `cuda_ipc.map_refs`; ValueError
+    naming a bad one); None: buckets that travel as refs are refused here."""
     device_checksum: Callable[[Sequence[str], Sequence[Tensor]], str] | None = None
-    """The checksum of buckets mapped from the sender's GPU memory (`receive(on_device=True)`)."""
+    """The checksum of buckets mapped from the sender's GPU memory (runtime's `cuda_ipc.device_checksum`)."""
     version: int = 0
     """The version held (applied)."""
     held_as: str = "the loaded version {}"
@@ -74,12 +79,21 @@ class WeightReceiver:
         checksum: str,
         encoding: str = "",
         base_version: int = 0,
-        on_device: bool = False,
+        ipc: Sequence[Any] = (),
     ) -> Verdict:
-        """The verdict on one bucket (a pushed message's fields); an accepted bucket is remembered.
-        on_device: `tensors` were mapped from the sender's GPU memory and `checksum` is `device_checksum`'s."""
+        """The verdict on one bucket (a pushed message's fields); an accepted bucket is remembered. `ipc`:
+        the bucket's tensors as refs into the sender's GPU memory (then `tensors` is empty, `encoding` says
+        so, and `checksum` is `device_checksum`'s): mapped here, once it is no duplicate."""
         if version == self.version:
             return Verdict("duplicate")
+        on_device = bool(ipc)
+        if on_device:
+            if self.map_refs is None or self.device_checksum is None or tensors:
+                return Verdict("refused", error="a bucket as GPU refs, which this receiver cannot map")
+            try:
+                tensors, encoding = self.map_refs(names, ipc, self.expected), ""
+            except ValueError as exc:
+                return Verdict("refused", error=str(exc))
         decoded = bool(encoding)
         if decoded:
             if version in self._delta_refused:

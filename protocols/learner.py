@@ -94,8 +94,6 @@ class CudaIpcRef(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     stride: list[int]
     offset: int
     """Offset of the tensor in its storage, in elements."""
-    checksum: str
-    """`device_checksum` of the tensor under its name, when it was exported."""
 
 
 class WeightUpdate(Message, frozen=True, kw_only=True):

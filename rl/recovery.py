@@ -52,7 +52,7 @@ async def restart(coord: Coordinator, name: str, what: str) -> None:
     # is recorded there, and must stay (a soak killed a rank 84 ms after its restart and lost the news).
     del coord.dead[name]
     try:
-        await (coord.sup.restart(name) if config is None else coord.sup.restart(name, config=config))
+        await coord.sup.restart(name, config=config)
     except Exception as exc:  # the budget is spent, or the restart failed: final, not another death
         raise RuntimeError(f"{name} died ({reason}) and was not restarted: {exc}") from exc
     coord.restarted.append(name)

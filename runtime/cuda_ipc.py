@@ -2,10 +2,10 @@
 
 Where the learner and the rollouts and drafters share a GPU (or a node's GPUs), a push needs no host round
 trip and no second host copy: the learner exports its cast bucket once (`export`: the storage's IPC
-handle, its ref-counter and event handles, the tensor's dtype, shape, stride and offset, and a checksum
-computed on the GPU) in a `CudaIpcRef` (protocols/learner.py: a plain struct, never a pickle); each receiver checks the
-ref (`check`), maps it (`open_ref`: torch's own `rebuild_cuda_tensor`, cached per handle by torch) and
-copies it into its weights in place, then compares `device_checksum` of what it wrote. The host's
+handle, its ref-counter and event handles, the tensor's dtype, shape, stride and offset) in a `CudaIpcRef`
+(protocols/learner.py: a plain struct, never a pickle), with the bucket's `device_checksum` computed on
+the GPU; the weight receiver checks each ref and maps it (`map_refs`: torch's own `rebuild_cuda_tensor`,
+cached per handle by torch), compares the checksum and copies into its weights in place. The host's
 shared-memory lane (runtime/shm.py) stays the CPU path; XOR deltas stay the cross-host path.
 
 Non-obvious choices:
@@ -24,9 +24,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from slipstream.protocols.learner import CUDA_IPC, CudaIpcRef, WeightUpdate
+from slipstream.protocols.learner import CudaIpcRef
 
-__all__ = ["DTYPES", "CudaIpcRef", "check", "device_checksum", "export", "open_ref", "tensors_of"]
+__all__ = ["DTYPES", "CudaIpcRef", "check", "device_checksum", "export", "map_refs", "open_ref"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """What a bucket may hold on this lane (weights in the receivers' dtype)."""
@@ -49,10 +49,10 @@ def export(name: str, tensor: torch.Tensor) -> CudaIpcRef:
     shared_cache[shared[1]] = StorageWeakRef(
         storage
     )  # as torch's own reduce_tensor: this process maps it too
-    return describe(name, tensor, shared)
+    return describe(tensor, shared)
 
 
-def describe(name: str, tensor: torch.Tensor, shared: Sequence) -> CudaIpcRef:
+def describe(tensor: torch.Tensor, shared: Sequence) -> CudaIpcRef:
     """The ref of `tensor` from its storage's share tuple (`_share_cuda_`'s eight fields)."""
     device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle, event_sync = shared
     return CudaIpcRef(
@@ -68,7 +68,6 @@ def describe(name: str, tensor: torch.Tensor, shared: Sequence) -> CudaIpcRef:
         shape=list(tensor.shape),
         stride=list(tensor.stride()),
         offset=int(tensor.storage_offset()),
-        checksum=device_checksum([name], [tensor]),
     )
 
 
@@ -96,23 +95,20 @@ def check(name: str, ref: CudaIpcRef, shape: Sequence[int], dtype: torch.dtype) 
         raise ValueError(f"{name}: empty IPC handle or bad device {ref.device}")
 
 
-def tensors_of(
-    update: WeightUpdate, expected: Mapping[str, tuple[Sequence[int], torch.dtype]]
-) -> tuple[list[torch.Tensor], str]:
-    """(tensors, encoding) of a pushed bucket for the weight receiver: a CUDA_IPC bucket's refs checked
-    against `expected` (name → shape, dtype) and mapped (encoding "": full tensors, checked by
-    `device_checksum`); any other bucket as it came. ValueError naming a ref that cannot be mapped."""
-    if update.encoding != CUDA_IPC:
-        return list(update.tensors), update.encoding
-    if len(update.ipc) != len(update.names) or update.tensors:
-        raise ValueError(
-            f"{len(update.names)} names, {len(update.ipc)} IPC refs, {len(update.tensors)} tensors"
-        )
-    for name, ref in zip(update.names, update.ipc, strict=True):
+def map_refs(
+    names: Sequence[str],
+    refs: Sequence[CudaIpcRef],
+    expected: Mapping[str, tuple[Sequence[int], torch.dtype]],
+) -> list[torch.Tensor]:
+    """A bucket's refs checked against `expected` (name → shape, dtype) and mapped: what the weight
+    receiver calls (its `map_refs`). ValueError naming a ref that cannot be mapped."""
+    if len(refs) != len(names):
+        raise ValueError(f"{len(names)} names, {len(refs)} IPC refs")
+    for name, ref in zip(names, refs, strict=True):
         if name not in expected:
             raise ValueError(f"{name}: not a weight of this model")
         check(name, ref, *expected[name])
-    return [open_ref(ref) for ref in update.ipc], ""
+    return [open_ref(ref) for ref in refs]
 
 
 def open_ref(ref: CudaIpcRef) -> torch.Tensor:

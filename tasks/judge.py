@@ -1,32 +1,17 @@
-"""An LLM-judge reward run on this project's own engine: a small chat model says whether an answer matches
-the reference, scored a batch at a time.
+"""An LLM-judge reward on this project's own engine: a small chat model says whether an answer matches the
+reference, a batch at a time.
 
     reward: slipstream.tasks.judge:Judge            # or a term of a weighted list (docs/rewards.md)
 
-`Judge` is a class reward in TRL's batched convention (`__call__(prompts, completions, **columns)`): a
-verifier worker builds it once, with no arguments, as it loads its reward (`load_reward`), so the model is
-loaded at the worker's start, under `start_timeout_s`, not in a call under `batch_timeout_s`. The loaded
-model is kept per process (`engine`, keyed by the directory, the dtype and the pid): two terms naming the
-judge share one copy, and a process forked after a load loads its own (torch's thread pools do not survive
-a fork). `LOADS` counts this process's loads. Configure by subclassing: `class MyJudge(Judge): model =
-"/path/to/dir"; threads = 4`, then `reward: my_rewards:MyJudge`.
-
-Per completion, one user turn (`Judge.prompt`, a template of the question, the reference answer and the
-answer to judge; `PROMPT` by default, which leaves the question out) through the model's chat template.
-The answer judged is the text of the completion's last <answer>…</answer>, or its last `max_answer_chars`
-characters without a tag; the tokenizer's special strings in it are broken up (`defuse`), so a policy
-cannot close the user's turn and write the judge's "Yes" itself. A whole call's prompts go through one `Generator.generate` call, greedy, one new token;
-the score is P(yes) / (P(yes) + P(no)) at that first step, each side the probability mass of its one-token spellings
-(`YES`, `NO`), read from the logits of the state that sampled the token (the completion's hidden row
-through the model's final norm and LM head: the engine's greedy log-probs are 0 by definition, and it
-keeps no logits).
-
-Why probabilities, not the generated text: a 135M model's greedy word leans to one side for most inputs
-(its text would give 0/1 for nearly everything, or None where it rambles), while the ratio moves with the
-evidence, is graded (a group's advantages need differences) and always exists; one token is also the
-cheapest call. A sample the judge cannot score is None (invalid, docs/rewards.md): a row without a
-reference answer, a prompt longer than the model's context even with the answer clipped, or neither side
-having any probability mass.
+`Judge` is a class reward in TRL's batched convention: a verifier worker builds it once as it loads its
+reward, so the model loads at the worker's start; loaded models are kept per process (`engine`: by
+directory, dtype and pid; `LOADS` counts them). Configure by subclassing (`model`, `threads`, `prompt`).
+A call's prompts (the reference and the answer judged, its special strings defused so a policy cannot write
+the judge's turn) go through one greedy one-token `Generator.generate`; the score is P(yes) / (P(yes) +
+P(no)) over one-token spellings, from the state that sampled that token through the final norm and LM
+head. Non-obvious: probabilities, not the generated word, because a small model's greedy word leans one
+way for most inputs while the ratio is graded and always exists. A sample it cannot score is None
+(invalid). Measured quality and the reasons in full: docs/rewards.md, "An LLM judge".
 """
 
 from __future__ import annotations

@@ -43,11 +43,10 @@ def test_the_checksum_sees_every_byte_and_its_position_and_not_the_chunking(monk
 
 def test_a_ref_is_a_plain_message_that_round_trips() -> None:
     tensor = torch.zeros(4, 8, dtype=torch.bfloat16)[1:]  # a view: offset and stride travel
-    ref = describe("layers.0.w", tensor, SHARE)
+    ref = describe(tensor, SHARE)
     wire = msgspec.msgpack.encode(ref)
     assert msgspec.msgpack.decode(wire, type=CudaIpcRef) == ref
     assert ref.dtype == "bfloat16" and ref.shape == [3, 8] and ref.stride == [8, 1] and ref.offset == 8
-    assert ref.checksum == device_checksum(["layers.0.w"], [tensor])
     with pytest.raises(msgspec.ValidationError):
         msgspec.msgpack.decode(
             msgspec.msgpack.encode({**msgspec.to_builtins(ref), "extra": 1}), type=CudaIpcRef
@@ -56,7 +55,7 @@ def test_a_ref_is_a_plain_message_that_round_trips() -> None:
 
 def test_a_malformed_ref_is_refused_naming_what_is_wrong() -> None:
     expected = torch.zeros(3, 8, dtype=torch.bfloat16)
-    good = describe("w", expected, SHARE)
+    good = describe(expected, SHARE)
     check("w", good, expected.shape, expected.dtype)
     bad = {
         "dtype float32, expected bfloat16": msgspec.structs.replace(good, dtype="float32"),
@@ -82,11 +81,11 @@ CHILD = textwrap.dedent(
     from slipstream.runtime.cuda_ipc import CudaIpcRef, check, device_checksum, open_ref
     target = torch.zeros(256, 64, dtype=torch.bfloat16, device="cuda")
     for line in sys.stdin.buffer:
-        ref = msgspec.json.decode(line, type=CudaIpcRef)
+        announced, ref = msgspec.json.decode(line, type=tuple[str, CudaIpcRef])  # the bucket's checksum, its ref
         check("w", ref, target.shape, target.dtype)
         target.copy_(open_ref(ref))  # in place, as a rollout applies a bucket
         torch.cuda.synchronize()
-        ok = device_checksum(["w"], [target]) == ref.checksum
+        ok = device_checksum(["w"], [target]) == announced
         print("ok" if ok else "stale", float(target.float().sum()), flush=True)
     """
 )
@@ -103,13 +102,13 @@ def test_a_second_process_maps_three_pushes_bitwise_and_catches_a_stale_bucket()
             torch.manual_seed(version)
             bucket.copy_(torch.randn(256, 64, device="cuda"))  # the learner's cast of version N, in place
             torch.cuda.synchronize()
-            child.stdin.write(msgspec.json.encode(cuda_ipc.export("w", bucket)) + b"\n")
+            pushed = (device_checksum(["w"], [bucket]), cuda_ipc.export("w", bucket))
+            child.stdin.write(msgspec.json.encode(pushed) + b"\n")
             child.stdin.flush()
             status, total = child.stdout.readline().split()
             assert status == b"ok" and float(total) == pytest.approx(float(bucket.float().sum()))
         # Planted: the ref announces version 4's checksum but the bucket still holds version 3.
-        ref = cuda_ipc.export("w", bucket)
-        stale = msgspec.structs.replace(ref, checksum=device_checksum(["w"], [bucket + 1]))
+        stale = (device_checksum(["w"], [bucket + 1]), cuda_ipc.export("w", bucket))
         child.stdin.write(msgspec.json.encode(stale) + b"\n")
         child.stdin.flush()
         assert child.stdout.readline().split()[0] == b"stale"
@@ -134,7 +133,7 @@ def _fake_gpu(monkeypatch: pytest.MonkeyPatch, mapped: dict[bytes, torch.Tensor]
         handle = f"h-{id(tensor)}".encode().ljust(64, b"-")
         mapped[handle] = tensor
         share = (0, handle, tensor.untyped_storage().nbytes(), 0, b"r" * 32, 8, b"e" * 64, True)
-        return describe(name, tensor, share)
+        return describe(tensor, share)
 
     monkeypatch.setattr(cuda_ipc, "export", export)
     monkeypatch.setattr(cuda_ipc, "open_ref", lambda ref: mapped[ref.handle])
@@ -157,7 +156,7 @@ def test_a_learner_bucket_travels_as_refs_and_a_receiver_takes_it_bitwise(monkey
     held = {n: torch.zeros(p.shape, dtype=torch.bfloat16) for n, p in params}
     receiver = WeightReceiver(
         expected={n: (t.shape, t.dtype) for n, t in held.items()}, base=held.__getitem__,
-        checksum=checksum, device_checksum=device_checksum,
+        checksum=checksum, map_refs=cuda_ipc.map_refs, device_checksum=device_checksum,
     )  # fmt: skip
 
     def push(version: int) -> WeightUpdate:
@@ -172,10 +171,9 @@ def test_a_learner_bucket_travels_as_refs_and_a_receiver_takes_it_bitwise(monkey
             for _, p in params:
                 p.add_(1.0)  # a step's update of the masters
         update = push(version)
-        tensors, encoding = cuda_ipc.tensors_of(update, receiver.expected)
         verdict = receiver.receive(
-            version=version, bucket=0, num_buckets=1, names=update.names, tensors=tensors,
-            checksum=update.checksum, encoding=encoding, on_device=True,
+            version=version, bucket=0, num_buckets=1, names=update.names, tensors=update.tensors,
+            checksum=update.checksum, encoding=update.encoding, ipc=update.ipc,
         )  # fmt: skip
         assert verdict.kind == "accepted"
         for name, tensor in zip(update.names, verdict.tensors or [], strict=True):
@@ -195,31 +193,37 @@ def test_a_learner_bucket_travels_as_refs_and_a_receiver_takes_it_bitwise(monkey
             [n for n, _ in params], [p.detach().to(torch.bfloat16) + 1 for _, p in params]
         ),
     )
-    tensors, encoding = cuda_ipc.tensors_of(stale, receiver.expected)
     verdict = receiver.receive(
-        version=4, bucket=0, num_buckets=1, names=stale.names, tensors=tensors,
-        checksum=stale.checksum, encoding=encoding, on_device=True,
+        version=4, bucket=0, num_buckets=1, names=stale.names, tensors=stale.tensors,
+        checksum=stale.checksum, encoding=stale.encoding, ipc=stale.ipc,
     )  # fmt: skip
     assert verdict.kind == "refused" and verdict.error == "checksum mismatch"
 
 
 def test_a_bucket_whose_refs_cannot_be_mapped_is_refused_naming_them() -> None:
-    from slipstream.protocols.learner import CUDA_IPC, WeightUpdate
+    from slipstream.engine.weight_receiver import WeightReceiver
+    from slipstream.runtime.codec import checksum
 
     expected = {"w": (torch.Size([3, 8]), torch.bfloat16)}
-    ref = describe("w", torch.zeros(3, 8, dtype=torch.bfloat16), SHARE)
-    base = WeightUpdate(
-        version=1, bucket=0, num_buckets=1, names=["w"], tensors=[], checksum="", encoding=CUDA_IPC, ipc=[ref]
-    )
-    plain = msgspec.structs.replace(base, encoding="", ipc=[], tensors=[torch.zeros(3, 8)])
-    assert cuda_ipc.tensors_of(plain, expected)[1] == ""  # not IPC: as it came
-    for update, message in [
-        (msgspec.structs.replace(base, ipc=[]), "1 names, 0 IPC refs"),
-        (msgspec.structs.replace(base, names=["v"]), "v: not a weight of this model"),
-        (
-            msgspec.structs.replace(base, ipc=[msgspec.structs.replace(ref, shape=[8, 3])]),
-            r"w: shape \[8, 3\]",
-        ),
+    ref = describe(torch.zeros(3, 8, dtype=torch.bfloat16), SHARE)
+    for names, refs, message in [
+        (["w"], [], "1 names, 0 IPC refs"),
+        (["v"], [ref], "v: not a weight of this model"),
+        (["w"], [msgspec.structs.replace(ref, shape=[8, 3])], r"w: shape \[8, 3\]"),
     ]:
         with pytest.raises(ValueError, match=message):
-            cuda_ipc.tensors_of(update, expected)
+            cuda_ipc.map_refs(names, refs, expected)
+    # The receiver refuses such a bucket naming it, and one it has no way to map (a receiver without GPU).
+    receiver = WeightReceiver(
+        expected=expected, base=lambda n: torch.zeros(3, 8), checksum=checksum,
+        map_refs=cuda_ipc.map_refs, device_checksum=device_checksum,
+    )  # fmt: skip
+    bad = receiver.receive(
+        version=1, bucket=0, num_buckets=1, names=["v"], tensors=[], checksum="", ipc=[ref]
+    )
+    assert bad.kind == "refused" and bad.error == "v: not a weight of this model"
+    plain = WeightReceiver(expected=expected, base=lambda n: torch.zeros(3, 8), checksum=checksum)
+    unmappable = plain.receive(
+        version=1, bucket=0, num_buckets=1, names=["w"], tensors=[], checksum="", ipc=[ref]
+    )
+    assert unmappable.kind == "refused" and "cannot map" in (unmappable.error or "")
