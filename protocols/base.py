@@ -5,10 +5,11 @@ from typing import Annotated, ClassVar
 import msgspec
 
 PROTOCOL_VERSION = (
-    7  # 3: Heartbeat.ticks, SaveCheckpoint; 4: clock stamps and trace in Hello/Init, draft-depth stats;
+    8  # 3: Heartbeat.ticks, SaveCheckpoint; 4: clock stamps and trace in Hello/Init, draft-depth stats;
     # 5: node agents (protocols/node.py), Hello.local_endpoint, weight deltas across hosts; 6: typed answers
     # (CheckpointSaved, WeightsPushed, HeadAck) instead of Status topics, Failed; TrainStep trains only
-    # (pushes are PushWeights, with delta_base; checkpoints SaveCheckpoint); 7: WeightUpdate.ipc (CUDA IPC)
+    # (pushes are PushWeights, with delta_base; checkpoints SaveCheckpoint); 7: WeightUpdate.ipc (CUDA IPC);
+    # 8: RewardCalls (reward time and batch sizes per term)
 )
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]

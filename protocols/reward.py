@@ -3,7 +3,8 @@
 Every `ScoreRequest` gets exactly one `Reward`. A reward function that raised, timed out or returned
 something other than a finite number makes that one sample *invalid*: `reward` is None and `error`
 says why, and the sample is masked out of its group's baseline and the loss — never scored 0. Row
-fields travel as JSON text because dataset rows are arbitrary JSON.
+fields travel as JSON text because dataset rows are arbitrary JSON. `RewardCalls` says what the reward
+calls cost, per term (time, batch sizes), on the Rewards' own channel and ahead of them.
 """
 
 import sys
@@ -21,6 +22,7 @@ Finite = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info
 class RewardKind(StrEnum):
     SCORE = "reward.score"
     REWARD = "reward.reward"
+    CALLS = "reward.calls"
 
 
 class ScoreRequest(Message, frozen=True, kw_only=True):
@@ -51,6 +53,26 @@ class Reward(Message, frozen=True, kw_only=True):
             raise ValueError("a Reward carries either a reward or an error, exactly one of them")
 
 
-MESSAGES: tuple[type[Message], ...] = (ScoreRequest, Reward)
+class CallTotals(msgspec.Struct, frozen=True, kw_only=True, array_like=True, forbid_unknown_fields=True):
+    """One reward term's calls over a window: a batched term's call scores a batch, any other's one sample."""
 
-__all__ = [m.__name__ for m in MESSAGES] + ["MESSAGES", "RewardKind"]
+    calls: NonNeg
+    samples: NonNeg  # the calls' sizes summed
+    seconds: NonNegF  # their wall time summed (a call killed at its deadline counts up to its kill)
+    max_batch: NonNeg  # the largest call
+    invalid: NonNeg  # samples this term made invalid (raised, None, garbage, timed out, crashed)
+
+
+class RewardCalls(Message, frozen=True, kw_only=True):
+    """Verifier → where its Rewards go: its reward calls since its previous RewardCalls, per term name.
+
+    Sent on the Rewards' channel before the Reward that empties the verifier's pool (and at least every
+    second while it is busy), so the calls behind a step's rewards are in by the step's last Reward."""
+
+    kind = RewardKind.CALLS
+    terms: dict[str, CallTotals]
+
+
+MESSAGES: tuple[type[Message], ...] = (ScoreRequest, Reward, RewardCalls)
+
+__all__ = [m.__name__ for m in MESSAGES] + ["MESSAGES", "CallTotals", "RewardKind"]

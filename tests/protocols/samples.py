@@ -82,6 +82,9 @@ def samples() -> dict[str, Message]:
             elapsed_s=2.0,
             policy_version=2,
         ),
+        reward.RewardCalls(
+            terms={"judge": reward.CallTotals(calls=2, samples=12, seconds=1.5, max_batch=8, invalid=1)}
+        ),
         learner.ScoredGroup(
             step=1,
             group_id=3,
