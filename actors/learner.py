@@ -163,6 +163,7 @@ class LearnerActor(Actor):
                 top_p=msg.top_p,
                 top_k=msg.top_k,
                 policy_version=msg.policy_version,
+                policy_masks=[t.clone() for t in msg.policy_masks],
             )
         )
 
@@ -456,6 +457,8 @@ def policy_samples(
             temperature=g.temperature,
             top_p=g.top_p,
             top_k=g.top_k,
+            # A multi-turn episode's environment tokens: context, out of the loss (engine/policy_train.py).
+            policy_mask=g.policy_masks[j].tolist() if g.policy_masks and g.policy_masks[j].numel() else None,
         )
         for i, g in enumerate(groups)
         for j in range(len(g.rewards))
@@ -491,6 +494,8 @@ def _check_group(msg: ScoredGroup) -> str | None:
             return f"response {j}: ids must be 1-D int64, got {ids.dtype} {tuple(ids.shape)}"
         if logp.dtype != torch.float32 or logp.shape != ids.shape:
             return f"response {j}: log-probs must be float32 {tuple(ids.shape)}, got {logp.dtype} {tuple(logp.shape)}"
+    if msg.policy_masks and len(msg.policy_masks) != n:
+        return f"{len(msg.policy_masks)} policy masks for {n} responses"
     return None
 
 

@@ -68,14 +68,15 @@ class PolicySample:
                 f"{len(self.response_ids)} response ids but {len(self.policy_mask)} mask entries"
             )
 
-    @property
-    def num_policy_tokens(self) -> int:
-        """Response tokens the policy sampled: what the loss averages over."""
-        return len(self.response_ids) if self.policy_mask is None else sum(map(bool, self.policy_mask))
         if not self.prompt_ids:
             raise ValueError("empty prompt")
         if not math.isfinite(self.advantage):
             raise ValueError(f"advantage must be finite, got {self.advantage}")
+
+    @property
+    def num_policy_tokens(self) -> int:
+        """Response tokens the policy sampled: what the loss averages over."""
+        return len(self.response_ids) if self.policy_mask is None else sum(map(bool, self.policy_mask))
 
 
 class OptimConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

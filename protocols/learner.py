@@ -40,6 +40,19 @@ class ScoredGroup(Message, frozen=True, kw_only=True):
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     top_k: NonNeg = 0
     policy_version: NonNeg
+    # Per response (G entries, or none: every token the policy's): True where the policy sampled the token,
+    # False where a multi-turn episode's environment answered (out of the loss). An entry may be empty.
+    policy_masks: list[torch.Tensor] = []
+
+    def __post_init__(self) -> None:
+        if self.policy_masks and len(self.policy_masks) != len(self.response_ids):
+            raise ValueError(f"{len(self.policy_masks)} policy masks for {len(self.response_ids)} responses")
+        for j, (mask, ids) in enumerate(zip(self.policy_masks, self.response_ids, strict=False)):
+            if mask.numel() and (mask.dtype != torch.bool or mask.shape != ids.shape):
+                raise ValueError(
+                    f"response {j}: policy mask must be bool {tuple(ids.shape)}, got {mask.dtype} "
+                    f"{tuple(mask.shape)}"
+                )
 
 
 class TrainStep(Message, frozen=True, kw_only=True):

@@ -3,8 +3,12 @@
 Requests and completions carry their group id and the policy version that produced them (each sample
 is recorded with its version, and the drafter's buffer takes the newest version's samples first).
 `IterationStats` is a rollout's record of one decode iteration, which the coordinator reduces per step.
+A multi-turn episode's completion (issue 42) holds every token after the opening — the policy's turns and
+the environment's rendered answers — with `policy_mask` saying which the policy sampled; an answer's
+tokens carry log-prob 0 and are never trained on. Decoding checks the lengths, dtypes and that zero.
 """
 
+import sys
 from enum import StrEnum
 from typing import Annotated, Literal
 
@@ -14,6 +18,16 @@ import torch
 from slipstream.protocols.base import Message, NonNeg
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+# NaN fails both bounds, so a non-finite reward cannot even be decoded.
+Finite = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
+
+
+def _no_bool() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.bool)
+
+
+def _no_ids() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64)
 
 
 class RolloutKind(StrEnum):
@@ -47,6 +61,9 @@ class GenerateRequest(Message, frozen=True, kw_only=True):
     # Which samples to decode (empty: all of 0 .. num_samples - 1). Sample i draws from sample_seed(seed, i)
     # whatever else is asked, so a requeue after a rollout died re-decodes the missing ones alone, the same.
     sample_indices: list[NonNeg] = []
+    # The dataset row as one JSON object (question, answer, metadata): non-empty, each sample is an episode of
+    # the rollout's environment, which opens it (its first messages are the prompt: `prompt_ids` is unused).
+    row_json: str = ""
 
     def __post_init__(self) -> None:
         bad = [i for i in self.sample_indices if i >= self.num_samples]
@@ -67,6 +84,35 @@ class Completion(Message, frozen=True, kw_only=True):
     finish_reason: FinishReason
     policy_version: NonNeg
     accept_length: float = 0.0  # mean tokens committed per target pass for this response
+    # Per token: sampled by the policy (True) or an environment's answer (False: log-prob 0, never trained
+    # on); empty: every token is the policy's (a single turn).
+    policy_mask: torch.Tensor = msgspec.field(default_factory=_no_bool)  # [response_len] bool, or [0]
+    prompt_ids: torch.Tensor = msgspec.field(
+        default_factory=_no_ids
+    )  # an episode's opening; [0]: the request's
+    turns: NonNeg = 0  # policy turns of an episode (0: a single-turn request)
+    env_reward: Finite | None = None  # the environment's reward at the episode's end (None: the run's reward)
+    error: str | None = None  # why the sample is invalid (finish_reason "error"): masked, never scored 0
+
+    def __post_init__(self) -> None:
+        ids, logp, mask = self.token_ids, self.logprobs, self.policy_mask
+        if ids.dtype != torch.int64 or ids.dim() != 1:
+            raise ValueError(f"token_ids must be 1-D int64, got {ids.dtype} {tuple(ids.shape)}")
+        if logp.dtype != torch.float32 or logp.shape != ids.shape:
+            raise ValueError(
+                f"logprobs must be float32 {tuple(ids.shape)}, got {logp.dtype} {tuple(logp.shape)}"
+            )
+        if self.prompt_ids.dtype != torch.int64 or self.prompt_ids.dim() != 1:
+            raise ValueError(f"prompt_ids must be 1-D int64, got {self.prompt_ids.dtype}")
+        if mask.numel() == 0:
+            return
+        if mask.dtype != torch.bool or mask.shape != ids.shape:
+            raise ValueError(
+                f"policy_mask must be bool {tuple(ids.shape)} (one entry a token), got {mask.dtype} "
+                f"{tuple(mask.shape)}"
+            )
+        if bool((logp[~mask] != 0).any()):
+            raise ValueError("an environment's token (policy_mask False) carries a non-zero log-prob")
 
 
 class IterationStats(Message, frozen=True, kw_only=True):

@@ -382,6 +382,10 @@ class Run:
                     top_p=cfg.top_p,
                     top_k=cfg.top_k,
                     policy_version=work.step,
+                    # A multi-turn episode's: which tokens the policy sampled (the environment's are context).
+                    policy_masks=[c.policy_mask for c in done]
+                    if any(c.policy_mask.numel() for c in done)
+                    else [],
                 )
             )
         return groups

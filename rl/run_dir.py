@@ -92,12 +92,15 @@ def write_samples(path: Path, groups: list[ScoredGroup], tokenizer: Tokenizer) -
             prompt = group.prompt_ids.tolist()
             for i, (ids, reward) in enumerate(zip(group.response_ids, group.rewards, strict=True)):
                 tokens = ids.tolist()
-                out.write(json.dumps({
+                row = {
                     "group_id": group.group_id, "sample_index": i, "reward": reward,
                     "text": tokenizer.decode(tokens), "token_ids": tokens, "prompt_ids": prompt,
                     # The behaviour log-probs: what a replay of this step by a restarted learner needs.
                     "logprobs": group.behaviour_logprobs[i].tolist(),
-                }) + "\n")  # fmt: skip
+                }  # fmt: skip
+                if group.policy_masks and group.policy_masks[i].numel():  # a multi-turn episode's
+                    row["policy_mask"] = [int(x) for x in group.policy_masks[i].tolist()]
+                out.write(json.dumps(row) + "\n")
 
 
 def recorded_groups(run_dir: Path, step: int, sampling: dict[str, Any]) -> list[ScoredGroup]:
@@ -119,6 +122,9 @@ def recorded_groups(run_dir: Path, step: int, sampling: dict[str, Any]) -> list[
                 rewards=[r["reward"] for r in rows],
                 **sampling,  # temperature, top_p, top_k: how the step was sampled
                 policy_version=step,
+                policy_masks=[torch.tensor(r.get("policy_mask", []), dtype=torch.bool) for r in rows]
+                if any("policy_mask" in r for r in rows)
+                else [],
             )
         )
     return groups

@@ -1,0 +1,75 @@
+"""The learner's side of a multi-turn record: a ScoredGroup's policy masks cross the wire (codec, and the
+samples file a restarted learner replays from) into `PolicySample.policy_mask`, so an environment's tokens
+stay out of the loss. A planted learner that drops the masks trains on them, and the update differs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from slipstream.actors.learner import policy_samples
+from slipstream.engine.grpo import LossConfig
+from slipstream.engine.policy_train import OptimConfig, PolicyTrainer
+from slipstream.engine.weights import load_model
+from slipstream.protocols.learner import ScoredGroup
+from slipstream.rl import run_dir as run_dir_files
+from slipstream.runtime.codec import Codec, ProtocolError
+from tests.engine.conftest import build_checkpoint
+
+PROMPT = [5, 6, 7, 8]
+RESPONSES = [[9, 10, 11, 40, 41, 42, 12, 13], [14, 15, 16, 40, 41, 42, 17]]
+MASKS = [[True] * 3 + [False] * 3 + [True] * 2, [True] * 3 + [False] * 3 + [True]]
+
+
+def group(*, masks: bool = True) -> ScoredGroup:
+    logp = [torch.tensor([0.0 if not m else -1.5 for m in mask]) for mask in MASKS]
+    return ScoredGroup(
+        step=0, group_id=0, prompt_ids=torch.tensor(PROMPT),
+        response_ids=[torch.tensor(r) for r in RESPONSES], behaviour_logprobs=logp, rewards=[1.0, 0.0],
+        policy_version=0, policy_masks=[torch.tensor(m) for m in MASKS] if masks else [],
+    )  # fmt: skip
+
+
+def test_masks_cross_the_wire_and_the_samples_file(tmp_path: Path) -> None:
+    codec = Codec()
+    got = codec.decode(codec.encode(group()))
+    samples, _ = policy_samples([got], LossConfig())
+    assert [list(s.policy_mask) for s in samples] == MASKS
+    assert [s.num_policy_tokens for s in samples] == [5, 4]
+
+    class Tok:
+        def decode(self, ids: list[int]) -> str:
+            return " ".join(map(str, ids))
+
+    run_dir_files.write_samples(tmp_path / "samples" / "step-0.jsonl", [got], Tok())  # type: ignore[arg-type]
+    (back,) = run_dir_files.recorded_groups(tmp_path, 0, {"temperature": 1.0, "top_p": 1.0, "top_k": 0})
+    assert [m.tolist() for m in back.policy_masks] == MASKS
+    single, _ = policy_samples([group(masks=False)], LossConfig())
+    assert all(s.policy_mask is None for s in single)
+
+
+def test_a_malformed_mask_is_refused_at_decoding() -> None:
+    codec = Codec()
+    kind, body, *tensors = codec.encode(group())
+    fields = msgspec.msgpack.decode(bytes(body))
+    fields[-1][0] = ["bool", [1], b"\x01"]  # a mask one entry long for an 8-token response
+    with pytest.raises(ProtocolError, match="policy mask"):
+        codec.decode([kind, msgspec.msgpack.encode(fields), *tensors])
+
+
+def test_a_planted_unmasked_observation_changes_the_update(tmp_path: Path) -> None:
+    model_dir = build_checkpoint(tmp_path / "tiny")
+
+    def grads(scored: ScoredGroup) -> tuple[torch.Tensor, float]:
+        samples, _ = policy_samples([scored], LossConfig())
+        trainer = PolicyTrainer(load_model(model_dir), optim=OptimConfig(lr=1e-3, max_grad_norm=1e9))
+        stats = trainer.step(samples)
+        return torch.cat([p.grad.reshape(-1) for p in trainer.params]), stats["tokens"]
+
+    masked, tokens = grads(group())
+    planted, planted_tokens = grads(group(masks=False))  # what a learner that ignores the masks trains
+    assert tokens == 9 and planted_tokens == 15
+    assert not torch.allclose(masked, planted)
