@@ -12,7 +12,9 @@ that many wait or the oldest has waited `batch_wait_s`; others go one sample a w
 samples of each call it starts (`Calling`): past `timeout_s` (a sample's call) or `batch_timeout_s` (a
 batched one) those are invalid and the batch's others are scored again. Workers come from a forkserver
 that preloads the torchless worker module and the built-in rewards (why: docs/rewards.md, "The
-verifier"). Counts go to the coordinator as `Status(topic="verifier")` while they change, and at stop.
+verifier"). Counts go to the coordinator as `Status(topic="verifier")` while they change, and at stop;
+each call's time and size (`Called`) as a `reward_batch` span and, summed per term, as `RewardCalls`
+ahead of the Rewards, so a step's record holds its reward time.
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ from typing import Annotated, Any
 import msgspec
 
 from slipstream.protocols.control import Status
-from slipstream.protocols.reward import Reward, ScoreRequest
+from slipstream.protocols.reward import CallTotals, Reward, RewardCalls, ScoreRequest
 from slipstream.runtime.actor import COORDINATOR, Actor, Fatal, handler
 from slipstream.runtime.process import exit_how
 from slipstream.tasks.reward_conventions import REWARD_PATH, RewardTerm, describe
 from slipstream.tasks.reward_worker import (
     REASONS,
     Batch,
+    Called,
     Calling,
     Job,
     Outcome,
@@ -49,6 +52,7 @@ from slipstream.tasks.reward_worker import (
 
 _POLL_S = 0.01  # the longest one step waits on the workers: messages are never kept waiting for long
 _RESERVED = frozenset(("prompt", "completion"))  # passed by name, so a row may not carry them
+_CALLS_EVERY_S = 1.0  # while busy, the longest the calls' totals wait to go out (idle: at once)
 
 
 def _exit_text(code: int | None) -> str:
@@ -74,6 +78,8 @@ class _Worker:
     ready: bool = False  # the reward is loaded
     batch: dict[int, _Task] = field(default_factory=dict)  # taken and not yet answered, by job id
     calling: list[int] = field(default_factory=list)  # the job ids of the call it runs now
+    component: str = ""  # the term that call runs ("" once it returned, or none was named)
+    call_started: float = 0.0  # monotonic time its Calling arrived
     limit: float = 0.0  # that call's limit in seconds
     deadline: float = 0.0  # monotonic time past which that call is killed
 
@@ -121,10 +127,15 @@ class VerifierActor(Actor):
         self._next_report = time.monotonic() + cfg.report_every_s
         self._job_ids = 0
         self._encoder = msgspec.msgpack.Encoder()
-        self._from_worker = msgspec.msgpack.Decoder(Started | Calling | Outcome)
+        self._from_worker = msgspec.msgpack.Decoder(Started | Calling | Called | Outcome)
         self._row = msgspec.json.Decoder(dict[str, Any])
         # Each component's [sum, scored, invalid] since start: the Reward carries only the weighted sum.
         self._parts: dict[str, list[float]] = {t.label: [0.0, 0, 0] for t in cfg.terms}
+        # Each component's calls, [calls, samples, seconds, largest, invalid]: since start (the Status) and
+        # not yet sent (the next RewardCalls).
+        self._calls_total: dict[str, list[float]] = {t.label: [0, 0, 0.0, 0, 0] for t in cfg.terms}
+        self._calls_unsent: dict[str, list[float]] = {}
+        self._calls_sent = time.monotonic()
         self._spec = msgspec.msgpack.encode(WorkerSpec(terms=cfg.terms, data_source=cfg.data_source))
         self._conventions: dict[str, str] = {}
         self._batched = False  # whether a component is called once per batch (workers say so at start)
@@ -183,6 +194,7 @@ class VerifierActor(Actor):
 
     def on_stop(self) -> None:
         now = time.monotonic()
+        self._send_calls()  # the calls' totals ahead of the Rewards below, as always
         for w in self._workers:
             for task in w.batch.values():
                 self._fail(task, "stopped", "stopped: the verifier shut down while scoring it", now)
@@ -263,8 +275,12 @@ class VerifierActor(Actor):
                     self._conventions = msg.conventions
                     self._batched = any(c.endswith("batched") for c in msg.conventions.values())
                 elif isinstance(msg, Calling):
-                    w.calling, w.limit = msg.job_ids, self._limit(msg.batched)
-                    w.deadline = time.monotonic() + w.limit
+                    w.calling, w.limit, w.component = msg.job_ids, self._limit(msg.batched), msg.component
+                    w.call_started = time.monotonic()
+                    w.deadline = w.call_started + w.limit
+                elif isinstance(msg, Called):
+                    w.component = ""
+                    self._charge(w, msg.component, msg.size, msg.started_ns, msg.seconds, msg.invalid)
                 elif (task := w.batch.pop(msg.job_id, None)) is not None:
                     self._finish(task.request, msg, msg.elapsed_s)
         except (EOFError, OSError, msgspec.DecodeError):
@@ -284,6 +300,11 @@ class VerifierActor(Actor):
     def _lose(self, w: _Worker, reason: str, error: str, now: float) -> None:
         """The samples of the call `w` was in are invalid; the rest of its batch waits to be scored again."""
         blamed = [i for i in w.calling if i in w.batch] or list(w.batch)  # no call known: all of them
+        if w.component:  # the call it was in counts up to now, its samples invalid
+            took = max(0.0, now - w.call_started)
+            started_ns = time.monotonic_ns() - int(took * 1e9)
+            self._charge(w, w.component, len(w.calling), started_ns, took, len(blamed), killed=reason)
+            w.component = ""
         for job_id in blamed:
             self._fail(w.batch.pop(job_id), reason, error, now)
         again = list(w.batch.values())
@@ -361,6 +382,10 @@ class VerifierActor(Actor):
             **({"reason": reason} if reward is None else {}),
             **({"components": outcome.components} if len(self._parts) > 1 else {}),
         )
+        if self._calls_unsent and (
+            self._pending() == 0 or time.monotonic() - self._calls_sent >= _CALLS_EVERY_S
+        ):
+            self._send_calls()
         self.send(
             self.config.results_to,
             Reward(
@@ -372,6 +397,35 @@ class VerifierActor(Actor):
                 policy_version=req.policy_version,
             ),
         )
+
+    def _charge(
+        self, w: _Worker, name: str, size: int, started_ns: int, seconds: float, invalid: int, **why: str
+    ) -> None:
+        """One call of component `name` over `size` samples: its span, and its part of the totals."""
+        for totals in (self._calls_total, self._calls_unsent):
+            cell = totals.setdefault(name, [0, 0, 0.0, 0, 0])
+            cell[0] += 1
+            cell[1] += size
+            cell[2] += seconds
+            cell[3] = max(cell[3], size)
+            cell[4] += invalid
+        step = next((w.batch[i].request.policy_version for i in w.calling if i in w.batch), None)
+        self.spans.add(
+            "reward_batch", started_ns, int(seconds * 1e9), step, term=name, size=size, invalid=invalid, **why
+        )
+
+    def _send_calls(self) -> None:
+        """The calls since the last RewardCalls, per component, to the coordinator (rl/step.py's totals)."""
+        if self._calls_unsent:
+            terms = {
+                name: CallTotals(
+                    calls=int(c), samples=int(n), seconds=s, max_batch=int(top), invalid=int(bad)
+                )
+                for name, (c, n, s, top, bad) in self._calls_unsent.items()
+            }
+            self.send(COORDINATOR, RewardCalls(terms=terms))
+            self._calls_unsent = {}
+        self._calls_sent = time.monotonic()
 
     def _report(self) -> None:
         counts = dict(self._counts)
@@ -391,5 +445,10 @@ class VerifierActor(Actor):
             fields[f"component_{name}_sum"] = total
             fields[f"component_{name}_scored"] = int(scored)
             fields[f"component_{name}_invalid"] = int(invalid)
+        for name, (calls, samples, seconds, top, _) in self._calls_total.items():
+            fields[f"component_{name}_calls"] = int(calls)
+            fields[f"component_{name}_seconds"] = round(seconds, 6)
+            fields[f"component_{name}_batch_mean"] = round(samples / calls, 3) if calls else 0.0
+            fields[f"component_{name}_batch_max"] = int(top)
         self.log.info("verifier_counts", **fields)
         self.send(COORDINATOR, Status(topic="verifier", fields=fields))

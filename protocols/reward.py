@@ -4,7 +4,7 @@ Every `ScoreRequest` gets exactly one `Reward`. A reward function that raised, t
 something other than a finite number makes that one sample *invalid*: `reward` is None and `error`
 says why, and the sample is masked out of its group's baseline and the loss — never scored 0. Row
 fields travel as JSON text because dataset rows are arbitrary JSON. `RewardCalls` says what the reward
-calls cost, per term (time, batch sizes), on the Rewards' own channel and ahead of them.
+calls cost, per term (time, batch sizes), ahead of the Rewards they scored.
 """
 
 import sys
@@ -64,10 +64,10 @@ class CallTotals(msgspec.Struct, frozen=True, kw_only=True, array_like=True, for
 
 
 class RewardCalls(Message, frozen=True, kw_only=True):
-    """Verifier → where its Rewards go: its reward calls since its previous RewardCalls, per term name.
+    """Verifier → coordinator: its reward calls since its previous RewardCalls, per term name.
 
-    Sent on the Rewards' channel before the Reward that empties the verifier's pool (and at least every
-    second while it is busy), so the calls behind a step's rewards are in by the step's last Reward."""
+    Sent before the Reward that empties the verifier's pool (and at least every second while it is busy),
+    on the Rewards' channel, so the calls behind a step's rewards are in by the step's last Reward."""
 
     kind = RewardKind.CALLS
     terms: dict[str, CallTotals]

@@ -1,10 +1,11 @@
 """The coordinator: the one reader of the supervisor's inbox, and the RL step's verbs.
 
 One dispatcher task takes every message and death from the supervisor and hands each message to the
-handler its type names (`_handlers`): completions to the step that dealt them (`RolloutStep`, rl/step.py),
-rewards, acks, learner stats and checkpoint answers to their waiters, Idle/Released/DrafterStats to the
-`LeaseTable`. Verbs: `rollout` (returns the step's handle), `score`/`reward`, `train`, `push_weights`,
-`weights_applied`, `heads_applied`, `save_checkpoint`. Clients: rl/run.py and `bench rollout`.
+handler its type names (`_handlers`): completions and reward calls' totals to the step that dealt them
+(`RolloutStep`, rl/step.py), rewards, acks, learner stats and checkpoint answers to their waiters,
+Idle/Released/DrafterStats to the `LeaseTable`. Verbs: `rollout` (returns the step's handle),
+`score`/`reward`, `train`, `push_weights`, `weights_applied`, `heads_applied`, `save_checkpoint`. Clients:
+rl/run.py and `bench rollout`.
 
 Non-obvious choices:
 - Nothing is lost for lack of room: a full inbox blocks the supervisor's receive loop (backpressure, never
@@ -36,7 +37,7 @@ from slipstream.protocols.learner import (
     WeightAck,
     WeightsPushed,
 )
-from slipstream.protocols.reward import Reward, ScoreRequest
+from slipstream.protocols.reward import Reward, RewardCalls, ScoreRequest
 from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats
 from slipstream.rl import recovery
 from slipstream.rl.leases import LeaseTable
@@ -123,6 +124,7 @@ class Coordinator:
         self._handlers: dict[type[Message], Callable[[str, Any], None]] = {
             Completion: self._on_completion,
             Reward: self._on_reward,
+            RewardCalls: self._on_reward_calls,
             WeightAck: self._on_weight_ack,
             HeadAck: self._on_head_ack,
             WeightsPushed: self._on_pushed,
@@ -183,6 +185,9 @@ class Coordinator:
 
     def _on_reward(self, sender: str, msg: Reward) -> None:
         self._rewards.put_nowait(msg)
+
+    def _on_reward_calls(self, sender: str, msg: RewardCalls) -> None:
+        self.metrics.add_reward_calls(msg.terms)  # ahead of the Rewards they scored: in by the step's last
 
     def _on_weight_ack(self, sender: str, msg: WeightAck) -> None:
         self._acks[msg.version][sender] = msg

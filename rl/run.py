@@ -429,6 +429,8 @@ class Run:
             reward_errors=work.reward_errors,
             requeued=m.requeued,
             duplicates=m.duplicates,
+            reward_call_s=round(m.reward_call_s, 3),
+            reward_terms=m.reward_terms(),
             mismatch_logp_abs_max=lead.metrics.get("mismatch_logp_abs_max", 0.0),
             sync_bytes=moved.get("push_bytes", 0),
             wire_bytes=moved.get("wire_bytes", 0),
@@ -461,9 +463,11 @@ def step_line(r: StepRecord, steps: int) -> str:
     split = f"rollout {r.rollout_s:.1f}, reward {r.reward_s:.1f}, learn {r.learn_s:.1f}, sync {r.sync_s:.1f}"
     split += f", ckpt {r.checkpoint_s:.1f}" if r.checkpoint_s else ""
     invalid = f"  {r.invalid} invalid" if r.invalid else ""
+    # The reward calls' seconds over the step's: what rewards cost, overlapped with the rollout or not.
+    calls = f"  reward calls {r.reward_call_s / r.step_s:.0%}" if r.reward_terms and r.step_s > 0 else ""
     return (
         f"step {r.step + 1}/{steps}  reward {r.reward_mean:.3f}  correct {r.correct_share:.3f}  {r.tokens} tok  "
-        f"{r.step_s:.1f} s ({split})  {_speculation(r)}{invalid}"
+        f"{r.step_s:.1f} s ({split}){calls}  {_speculation(r)}{invalid}"
     )
 
 

@@ -81,6 +81,10 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     checkpoint_s: float = 0.0  # saving the run's checkpoint after the sync (0: none this step)
     requeued: int = 0  # samples and score requests dealt again after their actor died
     duplicates: int = 0  # results dropped because their (group, sample) had come back already
+    # Reward calls during the step (rollout and reward tail), summed over workers and verifiers: their
+    # seconds, and per term {calls, samples, seconds, batch_mean, batch_max, invalid} (rl/step.py)
+    reward_call_s: float = 0.0
+    reward_terms: dict[str, dict[str, float]] = {}
 
 
 def write_samples(path: Path, groups: list[ScoredGroup], tokenizer: Tokenizer) -> None:

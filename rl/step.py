@@ -14,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from slipstream.protocols.reward import CallTotals
 from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats
 from slipstream.rl import recovery
 from slipstream.rl.ledger import Ledger
@@ -60,6 +61,8 @@ class StepMetrics:
     speculated_committed: int = 0  # of those, by iterations that speculated (any arm but "off")
     requeued: int = 0  # samples and score requests dealt again after their actor died
     duplicates: int = 0  # completions and rewards dropped: their (group, sample) had come back already
+    # reward term -> [calls, samples, seconds, largest call, invalid], summed over the verifiers' RewardCalls
+    reward_calls: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def accept_length(self) -> float:
@@ -101,6 +104,32 @@ class StepMetrics:
                 self.positions.append([0, 0])
             self.positions[depth][0] += offered
             self.positions[depth][1] += took
+
+    def add_reward_calls(self, terms: Mapping[str, CallTotals]) -> None:
+        """One verifier's `RewardCalls`: its reward calls since its last, per term."""
+        for name, t in terms.items():
+            cell = self.reward_calls.setdefault(name, [0, 0, 0.0, 0, 0])
+            cell[0] += t.calls
+            cell[1] += t.samples
+            cell[2] += t.seconds
+            cell[3] = max(cell[3], t.max_batch)
+            cell[4] += t.invalid
+
+    @property
+    def reward_call_s(self) -> float:
+        """Seconds the step's reward calls took, summed over terms and workers (calls in parallel add up)."""
+        return sum(cell[2] for cell in self.reward_calls.values())
+
+    def reward_terms(self) -> dict[str, dict[str, float]]:
+        """Per reward term: calls, samples, seconds, batch_mean, batch_max (samples per call) and invalid."""
+        return {
+            name: {
+                "calls": int(calls), "samples": int(samples), "seconds": round(seconds, 4),
+                "batch_mean": round(samples / calls, 2) if calls else 0.0, "batch_max": int(top),
+                "invalid": int(invalid),
+            }
+            for name, (calls, samples, seconds, top, invalid) in sorted(self.reward_calls.items())
+        }  # fmt: skip
 
     def accept_by_position(self) -> list[float]:
         """Per draft depth: the share of sequence-passes whose draft reached it that accepted its token."""

@@ -9,9 +9,10 @@ that needs torch imports it itself.
 A worker loads the reward's terms (`load_reward`; one that cannot load is a start-up error naming the
 path), ties its life and its process group's to the actor's (`_die_with_the_actor`), then scores `Batch`es
 until its pipe closes: each batched component once per batch, then each sample's per-completion ones,
-sending `Calling` before every call (so the actor knows which samples a deadline is about) and each
-sample's `Outcome` once it is known. Everything crosses the pipe as msgspec bytes, never pickles.
-`judge` (tasks/reward_conventions.py) says what a returned value is worth.
+sending `Calling` before every call (so the actor knows which samples a deadline is about), `Called`
+after it (its time and size: the report's reward time) and each sample's `Outcome` once it is known.
+Everything crosses the pipe as msgspec bytes, never pickles. `judge` (tasks/reward_conventions.py) says
+what a returned value is worth.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from slipstream.tasks.reward_conventions import (
 __all__ = [
     "REASONS",
     "Batch",
+    "Called",
     "Calling",
     "Job",
     "Outcome",
@@ -78,6 +80,15 @@ class Started(msgspec.Struct, tag=True, array_like=True, frozen=True):
 class Calling(msgspec.Struct, tag=True, array_like=True, frozen=True):
     job_ids: list[int]  # the samples the call about to start scores
     batched: bool  # one call for all of them (the actor's batch deadline) or one sample's
+    component: str = ""  # the term called (a call killed at its deadline is charged to it)
+
+
+class Called(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    component: str
+    size: int  # samples the call scored
+    started_ns: int  # time.monotonic_ns() as it began: one clock for the host's processes
+    seconds: float  # its wall time
+    invalid: int  # samples it made invalid
 
 
 class Outcome(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -120,9 +131,10 @@ def score(
     components: list[Component],
     jobs: list[Job],
     loop: asyncio.AbstractEventLoop,
-    tell: Callable[[Calling], None],
+    tell: Callable[[Calling | Called], None],
 ) -> Iterator[Outcome]:
-    """Yields each job's Outcome once known; `tell(Calling(...))` before every call of a reward."""
+    """Yields each job's Outcome once known; `tell(Calling(...))` before every call of a reward and
+    `tell(Called(...))` after it."""
     started = time.perf_counter()
     many = len(components) > 1  # a lone reward's errors read as before: no component name in them
     parts: dict[int, dict[str, float]] = {j.job_id: {} for j in jobs}
@@ -131,15 +143,24 @@ def score(
         alive = [j for j in jobs if j.job_id not in failed]
         if not alive:
             break
-        tell(Calling(job_ids=[j.job_id for j in alive], batched=True))
-        for job, verdict in zip(alive, c.score_batch(alive, loop), strict=True):
+        tell(Calling(job_ids=[j.job_id for j in alive], batched=True, component=c.name))
+        began = time.monotonic_ns()
+        verdicts = c.score_batch(alive, loop)
+        took = (time.monotonic_ns() - began) / 1e9
+        for job, verdict in zip(alive, verdicts, strict=True):
             _record(verdict, c, job, parts, failed, many)
+        bad = sum(v[0] is None for v in verdicts)
+        tell(Called(component=c.name, size=len(alive), started_ns=began, seconds=took, invalid=bad))
     for job in jobs:
         for c in (c for c in components if not c.batched):
             if job.job_id in failed:
                 break
-            tell(Calling(job_ids=[job.job_id], batched=False))
-            _record(c.score_one(job, loop), c, job, parts, failed, many)
+            tell(Calling(job_ids=[job.job_id], batched=False, component=c.name))
+            began = time.monotonic_ns()
+            verdict = c.score_one(job, loop)
+            took = (time.monotonic_ns() - began) / 1e9
+            _record(verdict, c, job, parts, failed, many)
+            tell(Called(c.name, 1, began, took, int(verdict[0] is None)))
         verdict, blame = failed.get(job.job_id) or (combine(components, parts[job.job_id]), None)
         yield Outcome(
             job_id=job.job_id, reward=verdict[0], reason=verdict[1], error=verdict[2],

@@ -4,6 +4,7 @@ A TRL-style reward (`batch_of`) writes each call's size to the row's `calls_file
 calls. Batches form from what has arrived: completions sent together share a call, a lone one is scored
 once `batch_wait_s` has passed. A batched call that fails costs its batch; a per-completion component
 that hangs inside a batch costs its sample, and the batch's others are scored again on a fresh worker.
+Each call's size and seconds reach the coordinator per term (`RewardCalls`) ahead of the Rewards.
 The pool shares tests/actors/test_verifier.py's harness (one Supervisor on a thread).
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from slipstream.protocols.reward import Reward, RewardCalls
 from tests.actors.test_verifier import Pools, spec
 
 BATCH_WAIT_S = 1.0  # long enough that completions sent one after another share a batch on a busy host
@@ -75,6 +77,23 @@ def calls(path: Path) -> list[int]:
 
 def row(calls_file: Path, answer: float = 1.0) -> str:
     return json.dumps({"answer": answer, "calls_file": str(calls_file)})
+
+
+def reward_calls(pools: Pools, actor: str, since: int) -> dict[str, dict[str, float]]:
+    """`actor`'s RewardCalls from `pools.seen[since:]` that came before its last Reward there, summed per
+    term ("seconds", "calls", "samples", "invalid"; "max_batch" the largest)."""
+    window = [(i, m) for i, (s, m) in enumerate(pools.seen[since:]) if s == actor]
+    last = max(i for i, m in window if isinstance(m, Reward))
+    out: dict[str, dict[str, float]] = {}
+    for _, msg in (x for x in window if x[0] < last and isinstance(x[1], RewardCalls)):
+        for name, t in msg.terms.items():
+            cell = out.setdefault(
+                name, dict.fromkeys(("calls", "samples", "seconds", "invalid", "max_batch"), 0)
+            )
+            for key in ("calls", "samples", "seconds", "invalid"):
+                cell[key] += getattr(t, key)
+            cell["max_batch"] = max(cell["max_batch"], t.max_batch)
+    return out
 
 
 @pytest.mark.timeout(120)
@@ -145,16 +164,42 @@ def test_weighted_terms_sum_and_each_component_is_counted(pools: Pools, tmp_path
 
 
 @pytest.mark.timeout(120)
+def test_each_terms_calls_batch_sizes_and_seconds_arrive_ahead_of_the_rewards(
+    pools: Pools, tmp_path: Path
+) -> None:
+    calls_file = tmp_path / "calls"
+    since = len(pools.seen)
+    got = pools.score("verifier:1", ["good"] * 6 + ["raise"], row_json=row(calls_file, answer=2.0))
+    assert [r.reward for r in got] == [2.0] * 6 + [None]
+    sizes = calls(calls_file)  # what the batched term was really called with
+    terms = reward_calls(pools, "verifier:1", since)
+    assert set(terms) == {"batch", "own"}
+    batch, own = terms["batch"], terms["own"]
+    assert (batch["calls"], batch["samples"], batch["max_batch"]) == (len(sizes), 7, max(sizes))
+    assert batch["samples"] / batch["calls"] > 1 and batch["invalid"] == 0  # batching was on
+    assert (own["calls"], own["samples"], own["max_batch"], own["invalid"]) == (7, 7, 1, 1)  # one a sample
+    # `own` sleeps for nothing; a call's seconds are its wall time: more than nothing, less than the wait.
+    assert 0 < batch["seconds"] < 5 and 0 < own["seconds"] < 5
+    status = pools.status("verifier:1")
+    assert status["component_batch_calls"] >= len(sizes) and status["component_batch_batch_max"] >= max(sizes)
+    assert status["component_own_seconds"] >= own["seconds"] and status["component_own_batch_mean"] == 1.0
+
+
+@pytest.mark.timeout(120)
 def test_a_hung_sample_in_a_batch_costs_that_sample_and_the_rest_are_scored_again(
     pools: Pools, tmp_path: Path
 ) -> None:
     calls_file = tmp_path / "calls"
     restarts = pools.status("verifier:1")["restarts"]
+    since = len(pools.seen)
     got = pools.score("verifier:1", ["good", "hang", "good"], row_json=row(calls_file))
     assert [r.reward for r in got] == [1.5, None, 1.5]
     assert got[1].error == f"timeout after {TIMEOUT_S} s"
     assert calls(calls_file) == [3, 1]  # the third sample's batched term ran again, on a fresh worker
     assert pools.status("verifier:1")["restarts"] == restarts + 1
+    # The killed call is charged to its term, up to the kill, its sample invalid.
+    own = reward_calls(pools, "verifier:1", since)["own"]
+    assert own["invalid"] == 1 and TIMEOUT_S <= own["seconds"] < TIMEOUT_S + 3
 
 
 @pytest.mark.timeout(120)

@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SINKS = ["tensorboard"] if importlib.util.find_spec("tensorboard") else []
 STEP = re.compile(
     r"^step (?P<i>\d+)/2  reward (?P<reward>\S+)  correct (?P<correct>\S+)  (?P<tokens>\d+) tok  "
-    r"(?P<step_s>[\d.]+) s \(rollout [\d.]+, reward [\d.]+, learn [\d.]+, sync [\d.]+(, ckpt [\d.]+)?\)  "
+    r"(?P<step_s>[\d.]+) s \(rollout [\d.]+, reward [\d.]+, learn [\d.]+, sync [\d.]+(, ckpt [\d.]+)?\)"
+    r"(  reward calls (?P<calls>\d+)%)?  "
     r"(no speculation|accept (?P<accept>[\d.]+) on (?P<share>\d+)% of tokens)$"
 )
 
@@ -105,6 +106,11 @@ def test_each_step_prints_its_line_as_it_finishes_when_stdout_is_a_pipe(run: dic
         assert m["correct"] == f"{record['correct_share']:.3f}"
         assert int(m["tokens"]) == record["tokens"]
         assert m["step_s"] == f"{record['step_s']:.1f}"
+        # The verifier's calls reached the step's record ahead of its last reward: one a sample here.
+        terms = record["reward_terms"]
+        assert list(terms) == ["brevity"] and terms["brevity"]["samples"] == terms["brevity"]["calls"] == 8
+        assert terms["brevity"]["batch_max"] == 1 and terms["brevity"]["seconds"] > 0
+        assert m["calls"] == f"{100 * record['reward_call_s'] / record['step_s']:.0f}"
         # What speculation did where it ran, not an average that counts the tuner's plain iterations as 1.0.
         if record["spec_token_share"]:
             assert m["accept"] == f"{record['spec_accept_length']:.2f}"

@@ -34,6 +34,15 @@ def test_trl_and_verl_rewards_run_unchanged_with_weights(tiny_chat: Path, tmp_pa
             assert sample["reward"] == pytest.approx(expected), sample["text"]
             scored += 1
     assert scored == 2 * cfg.prompts_per_step * cfg.group_size
+    for record in summary["steps"]:  # each term's calls reached the step's record, on its own
+        terms, n = record["reward_terms"], cfg.prompts_per_step * cfg.group_size
+        assert (
+            set(terms) == {"trl_length", "verl"}
+            and terms["trl_length"]["samples"] == terms["verl"]["samples"] == n
+        )
+        assert terms["verl"]["calls"] == n and terms["verl"]["batch_max"] == 1  # per completion
+        assert 1 <= terms["trl_length"]["calls"] <= n and terms["trl_length"]["batch_max"] >= 1  # batched
+        assert record["reward_call_s"] == pytest.approx(sum(t["seconds"] for t in terms.values()), abs=2e-3)
 
 
 def test_a_verifier_killed_while_a_batched_reward_scores_is_restarted_and_each_sample_scored_once(

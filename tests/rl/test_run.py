@@ -10,7 +10,8 @@ import pytest
 
 from slipstream.rl import recovery
 from slipstream.rl.coordinator import ActorDiedError
-from slipstream.rl.run import Run
+from slipstream.rl.run import Run, step_line
+from slipstream.rl.run_dir import StepRecord
 
 
 def a_run(policy_version: int, dead: dict[str, str]) -> Run:
@@ -42,3 +43,28 @@ def test_the_loop_replays_to_the_steps_recorded_the_coordinator_to_the_rollouts_
     # A death that was not a learner's is not the loop's to recover.
     with pytest.raises(ActorDiedError, match="rollout:0"):
         asyncio.run(a_run(4, {}).recover_learners(ActorDiedError("rollout:0 died")))
+
+
+def a_record(**fields: Any) -> StepRecord:
+    base = {
+        "step": 0, "reward_mean": 0.5, "correct_share": 0.25, "nonzero_adv_share": 1.0, "invalid": 0,
+        "tokens": 96, "mean_response_tokens": 8.0, "step_s": 10.0, "rollout_s": 6.0, "reward_s": 0.4,
+        "learn_s": 3.0, "sync_s": 0.5, "accept_length": 1.0, "arms": {}, "idle_device_s": 0.0,
+        "reclaimed_s": 0.0, "loss": 0.1, "grad_norm": 1.0, "mismatch_logp_abs_max": 0.0, "policy_version": 1,
+    }  # fmt: skip
+    return StepRecord(**{**base, **fields})
+
+
+def test_the_step_line_shows_the_reward_calls_share_of_the_step() -> None:
+    terms = {
+        "judge": {"calls": 3, "samples": 12, "seconds": 1.2, "batch_mean": 4.0, "batch_max": 8, "invalid": 0}
+    }
+    line = step_line(a_record(reward_call_s=1.2, reward_terms=terms), 10)
+    assert line == (
+        "step 1/10  reward 0.500  correct 0.250  96 tok  "
+        "10.0 s (rollout 6.0, reward 0.4, learn 3.0, sync 0.5)  reward calls 12%  no speculation"
+    )
+    # Parallel workers' seconds add up: the share can pass 100%.
+    assert "  reward calls 240%  " in step_line(a_record(reward_call_s=24.0, reward_terms=terms), 10)
+    # A record without the calls (a verifier that reported none, an older run) says nothing of them.
+    assert "reward calls" not in step_line(a_record(), 10)

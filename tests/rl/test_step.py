@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from slipstream.protocols.reward import CallTotals
 from slipstream.rl.step import StepMetrics, batch_bucket
 
 
@@ -46,3 +47,34 @@ def test_a_step_reports_speculation_where_it_ran_and_the_share_of_tokens_it_deco
     assert m.spec_accept_length == 1.0 + 5 / 3
     assert m.spec_token_share == 8 / 28
     assert m.accept_length == 1.0 + 5 / 23  # diluted by the plain iterations
+
+
+def test_a_step_sums_each_reward_terms_calls_over_the_verifiers_reports() -> None:
+    m = StepMetrics()
+    m.add_reward_calls({"judge": CallTotals(calls=2, samples=12, seconds=1.5, max_batch=8, invalid=1)})
+    m.add_reward_calls(
+        {
+            "judge": CallTotals(calls=1, samples=4, seconds=0.5, max_batch=4, invalid=0),
+            "exact": CallTotals(calls=16, samples=16, seconds=0.25, max_batch=1, invalid=0),
+        }
+    )
+    assert m.reward_call_s == 2.25
+    assert m.reward_terms() == {
+        "exact": {
+            "calls": 16,
+            "samples": 16,
+            "seconds": 0.25,
+            "batch_mean": 1.0,
+            "batch_max": 1,
+            "invalid": 0,
+        },
+        "judge": {
+            "calls": 3,
+            "samples": 16,
+            "seconds": 2.0,
+            "batch_mean": 5.33,
+            "batch_max": 8,
+            "invalid": 1,
+        },
+    }
+    assert StepMetrics().reward_terms() == {} and StepMetrics().reward_call_s == 0.0

@@ -21,7 +21,7 @@ from slipstream.tasks.reward_conventions import (
     detect,
     load_components,
 )
-from slipstream.tasks.reward_worker import Calling, Outcome, score
+from slipstream.tasks.reward_worker import Called, Calling, Outcome, score
 
 # -- rewards in each convention -------------------------------------------------------------------
 
@@ -214,9 +214,19 @@ def test_weighted_terms_sum_and_report_each_component(loop: asyncio.AbstractEven
         and outcomes[2].blame == "accuracy"
     )
     assert outcomes[2].components == {}  # the batched term failed it, so no later term was called
-    # The batched term's one call for all four, then each sample's own calls, one at a time.
-    assert said[0] == Calling(job_ids=[0, 1, 2, 3], batched=True)
-    assert said[1:] == [Calling(job_ids=[i], batched=False) for i in (0, 0, 1, 1, 3, 3)]
+    # The batched term's one call for all four, then each sample's own calls, one at a time; each call
+    # told before it starts and, with its size, time and invalid samples, after it returns.
+    calling = [m for m in said if isinstance(m, Calling)]
+    assert calling[0] == Calling(job_ids=[0, 1, 2, 3], batched=True, component="accuracy")
+    assert calling[1:] == [
+        Calling(job_ids=[i], batched=False, component=name) for i in (0, 1, 3) for name in ("ours", "format")
+    ]
+    assert [type(m) for m in said] == [Calling, Called] * 7
+    called = [m for m in said if isinstance(m, Called)]
+    assert [(c.component, c.size, c.invalid) for c in called] == [("accuracy", 4, 1)] + [
+        (name, 1, 0) for _ in range(3) for name in ("ours", "format")
+    ]
+    assert all(c.seconds >= 0 and c.started_ns > 0 for c in called)
     assert all(isinstance(o, Outcome) for o in outcomes)
 
 
