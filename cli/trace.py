@@ -1,8 +1,9 @@
 """`slipstream trace RUN`: a run's spans as Chrome trace event JSON (open it in Perfetto or chrome://tracing).
 
 One process track per actor (named by role and rank, the coordinator first), with its spans on thread
-lanes: decode iterations, learner micro-batches, reward calls and drafter steps on lane 0; the rollouts'
-per-sample spans, which overlap by nature, packed onto as few further lanes as keep each lane free of
+lanes: decode iterations, learner micro-batches, per-sample rewards and drafter steps on lane 0; spans
+that overlap by nature, the rollouts' per-sample spans and the verifier's `reward_batch` calls (term,
+size, seconds; one per worker at once), packed onto as few further lanes as keep each lane free of
 overlaps (the long tail reads as the last lanes' lone bars). A "devices" process has two lanes per rollout
 device: when it was idle, and when a drafter held it. A weight push is a flow arrow from the learner's
 `push` span to each rollout's `apply_weights` span of the same version. Times are microseconds from the
@@ -26,6 +27,7 @@ __all__ = ["add_parser", "chrome_trace", "run"]
 
 _ROLE_ORDER = {"coordinator": 0, "learner": 1, "rollout": 2, "verifier": 3, "drafter": 4}
 _DEVICES_PID = 1000
+_PACKED = {"sample": "samples", "reward_batch": "reward calls"}  # span name -> its lanes' name
 
 
 def _parse_steps(text: str | None) -> tuple[int, int] | None:
@@ -88,18 +90,22 @@ def chrome_trace(spans: list[Span]) -> dict[str, Any]:
     applies: list[tuple[int, int, Span]] = []  # (pid, tid, apply span)
     for actor, mine in by_actor.items():
         pid = pid_of[actor]
-        samples = [s for s in mine if s.name == "sample"]
-        tid_of_sample = {id(s): lane + 1 for s, lane in zip(samples, _lanes(samples), strict=True)}
-        for lane in sorted(set(tid_of_sample.values())):
-            events.append(
-                {
-                    "ph": "M",
-                    "name": "thread_name",
-                    "pid": pid,
-                    "tid": lane,
-                    "args": {"name": f"samples {lane}"},
-                }
-            )
+        tid_of_sample: dict[int, int] = {}  # id(span) -> its lane, for the kinds in _PACKED
+        for kind, label in _PACKED.items():
+            packed = [s for s in mine if s.name == kind]
+            first = len(set(tid_of_sample.values())) + 1  # after the lanes of the kinds before it
+            lanes = _lanes(packed)
+            tid_of_sample.update({id(s): first + lane for s, lane in zip(packed, lanes, strict=True)})
+            for lane in sorted(set(lanes)):
+                events.append(
+                    {
+                        "ph": "M",
+                        "name": "thread_name",
+                        "pid": pid,
+                        "tid": first + lane,
+                        "args": {"name": f"{label} {lane + 1}"},
+                    }
+                )
         for s in mine:
             if s.name in ("device_idle", "lease") and s.args.get("device"):
                 device = str(s.args["device"])

@@ -39,6 +39,7 @@ def _run_dir(tmp_path: Path) -> Path:
     coord, learner = rec("coordinator", "coordinator", None), rec("learner-0", "learner", 0)
     rollouts = [rec(f"rollout-{r}", "rollout", r) for r in (0, 1)]
     drafter = rec("drafter-0", "drafter", 0)
+    verifier = rec("verifier-0", "verifier", 0)
     coord.add("rollout", 0, 1000, 0)
     for r, ro in enumerate(rollouts):
         ro.add("iteration", 10, 100, 0, batch=2)
@@ -49,7 +50,12 @@ def _run_dir(tmp_path: Path) -> Path:
     coord.add("device_idle", 500, 500, 0, device="rollout-0", lent_to="drafter-0")
     drafter.add("lease", 510, 495, 0, device="rollout-0", lease_id=1)
     learner.add("push", 2000, 200, 0, version=1, bytes=10)
-    for r in (coord, learner, drafter, *rollouts):
+    # Two workers' calls at once (a batch of 3 and of 1), then one killed at its deadline; a sample's reward.
+    verifier.add("reward_batch", 600, 300, 0, term="judge", size=3, invalid=0)
+    verifier.add("reward_batch", 650, 350, 0, term="judge", size=1, invalid=0)
+    verifier.add("reward_batch", 950, 400, 0, term="judge", size=2, invalid=2, killed="timeout")
+    verifier.add("reward", 600, 310, 0, group=0, index=0, ok=True)
+    for r in (coord, learner, drafter, verifier, *rollouts):
         r.close()
     return tmp_path
 
@@ -61,7 +67,15 @@ def test_every_process_is_named_samples_pack_into_lanes_and_pushes_flow_to_each_
     check_chrome_trace(trace)
     events = trace["traceEvents"]
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
-    assert names == {"coordinator", "learner-0", "rollout-0", "rollout-1", "drafter-0", "devices"}
+    assert names == {
+        "coordinator",
+        "learner-0",
+        "rollout-0",
+        "rollout-1",
+        "drafter-0",
+        "verifier-0",
+        "devices",
+    }
     pid = {e["args"]["name"]: e["pid"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     lanes = sorted(e["tid"] for e in events if e.get("name") == "sample" and e["pid"] == pid["rollout-0"])
     assert lanes == [1, 2, 2]  # three samples, two of them in sequence on one lane
@@ -72,6 +86,24 @@ def test_every_process_is_named_samples_pack_into_lanes_and_pushes_flow_to_each_
     device = [e for e in events if e["pid"] == pid["devices"] and e["ph"] == "X"]
     assert sorted(e["name"] for e in device) == ["device_idle", "lease"]
     assert len({e["tid"] for e in device}) == 2  # idle and leased on their own lanes: they overlap
+    # Reward calls: each a span with its term, size and seconds, on lanes of their own (two workers overlap).
+    lanes_named = {
+        e["tid"]: e["args"]["name"]
+        for e in events
+        if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == pid["verifier-0"]
+    }
+    calls = [e for e in events if e.get("name") == "reward_batch"]
+    assert [
+        (e["args"]["size"], e["dur"], lanes_named[e["tid"]]) for e in sorted(calls, key=lambda e: e["ts"])
+    ] == [
+        (3, 0.3, "reward calls 1"),
+        (1, 0.35, "reward calls 2"),
+        (2, 0.4, "reward calls 1"),  # the first call had ended, the second not: the first lane again
+    ]
+    assert all(e["args"]["term"] == "judge" and e["args"]["step"] == 0 for e in calls)
+    assert calls[-1]["args"]["killed"] == "timeout" and calls[-1]["args"]["invalid"] == 2
+    (reward,) = [e for e in events if e.get("name") == "reward"]
+    assert reward["tid"] == 0  # the per-sample span stays on the work lane
 
 
 def test_lanes_are_the_fewest_without_overlap() -> None:
