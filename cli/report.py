@@ -78,7 +78,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="draw a run's charts: PNGs and one self-contained HTML page",
         description="Charts of a `slipstream train` run directory (docs/report.md): reward, response "
         "lengths, accept length and tuner arms per batch size, idle/reclaimed device time, step-time "
-        "split, weight sync, log-prob mismatch, drafter loss and acceptance per draft position when "
+        "split, reward time and batch sizes per term, weight sync, log-prob mismatch, drafter loss and acceptance per draft position when "
         "recorded, and one step's long tail from the rollout's spans. Exit 2 on a missing or empty "
         "metrics.jsonl.",
     )
@@ -244,7 +244,7 @@ def header_rows(data: RunData) -> list[tuple[str, str]]:
         reward += f" (first step {first:.3f})"
     model = str(data.config.get("model", "?"))
     where = ", ".join(str(data.config[k]) for k in ("task", "device") if data.config.get(k))
-    return [
+    rows = [
         ("run", str(data.run_dir.resolve())),
         ("steps", count),
         ("model", model + (f" ({where})" if where else "")),
@@ -252,6 +252,33 @@ def header_rows(data: RunData) -> list[tuple[str, str]]:
         ("total time", f"{_duration(total)} (sum of step times)"),
         ("final reward", reward),
     ]
+    return rows + ([("reward calls", calls)] if (calls := reward_calls_row(data.records)) else [])
+
+
+def reward_calls_row(records: list[dict[str, Any]]) -> str:
+    """The run's reward calls: their seconds and share of the step time, then per term its seconds, calls,
+    samples per call (mean, largest) and invalid samples; "" when no step recorded any."""
+    terms: dict[str, list[float]] = {}  # term -> [seconds, calls, samples, largest, invalid]
+    step_s = 0.0
+    for rec in records:
+        if not rec.get("reward_terms"):
+            continue
+        step_s += rec.get("step_s") or 0.0
+        for name, cell in rec["reward_terms"].items():
+            t = terms.setdefault(name, [0.0, 0, 0, 0, 0])
+            for i, key in enumerate(("seconds", "calls", "samples")):
+                t[i] += cell.get(key, 0)
+            t[3] = max(t[3], cell.get("batch_max", 0))
+            t[4] += cell.get("invalid", 0)
+    if not terms:
+        return ""
+    total = sum(t[0] for t in terms.values())
+    text = f"{total:.1f} s" + (f" ({total / step_s:.0%} of step time)" if step_s else "")
+    for name, (secs, calls, samples, top, invalid) in sorted(terms.items()):
+        mean = samples / calls if calls else 0.0
+        text += f"; {name}: {secs:.1f} s, {int(calls)} calls, batch mean {mean:.1f} (max {int(top)})"
+        text += f", {int(invalid)} invalid" if invalid else ""
+    return text
 
 
 _CSS = """

@@ -366,6 +366,41 @@ def step_time(run: RunData) -> Figure | str:
     return fig
 
 
+def reward_calls(run: RunData) -> Figure | str:
+    recs = [r for r in run.records if r.get("reward_terms")]
+    if not any("reward_terms" in r for r in run.records):
+        return _no_field("reward_terms")
+    if not recs:
+        return "no step recorded a reward call (the verifiers sent no RewardCalls)"
+    steps = [r["step"] for r in recs]
+    terms = sorted(set().union(*(r["reward_terms"] for r in recs)))
+    fig = _figure(8.0, 6.0)
+    secs_ax, batch_ax = fig.subplots(2, 1, sharex=True)
+    bottom = [0.0] * len(recs)
+    for term in terms:
+        cells = [r["reward_terms"].get(term) or {} for r in recs]
+        secs = [c.get("seconds", 0.0) for c in cells]
+        secs_ax.bar(steps, secs, bottom=bottom, width=0.8, label=term)
+        bottom = [b + v for b, v in zip(bottom, secs, strict=True)]
+        (line,) = batch_ax.plot(
+            steps, [c.get("batch_mean", math.nan) for c in cells], "o-", label=f"{term} mean"
+        )
+        maxes = [c.get("batch_max", math.nan) for c in cells]
+        batch_ax.plot(steps, maxes, "v:", color=line.get_color(), label=f"{term} max")
+    secs_ax.set_ylabel("reward call seconds")
+    secs_ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
+    batch_ax.set_ylabel("samples per call")
+    batch_ax.set_ylim(bottom=0)
+    batch_ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
+    _steps_axis(secs_ax)
+    _steps_axis(batch_ax)
+    secs_ax.set_xlabel("")  # the shared axis is labelled once, below
+    total, step_s = sum(bottom), sum(r.get("step_s") or 0.0 for r in recs)
+    share = f", {total / step_s:.0%} of step time" if step_s else ""
+    secs_ax.set_title(f"reward calls {total:.1f} s over {len(recs)} steps{share}")
+    return fig
+
+
 def sync(run: RunData) -> Figure | str:
     steps, secs = _series(run, "sync_s")
     if not steps:
@@ -468,6 +503,14 @@ CHARTS: tuple[ChartSpec, ...] = (
         "Each step's wall time split into rollout, reward (last completion to last reward), learn and "
         "weight sync, plus checkpoint writes and what no phase accounts for.",
         step_time,
+    ),
+    ChartSpec(
+        "reward_calls",
+        "Reward time and batch sizes per term",
+        "Top: seconds each reward term's calls took in a step, summed over workers (calls in parallel add "
+        "up; they overlap the rollout). Bottom: samples per call, mean and largest: 1 for a per-completion "
+        "term, more where the verifier batched.",
+        reward_calls,
     ),
     ChartSpec(
         "sync",

@@ -30,6 +30,7 @@ ALL_CHARTS = [
     "drafter_loss",
     "idle",
     "step_time",
+    "reward_calls",
     "sync",
     "mismatch",
     "long_tail",
@@ -75,6 +76,14 @@ def _record(step: int, *, new_fields: bool, baseline: bool = False) -> dict[str,
         rec["accept_by_position"] = [0.7, 0.4 - 0.1 * step, 0.2]
         rec["drafter_loss"] = None if step == 0 else 2.0 - 0.3 * step
         rec["sync_bytes"] = 270_000_000
+        # A batched judge (its last step's calls all of 6) and a per-completion exact match, 2 s a step.
+        judge_max = 8 if step < 2 else 6
+        rec["reward_terms"] = {
+            "judge": {"calls": 4, "samples": 24, "seconds": 1.5, "batch_mean": 6.0, "batch_max": judge_max,
+                      "invalid": 1},
+            "exact": {"calls": 24, "samples": 24, "seconds": 0.5, "batch_mean": 1.0, "batch_max": 1, "invalid": 0},
+        }  # fmt: skip
+        rec["reward_call_s"] = 2.0
     return rec
 
 
@@ -169,6 +178,11 @@ def test_a_traced_run_draws_every_chart_embedded_and_beside_the_page(tmp_path: P
     assert "not recorded" not in page
     for text in ("smollm2-135m", "slipstream", "3 (steps 0–2)", "0.400 (first step 0.200)", "63.0 s"):
         assert text in page, text
+    # Reward time per term and its batch sizes, over the run: 6 s of 63 s of steps.
+    assert (
+        "<th>reward calls</th><td>6.0 s (10% of step time); exact: 1.5 s, 72 calls, batch mean 1.0 (max 1); "
+        "judge: 4.5 s, 12 calls, batch mean 6.0 (max 8), 3 invalid</td>"
+    ) in page
 
 
 def test_an_untraced_older_run_says_what_it_did_not_record(tmp_path: Path) -> None:
@@ -179,11 +193,12 @@ def test_an_untraced_older_run_says_what_it_did_not_record(tmp_path: Path) -> No
     result = report.build_report(run, out)
 
     missing = {c.name: c.missing for c in result.charts if c.missing}
-    assert set(missing) == {"accept_position", "drafter_loss", "long_tail"}
+    assert set(missing) == {"accept_position", "drafter_loss", "reward_calls", "long_tail"}
     assert "tracing was off (trace: false)" in missing["long_tail"]
     assert "accept_by_position" in missing["accept_position"]
+    assert "no `reward_terms` field" in missing["reward_calls"]
     page = result.html.read_text()
-    assert page.count("not recorded in this run") == 3
+    assert page.count("not recorded in this run") == 4 and "<th>reward calls</th>" not in page
     linked, embedded = _pngs_in(page)
     assert linked == {f"{c.name}.png" for c in result.charts if c.png} and len(embedded) == len(linked)
     assert not (out / "long_tail.png").exists()
