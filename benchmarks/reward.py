@@ -7,8 +7,9 @@ through the verifier's worker pool; and the LLM judge (tasks/judge.py) at batch 
 The pool (`pool`): two `VerifierActor`s under one Supervisor, as real processes (the actor, its
 forkserver, its workers) with the same `workers`: one runs `exact` (ours, per completion: a worker call,
 and a `Calling`, a `Called` and an `Outcome` on the worker's pipe, per sample), the other
-`exact_batched` (TRL's convention, the same scoring, one call per batch of up to `batch_size`). A round sends `completions`
-ScoreRequests to one actor at once, as a rollout step's completions arrive, and ends at its last Reward;
+`exact_batched` (TRL's convention, the same scoring, one call per batch of up to `batch_size`). A round
+sends `completions` ScoreRequests to one actor at once, as a rollout step's completions arrive, and ends
+at its last Reward;
 the rounds go A B B A (ABBA, `rounds` per arm), so a host that drifts slows both alike. The judge
 (`judge`): `Judge` loaded once in this process (`judge_threads` torch threads), the same
 `judge_completions` completions scored one per call vs `judge_batch` per call, ABBA too. Each arm's
