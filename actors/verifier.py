@@ -11,10 +11,9 @@ batched one (TRL's, verl's plural) gets what has arrived: a free worker takes up
 that many wait or the oldest has waited `batch_wait_s`; others go one sample a worker. A worker names the
 samples of each call it starts (`Calling`): past `timeout_s` (a sample's call) or `batch_timeout_s` (a
 batched one) those are invalid and the batch's others are scored again. Workers come from a forkserver
-that preloads the torchless worker module and the built-in rewards (why: docs/rewards.md, "The
-verifier"). Counts go to the coordinator as `Status(topic="verifier")` while they change, and at stop;
-each call's time and size (`Called`) as a `reward_batch` span and, summed per term, as `RewardCalls`
-ahead of the Rewards, so a step's record holds its reward time.
+preloading the torchless worker module and built-in rewards (docs/rewards.md, "The verifier"). Counts go
+out as `Status(topic="verifier")`; each call's time (`Called`) as a `reward_batch` span and, per term, in
+`RewardCalls` ahead of the Rewards, so a step's record holds its reward time.
 """
 
 from __future__ import annotations
