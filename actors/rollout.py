@@ -37,13 +37,24 @@ from slipstream.engine.config import dtype_from_name
 from slipstream.engine.device import parse_device, require_device
 from slipstream.engine.drafters import Drafter, EagleDrafter, NGramDrafter
 from slipstream.engine.eagle import EagleHead
+from slipstream.engine.episodes import EpisodeLimits, Episodes, Finished, policy_windows
 from slipstream.engine.generator import Completion, Generator, Request
 from slipstream.engine.sampling import SamplingParams, sample_seed
+from slipstream.engine.speculator import warm_up
+from slipstream.engine.tokenizer import Tokenizer
 from slipstream.engine.tuner import STALE_METHODS, Tuner, TunerConfig
 from slipstream.engine.weight_receiver import WeightReceiver
 from slipstream.engine.weights import load_model
 from slipstream.protocols.control import Idle
 from slipstream.protocols.drafter import DrafterUpdate, HiddenStates
+from slipstream.protocols.environment import (
+    Answer,
+    CloseEpisode,
+    EnvironmentUp,
+    EpisodeOpened,
+    OpenEpisode,
+    Turn,
+)
 from slipstream.protocols.learner import CUDA_IPC, WeightAck, WeightUpdate
 from slipstream.protocols.rollout import Completion as CompletionMsg
 from slipstream.protocols.rollout import GenerateRequest, IterationStats
@@ -83,6 +94,9 @@ class RolloutActor(Actor):
         # Before `ready`: decode one synthetic full batch with every arm, so the first real step does not pay
         # first touches (KV and scratch pages, packed weights, each arm's paths); the learner still loads.
         warm_up: bool = True
+        # Multi-turn episodes (issue 42): the environment actors (this rollout's is rank % len) and their caps.
+        environments: list[str] = []
+        episodes: EpisodeLimits = EpisodeLimits()
 
         def __post_init__(self) -> None:
             parse_device(self.device)
@@ -156,46 +170,30 @@ class RolloutActor(Actor):
             version=self.policy_version,
         )
         self._hidden_dtype = dtype_from_name(cfg.hidden_dtype)
+        self.episodes: Episodes | None = None  # the loop over turns: engine/episodes.py
+        self._env = cfg.environments[self.rank % len(cfg.environments)] if cfg.environments else ""
+        if cfg.environments:
+            tokenizer = Tokenizer.from_dir(hub.resolve(cfg.model))
+            self.episodes = Episodes(self.generator, tokenizer, cfg.episodes, owner=self.name)
         if cfg.warm_up:
             self._warm_up()
 
     def _warm_up(self) -> None:
-        """Decodes max_batch synthetic requests for two iterations with each arm (the rollout's other actors
-        are still starting: the learner takes seconds longer). Nothing of it is kept: no completion or hidden
-        state leaves, the tuner and the draft vocabulary's counts see none of it, every slot is freed."""
-        started = time.perf_counter()
-        started_ns = time.monotonic_ns()
-        vocab = self.model.config.vocab_size
-        length = max(1, min(64, self.config.max_len // 4))
-        prompt = [(7919 * i + 13) % vocab for i in range(length)]  # any ids: only the shapes matter
+        """Decodes max_batch synthetic requests for two iterations with each arm while the run's other actors
+        still start (`warm_up`); the draft vocabulary's counts and the tuner see none of it."""
+        started, started_ns = time.perf_counter(), time.monotonic_ns()
         arms = [arm for arm in self.tuner.arms if arm.method in self.methods]
-        params = SamplingParams(temperature=1.0, max_tokens=self.config.max_len - length, seed=0)
-        ids = [f"warm-up:{i}" for i in range(self.config.max_batch)]
-        for request_id in ids:
-            self.generator.add(Request(request_id=request_id, prompt_ids=prompt, params=params))
+        specs = [None if arm.method == "off" else arm.spec(self.config.spec_mode) for arm in arms]
         if self.eagle is not None:
             self.eagle.vocab.frozen = True
         try:
-            self.generator.set_spec(None)
-            while self.generator.num_prefilling:
-                self.generator.step()
-            for arm in arms:
-                self.generator.set_spec(None if arm.method == "off" else arm.spec(self.config.spec_mode))
-                for _ in range(2):
-                    self.generator.step()
+            warm_up(self.generator, specs, num_requests=self.config.max_batch, max_len=self.config.max_len)
         finally:
-            for request_id in ids:
-                self.generator.abort(request_id)
-            self.generator.set_spec(None)
             if self.eagle is not None:
                 self.eagle.vocab.frozen = False
         self.spans.add("warm_up", started_ns, time.monotonic_ns() - started_ns, arms=len(arms))
-        self.log.info(
-            "warmed_up",
-            arms=[a.name for a in arms],
-            seconds=round(time.perf_counter() - started, 3),
-            **memory_now(),
-        )
+        seconds = round(time.perf_counter() - started, 3)
+        self.log.info("warmed_up", arms=[a.name for a in arms], seconds=seconds, **memory_now())
 
     def _make_eagle(self) -> EagleDrafter:
         cfg = self.config
@@ -246,19 +244,91 @@ class RolloutActor(Actor):
                     stop_token_ids=tuple(sampling.stop_token_ids),
                     seed=sample_seed(msg.seed, i),
                 )
-                self.generator.add(
-                    Request(
-                        request_id=request_id, prompt_ids=prompt, params=params, group_id=str(msg.group_id)
+                if msg.row_json:  # an episode: its prompt is the environment's opening
+                    if self.episodes is None:
+                        raise ValueError("an episode's request, but this rollout has no environments")
+                    episode_id = self.episodes.begin(request_id, params, str(msg.group_id), msg.row_json)
+                    self.send(self._env, OpenEpisode(episode_id=episode_id, row_json=msg.row_json))
+                else:
+                    self.generator.add(
+                        Request(
+                            request_id=request_id,
+                            prompt_ids=prompt,
+                            params=params,
+                            group_id=str(msg.group_id),
+                        )
                     )
-                )
             except ValueError as exc:
                 # The coordinator waits for every sample: answer with an error completion, never silence.
                 self.log.error("bad_request", group_id=msg.group_id, sample_index=i, error=str(exc))
-                self._send_completion(msg.group_id, i, [], [], "error", 0.0)
+                self._send_completion(msg.group_id, i, [], [], "error", 0.0, error=str(exc))
                 continue
             self._samples[request_id] = (msg.group_id, i)
             self._queued_ns[request_id] = time.monotonic_ns()
         self._idle_sent = False
+
+    # -- episodes (engine/episodes.py drives the turns; the environment actor answers them) --------------
+
+    def _episode(self, episode_id: str) -> str | None:
+        return self.episodes.current(episode_id) if self.episodes is not None else None
+
+    @handler
+    def on_episode_opened(self, msg: EpisodeOpened, sender: str) -> None:
+        if (request_id := self._episode(msg.episode_id)) is None or self.episodes is None:
+            return  # stale: an earlier attempt's, or an episode that ended
+        try:
+            if msg.error is not None:
+                raise ValueError(f"{sender}: {msg.error}")
+            messages = [{"role": m.role, "content": m.content} for m in msg.messages]
+            self.episodes.opened(request_id, messages, msg.stop_sequences, msg.incarnation)
+        except ValueError as exc:
+            self._end_episode(self.episodes.fail(request_id, str(exc)))
+
+    @handler
+    def on_answer(self, msg: Answer, sender: str) -> None:
+        if (request_id := self._episode(msg.episode_id)) is None or self.episodes is None:
+            return
+        if msg.unknown:  # the process holding it died and was restarted: from its start, same seeds
+            self._replay(request_id, f"{sender} holds no such episode")
+            return
+        try:
+            if msg.error is not None:
+                raise ValueError(f"{sender}: {msg.error}")
+            finished = self.episodes.answer(request_id, msg.text, msg.role, msg.done, msg.reward)
+        except ValueError as exc:
+            finished = self.episodes.fail(request_id, str(exc))
+        if finished is not None:
+            self._end_episode(finished)
+
+    @handler
+    def on_environment_up(self, msg: EnvironmentUp, sender: str) -> None:
+        """A (re)started environment process: the episodes it did not open are lost there, and replayed."""
+        if self.episodes is not None and sender == self._env:
+            for request_id in self.episodes.lost_to(msg.incarnation):
+                self._replay(request_id, f"{sender} restarted")
+
+    def _replay(self, request_id: str, why: str) -> None:
+        assert self.episodes is not None
+        self.send(self._env, CloseEpisode(episode_id=self.episodes.episode_id(request_id)))
+        if (episode_id := self.episodes.replay(request_id)) is None:
+            self._end_episode(self.episodes.fail(request_id, f"{why} (replays spent)"))
+            return
+        self.log.warning("episode_replayed", episode=episode_id, why=why)
+        self.send(self._env, OpenEpisode(episode_id=episode_id, row_json=self.episodes.row_json(request_id)))
+
+    def _end_episode(self, finished: Finished) -> None:
+        self.send(
+            self._env, CloseEpisode(episode_id=finished.episode_id)
+        )  # the environment may still hold it
+        if finished.completion is not None:
+            self._finish(finished.completion, finished)
+            return
+        group_id, index = self._samples.pop(finished.request_id)
+        self._queued_ns.pop(finished.request_id, None)
+        self.log.warning("episode_invalid", group_id=group_id, sample_index=index, error=finished.error)
+        self._send_completion(
+            group_id, index, [], [], "error", 0.0, error=finished.error, turns=finished.turns
+        )
 
     # -- updates --------------------------------------------------------------------------------------
 
@@ -420,7 +490,7 @@ class RolloutActor(Actor):
         if self._pending_drafter is not None:
             self._swap_drafter()
         generator = self.generator
-        if not generator.has_unfinished():
+        if not generator.has_unfinished() and not (self.episodes is not None and self.episodes.live):
             if self._ready_version is not None:
                 self._apply_weights()
             if not self._idle_sent:
@@ -434,6 +504,12 @@ class RolloutActor(Actor):
                 )
                 self.log.info("idle", policy_version=self.policy_version, **memory_now())
             return False
+        if self.episodes is not None:
+            for request_id in self.episodes.expired():
+                why = f"no answer from {self._env} within {self.config.episodes.turn_timeout_s:g} s"
+                self._end_episode(self.episodes.fail(request_id, why))
+            if generator.num_decoding == 0 and generator.num_prefilling == 0:
+                return False  # every live request waits for its environment: sleep until an answer comes
         batch = generator.num_decoding
         clean = batch > 0 and generator.num_prefilling == 0
         decision = self.tuner.choose(max(batch, 1), self.methods)
@@ -505,12 +581,22 @@ class RolloutActor(Actor):
             ),
         )
         self._iteration += 1
+        episodes = self.episodes
         for output in outputs:
-            if output.completion is not None:
+            if output.completion is None:
+                continue
+            if episodes is not None and output.request_id in episodes:  # its max_tokens or max_len ended it
+                self._end_episode(episodes.finished(output.completion))
+            else:
                 self._finish(output.completion)
+        for end in episodes.turn_ends(outputs) if episodes is not None else ():
+            self.send(
+                self._env,
+                Turn(episode_id=end.episode_id, turn=end.turn, text=end.text, token_ids=end.token_ids),
+            )
         return True
 
-    def _finish(self, completion: Completion) -> None:
+    def _finish(self, completion: Completion, episode: Finished | None = None) -> None:
         group_id, index = self._samples.pop(completion.request_id)
         queued = self._queued_ns.pop(completion.request_id, None)
         if queued is not None:  # from the request's arrival to its last token: the long-tail view's bar
@@ -526,30 +612,33 @@ class RolloutActor(Actor):
                 passes=completion.target_passes,
             )
         passes = completion.target_passes
-        accept = len(completion.token_ids) / passes if passes else 0.0
-        self._send_completion(
-            group_id, index, completion.token_ids, completion.logprobs, completion.finish_reason, accept
-        )
+        mask = completion.policy_mask
+        accept = (len(completion.token_ids) if mask is None else sum(mask)) / passes if passes else 0.0
+        extra = {}
+        if episode is not None:
+            extra = {"prompt_ids": episode.prompt_ids, "turns": episode.turns, "env_reward": episode.reward}
+        self._send_completion(group_id, index, completion.token_ids, completion.logprobs,
+                              completion.finish_reason, accept, mask=mask, **extra)  # fmt: skip
         if not self.config.hidden_to:
             return
-        window = completion_window(completion)
-        if window is None:
-            return
-        token_ids, hidden, response_start = window
-        msg = HiddenStates(
-            group_id=group_id,
-            sample_index=index,
-            token_ids=token_ids,
-            hidden=hidden.to(self._hidden_dtype),
-            response_start=response_start,
-            policy_version=self.policy_version,
-        )
-        for dest in self.config.hidden_to:
-            self.send(dest, msg)
+        # A multi-turn completion's hidden rows are its policy tokens': one window per run of them.
+        windows = policy_windows(completion) if mask is not None else [completion_window(completion)]
+        for token_ids, hidden, response_start in [w for w in windows if w is not None]:
+            msg = HiddenStates(
+                group_id=group_id,
+                sample_index=index,
+                token_ids=token_ids,
+                hidden=hidden.to(self._hidden_dtype),
+                response_start=response_start,
+                policy_version=self.policy_version,
+            )
+            for dest in self.config.hidden_to:
+                self.send(dest, msg)
 
     def _send_completion(
-        self, group_id: int, index: int, tokens: list[int], logprobs: list[float], reason: str, accept: float
-    ) -> None:
+        self, group_id: int, index: int, tokens: list[int], logprobs: list[float], reason: str, accept: float,
+        *, mask: list[bool] | None = None, prompt_ids: list[int] | None = None, **episode: object,
+    ) -> None:  # fmt: skip
         msg = CompletionMsg(
             group_id=group_id,
             sample_index=index,
@@ -558,6 +647,9 @@ class RolloutActor(Actor):
             finish_reason=reason,  # type: ignore[arg-type]
             policy_version=self.policy_version,
             accept_length=accept,
+            policy_mask=torch.tensor(mask or [], dtype=torch.bool),
+            prompt_ids=torch.tensor(prompt_ids or [], dtype=torch.int64),
+            **episode,  # type: ignore[arg-type]  # turns, env_reward, error
         )
         for dest in self.config.completions_to:
             self.send(dest, msg)

@@ -216,6 +216,12 @@ class Generator:
             self.speculator.finish(request_id, None)  # drafters forget what they saw of the dropped tokens
         return dropped
 
+    def finish(self, request_id: str, reason: str = "stop") -> Completion:
+        """End a paused request (its environment is done with it): its completion, its slot freed."""
+        if not (seq := self.scheduler.get(request_id)).parked:
+            raise ValueError(f"request {request_id!r} is not paused: only a paused request is finished")
+        return self._complete(seq, reason)
+
     def resume(self, request_id: str, tokens: Sequence[int]) -> None:
         """Append the environment's answer to a paused request (`Scheduler.unpark`): prefilled on the same
         cache and masked out of training; then the request decodes its next turn."""
@@ -562,30 +568,24 @@ class Generator:
             state = seq.draft_state
             self.speculator.observe(replace(state, hidden=hidden) if self.speculator.needs_hidden else state)
         request_id = seq.request.request_id
+        if reason == "stop" and seq.request.pause_on_stop:
+            seq.parked = True  # a turn ended: its caller asks the environment (`resume` or `finish`)
+            return StepOutput(request_id=request_id, token_ids=tokens, logprobs=logprobs, paused=True)
         if reason is None:
             return StepOutput(request_id=request_id, token_ids=tokens, logprobs=logprobs)
+        completion = self._complete(seq, reason)
+        return StepOutput(request_id=request_id, token_ids=tokens, logprobs=logprobs, finish_reason=reason,
+                          completion=completion)  # fmt: skip
+
+    def _complete(self, seq: Running, reason: str) -> Completion:  # `seq` leaves: its slot frees
         live = self.scheduler.finish(seq)
-        self.speculator.finish(request_id, None if live else seq.group)
-        completion = Completion(
-            request_id=request_id,
-            prompt_ids=seq.tokens[: seq.num_prompt],
-            token_ids=seq.tokens[seq.num_prompt :],
-            logprobs=seq.logprobs,
-            finish_reason=reason,
-            group_id=seq.request.group_id,
-            hidden=torch.stack(seq.hidden).cpu() if seq.hidden else None,
-            target_passes=seq.target_passes,
-            drafted=seq.drafted,
-            accepted=seq.accepted,
-            policy_mask=seq.policy,
-        )
-        return StepOutput(
-            request_id=request_id,
-            token_ids=tokens,
-            logprobs=logprobs,
-            finish_reason=reason,
-            completion=completion,
-        )
+        self.speculator.finish(seq.request.request_id, None if live else seq.group)
+        return Completion(
+            request_id=seq.request.request_id, prompt_ids=seq.tokens[: seq.num_prompt], token_ids=seq.tokens[seq.num_prompt :],
+            logprobs=seq.logprobs, finish_reason=reason, group_id=seq.request.group_id,
+            hidden=torch.stack(seq.hidden).cpu() if seq.hidden else None, target_passes=seq.target_passes,
+            drafted=seq.drafted, accepted=seq.accepted, policy_mask=seq.policy,
+        )  # fmt: skip
 
 
 STATIC_PREFILL_TOKENS = 8192

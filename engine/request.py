@@ -30,6 +30,9 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     group_id: str | None = None
     """GRPO group (siblings sampled from the same prompt); carried through to the completion."""
+    pause_on_stop: bool = False
+    """A multi-turn episode's: a stop id ends the turn, not the request (it pauses, as `Generator.pause`
+    does: the environment answers, then `resume` or `finish`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +71,8 @@ class StepOutput:
     finish_reason: str | None = None
     completion: Completion | None = None
     """Set when the request finished in this iteration."""
+    paused: bool = False
+    """A `pause_on_stop` request's turn ended at a stop id (its last token): it is paused."""
 
 
 def run_requests(

@@ -154,11 +154,14 @@ class Scheduler:
         return bool(live)
 
     def park(self, seq: Running, keep: int | None = None) -> int:
-        """End `seq`'s turn: it decodes nothing until `unpark`. keep: tokens after the prompt to keep (None:
+        """End `seq`'s turn (or cut a paused one's shorter): it decodes nothing until `unpark`. keep: tokens
+        after the prompt to keep (None:
         all); the policy's tokens past it are dropped (speculation emitted beyond the turn's end) and their
         K/V rolled back. Returns how many were dropped; ValueError where `keep` would cut into what the
         environment appended or leave no pending token."""
-        if not seq.decoding:
+        shorter = seq.parked and keep is not None and keep < seq.num_generated
+        if not (seq.decoding or shorter):
+            # A parked one may be parked again, shorter: its turn ended at a stop id after a stop sequence.
             raise ValueError(f"request {seq.request.request_id!r} is not decoding: only a decoding turn ends")
         generated = seq.num_generated
         keep = generated if keep is None else keep

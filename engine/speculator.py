@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 from torch import Tensor
 
 from slipstream.engine.drafters.base import Draft, Drafter, DraftState, stack_chains
 from slipstream.engine.drafters.hybrid import HybridDrafter
+from slipstream.engine.request import Request
 from slipstream.engine.sampling import SamplingParams, params_tensors, processed_probs
 from slipstream.engine.verify import (
     EMPTY,
@@ -39,6 +40,9 @@ from slipstream.engine.verify import (
     verify_tree,
 )
 
+if TYPE_CHECKING:
+    from slipstream.engine.generator import Generator
+
 __all__ = [
     "DRAFTER_METHODS",
     "EMPTY",
@@ -49,6 +53,7 @@ __all__ = [
     "VerifyEntry",
     "share_budget",
     "verify_drafts",
+    "warm_up",
 ]
 
 Method = Literal["off", "ngram", "self", "eagle", "hybrid"]
@@ -316,3 +321,30 @@ def _verify_rejection(logits: Tensor, entries: Sequence[VerifyEntry]) -> list[Ve
             out.tokens.tolist(), out.logprobs.tolist(), [0, *(a + 1 for a in out.accepted.tolist())]
         )
     return [results[i] for i in range(len(entries))]
+
+
+def warm_up(
+    generator: Generator, specs: Sequence[SpecConfig | None], *, num_requests: int, max_len: int
+) -> None:
+    """Decodes `num_requests` synthetic requests for two iterations with each of `specs` (None: plain), so
+    that real work does not pay first touches (KV and scratch pages, packed weights, each arm's paths), then
+    aborts them: no slot stays taken, nothing is returned."""
+    vocab = generator.model.config.vocab_size
+    length = max(1, min(64, max_len // 4))
+    prompt = [(7919 * i + 13) % vocab for i in range(length)]  # any ids: only the shapes matter
+    params = SamplingParams(temperature=1.0, max_tokens=max_len - length, seed=0)
+    ids = [f"warm-up:{i}" for i in range(num_requests)]
+    for request_id in ids:
+        generator.add(Request(request_id=request_id, prompt_ids=prompt, params=params))
+    try:
+        generator.set_spec(None)
+        while generator.num_prefilling:
+            generator.step()
+        for spec in specs:
+            generator.set_spec(spec)
+            for _ in range(2):
+                generator.step()
+    finally:
+        for request_id in ids:
+            generator.abort(request_id)
+        generator.set_spec(None)

@@ -25,10 +25,10 @@ from typing import Any
 import msgspec
 import torch
 
-from slipstream.protocols import Message, control, drafter, learner, node, reward, rollout
+from slipstream.protocols import Message, control, drafter, environment, learner, node, reward, rollout
 from slipstream.runtime.shm import ShmArena, ShmReader, ShmRef
 
-CHANNELS: tuple[ModuleType, ...] = (control, rollout, reward, learner, drafter, node)
+CHANNELS: tuple[ModuleType, ...] = (control, rollout, reward, learner, drafter, node, environment)
 
 # Names are the wire format for dtypes: append only.
 DTYPES: dict[str, torch.dtype] = {

@@ -11,22 +11,33 @@ that raises, hangs or answers garbage makes its sample invalid, as a reward does
 
 Shipped: `Calculator` (arithmetic tasks with a `<calc>…</calc>` tool evaluated safely, exact-match reward
 on the final answer) and `GuessNumber` (a game where the answer to each guess decides the next turn).
-Not built yet: the rollout's loop over turns and the environment actor it talks to (docs/environments.md).
+Hosted by the environment actor (actors/environment.py), driven turn by turn by the rollout
+(engine/episodes.py); what is built and what is not: docs/environments.md.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+import importlib
 import operator
 import random
 import re
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from slipstream.tasks.datasets import Row
 
-__all__ = ["Calculator", "Episode", "GuessNumber", "Observation", "evaluate_arithmetic"]
+__all__ = [
+    "Calculator",
+    "EnvironmentFactory",
+    "Episode",
+    "GuessNumber",
+    "Observation",
+    "evaluate_arithmetic",
+    "load_environment",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,3 +194,21 @@ def _same(given: str, expected: Any) -> bool:
         return float(given.strip()) == float(str(expected).strip())
     except ValueError:
         return given.strip() == str(expected).strip()
+
+
+def load_environment(path: str, options: Mapping[str, Any] | None = None) -> EnvironmentFactory:
+    """The environment named "pkg.module:name" (a class or a function taking a `Row`), called with `options`
+    as keyword arguments after the row. Every failure is a ValueError naming the path."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"environment {path!r}: must look like 'package.module:Name'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # whatever the module raises at import, the message names the path
+        raise ValueError(f"environment {path!r}: cannot import {module_name}: {type(e).__name__}: {e}") from e
+    factory = getattr(module, attr, None)
+    if factory is None:
+        raise ValueError(f"environment {path!r}: module {module_name} has no attribute {attr}")
+    if not callable(factory):
+        raise ValueError(f"environment {path!r}: {attr} is not callable ({type(factory).__name__})")
+    return functools.partial(factory, **dict(options or {})) if options else factory

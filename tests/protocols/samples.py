@@ -3,7 +3,7 @@
 import msgspec
 import torch
 
-from slipstream.protocols import Message, control, drafter, learner, node, reward, rollout
+from slipstream.protocols import Message, control, drafter, environment, learner, node, reward, rollout
 
 
 def samples() -> dict[str, Message]:
@@ -105,6 +105,28 @@ def samples() -> dict[str, Message]:
             policy_version=2,
             policy_masks=[torch.tensor([True, False]), torch.empty(0, dtype=torch.bool)],
         ),
+        environment.OpenEpisode(episode_id="rollout:0/3:1/0", row_json='{"question":"1+1?"}'),
+        environment.EpisodeOpened(
+            episode_id="rollout:0/3:1/0",
+            messages=[environment.ChatMessage(role="user", content="1+1?")],
+            stop_sequences=["</calc>"],
+            error=None,
+            incarnation="41-ab",
+        ),
+        environment.Turn(episode_id="rollout:0/3:1/0", turn=1, text="<calc>1+1</calc>", token_ids=[5, 6]),
+        environment.Answer(
+            episode_id="rollout:0/3:1/0",
+            turn=1,
+            text="<result>2</result>",
+            role="tool",
+            done=True,
+            reward=1.0,
+            error=None,
+            unknown=False,
+            elapsed_s=0.5,
+        ),
+        environment.CloseEpisode(episode_id="rollout:0/3:1/0"),
+        environment.EnvironmentUp(incarnation="41-ab"),
         learner.TrainStep(step=1, num_groups=8, version=2),
         learner.PushWeights(version=3, to=["rollout:1"], head_to=["drafter:1"], delta_base={"rollout:1": 2}),
         learner.WeightUpdate(
