@@ -7,11 +7,10 @@ past the GPU count). Everything else in the engine is one code path: tensors are
 the model or cache they work with, and the CPU suite runs the functions a CUDA run runs.
 
 What differs by device kind sits here, behind `Capabilities` (probed once per device and dtype):
-- CPU: inference projections through oneDNN with prepacked weights, probed per dtype — a CPU without
-  AVX-512 refuses the bf16 reorder ("bf16 path needs the cpu support avx_ne_convert or avx512bw…"), so
-  bf16 takes F.linear there; torch threads are pinned per actor by the runtime, not here. Inputs of one
-  or two rows are padded to four on AVX-512 (`onednn_pad_rows`): a decode pass of SmolLM2 at batch 1 / 2
-  took 62 / 73 ms plain and 56 / 57 ms padded on an EPYC.
+- CPU: inference projections through prepacked weights (`packed_gemm`): MKL's packed sgemm for fp32 on
+  Intel, oneDNN's blocked weights elsewhere and for bf16 (a CPU without AVX-512 refuses the bf16 reorder,
+  so bf16 takes F.linear there). On oneDNN, inputs of one or two rows are padded to four on AVX-512
+  (`onednn_pad_rows`). Torch threads are pinned per actor by the runtime, not here.
 - CUDA: NCCL for the learner's process group; no oneDNN; attention (`sdpa`) without cuDNN's fused
   kernel, which builds a graph per new shape (2.2 ms of host time per call on an H100, and decode's
   shapes change every step: docs/gpu.md). Decode and verify run as fixed-shape steps replayed as CUDA
@@ -30,24 +29,30 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = [
     "Capabilities",
-    "blas_rows",
     "capabilities",
-    "onednn_linear_ok",
     "onednn_pad_rows",
+    "packed_gemm",
     "parse_device",
     "require_device",
     "sdpa",
-    "set_onednn_linear",
+    "set_packed_gemm",
 ]
 
 DEVICE_KINDS = ("cpu", "cuda")
 
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)  # dtypes the packed path is tried for
-_onednn_enabled = True
-_onednn_works: dict[torch.dtype, bool] = {}  # probe result per dtype, made on first use
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)  # dtypes the oneDNN packed path is tried for
+GEMMS = ("mkl", "onednn")  # the packed-weight kernels `packed_gemm` chooses from
+_packed_enabled = True
+_gemm: dict[torch.dtype, str | None] = {}  # `packed_gemm`'s choice per dtype, made on first use
+_ONEDNN_WIDE: dict[torch.dtype, bool] = {}  # whether oneDNN takes the projections past MKL_MAX_WIDTH
+MKL_MAX_WIDTH = 8192
+"""Output widths past this (an LM head) stay on oneDNN where MKL is chosen: a 49152 × 576 head took 5.9 / 8.2
+ms at 4 / 16 rows through MKL's packed sgemm and 5.4 / 7.0 through oneDNN (2 threads, Xeon with AMX)."""
+MKL_PACK_ROWS = 256
+"""The row count MKL's weights are packed for. The pack's layout depends on it and serves any row count,
+but a pack for 1 row ran 16 rows 1.6x slower; one for 256 was the fastest measured at 1, 4, 16 and 64."""
 PAD_ROWS = 4  # what a one- or two-row input is padded to where that is faster (`onednn_pad_rows`)
 _onednn_pad: dict[torch.dtype, frozenset[int]] = {}  # per dtype, decided on first use
-_blas_rows: dict[torch.dtype, frozenset[int]] = {}  # per dtype, decided on first use (`blas_rows`)
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 """What `sdpa` lets torch choose from on CUDA: every fused backend but cuDNN's (see the module docstring)."""
 
@@ -109,49 +114,54 @@ def sdpa(
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
 
 
-def set_onednn_linear(enabled: bool) -> None:
-    """Turn the oneDNN packed-weight path on (for each dtype where this torch build and CPU run it) or off,
-    process-wide."""
-    global _onednn_enabled
-    _onednn_enabled = enabled
-    _onednn_works.clear()
+def set_packed_gemm(enabled: bool) -> None:
+    """Turn the packed-weight projections on (each dtype takes what `packed_gemm` probes) or off (every
+    projection through F.linear), process-wide."""
+    global _packed_enabled
+    _packed_enabled = enabled
+    _gemm.clear()
+    _ONEDNN_WIDE.clear()
     _onednn_pad.clear()
-    _blas_rows.clear()
 
 
-def onednn_linear_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether an inference projection in `dtype` on `device` takes the packed oneDNN path."""
-    if not _onednn_enabled or device.type != "cpu":
-        return False
-    works = _onednn_works.get(dtype)
-    if works is None:
-        works = _onednn_works[dtype] = dtype in _ONEDNN_DTYPES and _probe_onednn(dtype)
-    return works
+def packed_gemm(device: torch.device, dtype: torch.dtype, width: int = 0) -> str | None:
+    """Which packed-weight kernel an inference projection in `dtype` on `device` takes: "mkl" (MKL's packed
+    sgemm), "onednn" (oneDNN's blocked weights) or None (F.linear: CUDA, or nothing probed runs here).
+
+    fp32 on Intel takes MKL's packed sgemm where this torch build has it: SmolLM2's 120 layer projections
+    streamed from memory (an Intel Xeon with AMX, 2 threads) took 16.9 / 22.0 / 31.0 ms at 1 / 4 / 16 rows
+    against oneDNN's 22.0 / 25.5 / 35.0 and F.linear's 16.8 / 30.1 / 42.6, and within 3% of oneDNN from 24
+    rows up (docs/engine.md, "Model"). On AMD, MKL takes a generic path and oneDNN wins at every row count;
+    bf16 has no MKL packing. By vendor and a probe, not timed: start-up timings on a shared host swung by
+    more than these effects. SLIPSTREAM_CPU_GEMM=onednn|mkl|none overrides, for A/B runs."""
+    if not _packed_enabled or device.type != "cpu":
+        return None
+    if dtype not in _gemm:
+        _gemm[dtype] = _choose_gemm(dtype)
+    gemm = _gemm[dtype]
+    if gemm == "mkl" and width > MKL_MAX_WIDTH and _ONEDNN_WIDE.get(dtype, False):
+        return "onednn"
+    return gemm
 
 
-def blas_rows(dtype: torch.dtype) -> frozenset[int]:
-    """Row counts whose inference projections in `dtype` run faster through BLAS (`F.linear` on the plain
-    weight: MKL's gemv) than through oneDNN's packed kernels.
-
-    Why: on Intel, MKL's gemv streams a few rows' weights at the memory's pace and oneDNN's packed kernels
-    do not, while from four rows oneDNN is the faster; on AMD, MKL takes a generic path and oneDNN wins
-    at every row count (figures: docs/engine.md, "Model"). By CPU vendor, not timed (start-up timings
-    swung by more than smaller effects on shared hosts): fp32 on Intel; elsewhere, and for other dtypes,
-    none. A projection whose plain weight was dropped (`keep_packed_only`) stays on oneDNN."""
-    rows = _blas_rows.get(dtype)
-    if rows is None:
-        rows = _blas_rows[dtype] = (
-            frozenset({1, 2, 3}) if dtype == torch.float32 and _intel() else frozenset()
-        )
-    return rows
-
-
-def _intel() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
-    except OSError:  # not Linux: no claim
-        return False
+def _choose_gemm(dtype: torch.dtype) -> str | None:
+    forced = os.environ.get("SLIPSTREAM_CPU_GEMM", "")
+    if forced not in ("", *GEMMS, "none"):
+        raise ValueError(f"SLIPSTREAM_CPU_GEMM={forced!r}: expected one of {', '.join(GEMMS)}, none")
+    if forced == "none":
+        return None
+    mkl = dtype == torch.float32 and _probe_mkl()
+    onednn = dtype in _ONEDNN_DTYPES and _probe_onednn(dtype)
+    if forced:
+        if not {"mkl": mkl, "onednn": onednn}[forced]:
+            raise ValueError(
+                f"SLIPSTREAM_CPU_GEMM={forced}: this torch build and CPU do not run it for {dtype}"
+            )
+        return forced
+    _ONEDNN_WIDE[dtype] = onednn and forced != "mkl"
+    if mkl and _intel():
+        return "mkl"
+    return "onednn" if onednn else None
 
 
 def onednn_pad_rows(dtype: torch.dtype) -> frozenset[int]:
@@ -183,4 +193,25 @@ def _probe_onednn(dtype: torch.dtype) -> bool:
             )
         return bool(torch.equal(out, torch.full((1, 2), 2.0, dtype=dtype)))
     except (AttributeError, RuntimeError):
+        return False
+
+
+def _probe_mkl() -> bool:
+    """Whether MKL's packed sgemm runs here (a torch build without MKL has no such ops, or refuses them)."""
+    if not torch.backends.mkl.is_available():
+        return False
+    try:
+        with torch.inference_mode():
+            packed = torch.ops.mkl._mkl_reorder_linear_weight(torch.ones(2, 2), 1)
+            out = torch.ops.mkl._mkl_linear(torch.ones(1, 2), packed, torch.zeros(1).expand(2, 2), None, 1)
+        return bool(torch.equal(out, torch.full((1, 2), 2.0)))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _intel() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+    except OSError:  # not Linux: no claim
         return False

@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from slipstream.engine.buffer import PackedBatch
-from slipstream.engine.device import onednn_linear_ok
+from slipstream.engine.device import packed_gemm
 from slipstream.engine.eagle import EagleHead, target_features, varlen_attention
 from slipstream.engine.model import Transformer, _linear, _PackedWeight
 
@@ -64,7 +64,7 @@ class _Abandoned(Exception):
     """Raised inside the loss when `stop` says so: the step is abandoned before anything changed."""
 
 
-# oneDNN-blocked copies of LM heads (W and its transpose), per weight tensor: the fast CPU matmul path
+# Packed copies of LM heads (W and its transpose), per weight tensor: the fast CPU matmul path
 # (`model._linear`) needs them, and building one costs ~100 ms for a 49k × 576 head, so they outlive a call.
 # The tensor object only finds the pair (and lets it die with the tensor); each pack is rebuilt when the
 # weight's data_ptr or version counter moves (`_PackedWeight`), so an in-place head update repacks.
@@ -104,11 +104,11 @@ class _HeadCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=compute, device=pred.device)
         correct = torch.empty(pred.shape[0], dtype=torch.bool, device=pred.device)  # [N]
         grad = torch.empty_like(pred) if needs_grad else None  # [N, d]
-        if stop is not None and onednn_linear_ok(weight.device, weight.dtype):
+        if stop is not None and (gemm := packed_gemm(weight.device, weight.dtype, weight.shape[0])):
             # Packed before the first chunk's poll, not inside the chunk: a preemption waits for one piece.
-            pack.get(weight)
-            if needs_grad:
-                pack_t.get(weight.t())
+            pack.get(weight, gemm)
+            if needs_grad and (gemm_t := packed_gemm(weight.device, weight.dtype, weight.shape[1])):
+                pack_t.get(weight.t(), gemm_t)
         for lo in range(0, pred.shape[0], chunk):
             if stop is not None and stop():
                 raise _Abandoned

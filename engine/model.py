@@ -10,9 +10,9 @@ so rollout and learner log-probs agree.
 Non-obvious choices (figures: docs/engine.md, "Model"):
 - q/k/v and gate/up are fused into single projections; the loader splits HF tensors into them.
 - GQA without repeating K/V: query heads sharing a KV head fold into the query-length axis.
-- On CPU, inference projections use oneDNN with prepacked weights, repacked when a weight's storage or
-  version changes (an in-place weight update bumps the version). Whether the packed path runs is the
-  probed switch of engine/device.py; elsewhere (CUDA, training with grad) projections are F.linear.
+- On CPU, inference projections use prepacked weights (MKL's packed sgemm or oneDNN, engine/device.py's
+  `packed_gemm`), repacked when a weight's storage or version changes (an in-place weight update bumps
+  the version); elsewhere (CUDA, training with grad) projections are F.linear.
   A rollout keeps the packed copies only (`keep_packed_only`: the decoder's weights once, not twice).
 - Decode attention is matmul → softmax → matmul with an additive mask; RoPE tables are built once, in
   float32 as transformers computes them.
@@ -30,57 +30,95 @@ from torch import Tensor, nn
 from slipstream.engine import invariant
 from slipstream.engine.batch import AttentionGroup, BatchLayout
 from slipstream.engine.config import ModelConfig
-from slipstream.engine.device import PAD_ROWS, blas_rows, onednn_linear_ok, onednn_pad_rows, sdpa
+from slipstream.engine.device import MKL_PACK_ROWS, PAD_ROWS, onednn_pad_rows, packed_gemm, sdpa
 from slipstream.engine.kv_cache import KVCache
 
 
 class _PackedWeight:
-    """A oneDNN-blocked copy of a CPU weight, rebuilt when the weight's storage or version changes."""
+    """A packed copy of a CPU weight for `packed_gemm`'s kernel, rebuilt when the weight's storage or
+    version or the kernel changes."""
 
-    __slots__ = ("key", "packed")
+    __slots__ = ("fixups", "gemm", "key", "packed", "shape")
 
     def __init__(self) -> None:
-        self.key: tuple[int, int] | None = None
+        self.key: tuple[int, int, str] | None = None
+        self.gemm: str | None = None
         self.packed: Tensor | None = None
+        self.shape: Tensor | None = None  # MKL's kernel takes the output width from a weight-shaped tensor
+        self.fixups: tuple[Tensor, Tensor, Tensor] | None = None  # what `unpack` cannot read back (MKL)
 
-    def get(self, weight: Tensor) -> Tensor:
+    def get(self, weight: Tensor, gemm: str) -> Tensor:
         if weight.is_meta:  # packed only (`Transformer.keep_packed_only`): the packed copy is the weight
-            if self.packed is None:
-                raise RuntimeError("a packed-only projection has no packed weight")
+            if self.packed is None or self.gemm != gemm:
+                raise RuntimeError(f"a packed-only projection holds a {self.gemm} pack, not the {gemm} one")
             return self.packed
-        key = (weight.data_ptr(), weight._version)
+        key = (weight.data_ptr(), weight._version, gemm)
         if key != self.key:
-            with torch.inference_mode():
-                # contiguous(): a no-op for a weight, and a transposed view (Wᵀ in a backward product)
-                # reorders ~6x faster from a plain copy than in place.
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+            self.put(weight, gemm)
             self.key = key
         assert self.packed is not None
         return self.packed
 
-    def put(self, value: Tensor) -> None:
-        """Pack `value` now (a packed-only projection's update: no plain copy is kept)."""
+    def put(self, value: Tensor, gemm: str, *, only_copy: bool = False) -> None:
+        """Pack `value` for `gemm` now. only_copy: no plain copy is kept (a packed-only projection), so keep
+        what `unpack` needs to read it back exactly."""
         with torch.inference_mode():
             self.packed = None  # drop the old pack first: two at once would double the peak per layer
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(value.detach().contiguous(), None)
+            # contiguous(): a no-op for a weight, and a transposed view (Wᵀ in a backward product)
+            # reorders ~6x faster from a plain copy than in place.
+            plain = value.detach().contiguous()
+            if gemm == "mkl":
+                self.packed = torch.ops.mkl._mkl_reorder_linear_weight(plain, MKL_PACK_ROWS)
+                self.shape = torch.zeros((), dtype=value.dtype).expand(value.shape)  # no storage
+                self.fixups = None
+                if only_copy:
+                    # MKL's pack has no exact inverse: `unpack` multiplies it by the identity, exact but for a
+                    # zero's sign and rows holding inf or NaN (0·inf). Those are kept aside (usually none).
+                    negative_zeros = ((plain == 0) & plain.signbit()).flatten().nonzero().squeeze(1)
+                    bad_rows = (~plain.isfinite()).any(1).nonzero().squeeze(1)
+                    self.fixups = (negative_zeros, bad_rows, plain[bad_rows].clone())
+            else:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(plain, None)
+                self.fixups = None
+        self.gemm = gemm
         self.key = None
+
+    def unpack(self) -> Tensor:
+        """The packed weight's exact values, as a plain [out, in] tensor (a copy)."""
+        assert self.packed is not None
+        if self.gemm != "mkl":
+            return self.packed.to_dense()  # oneDNN's reorder is exact both ways
+        if self.shape is None or self.fixups is None:
+            raise RuntimeError(
+                "this MKL pack was not made as a projection's only copy: it has no exact read-back"
+            )
+        width = self.shape.shape[1]
+        with torch.inference_mode():
+            eye = torch.eye(width, dtype=self.shape.dtype)
+            plain = torch.ops.mkl._mkl_linear(eye, self.packed, self.shape, None, width).t().contiguous()
+            negative_zeros, bad_rows, rows = self.fixups
+            plain.view(-1)[negative_zeros] = -0.0
+            plain[bad_rows] = rows
+        return plain
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, pack: _PackedWeight) -> Tensor:
     if invariant.active(x, weight):
         return invariant.linear(x, weight, bias)  # rows independent of the batch (engine/invariant.py)
-    if onednn_linear_ok(x.device, weight.dtype) and not (
-        torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)
-    ):
+    gemm = packed_gemm(x.device, weight.dtype, weight.shape[0])
+    if gemm is not None and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)):
+        packed = pack.get(weight, gemm)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if rows in blas_rows(weight.dtype) and not weight.is_meta:
-            return F.linear(x, weight, bias)  # MKL's gemv beats oneDNN at a few rows on Intel (device.py)
+        if gemm == "mkl":
+            # The row count as the "prepacked batch size": MKL's packed weight serves any row count, and a
+            # mismatch would make the op fall back to the plain weight, which `shape` only stands in for.
+            return torch.ops.mkl._mkl_linear(x, packed, pack.shape, bias, rows)
         if 0 < rows < PAD_ROWS and rows in onednn_pad_rows(weight.dtype):
             # oneDNN streams the weights slower for one or two rows than for four on AVX-512: pad, drop.
             padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, PAD_ROWS - rows))  # one allocation
-            out = torch.ops.mkldnn._linear_pointwise(padded, pack.get(weight), bias, "none", [], "")
+            out = torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")
             return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
-        return torch.ops.mkldnn._linear_pointwise(x, pack.get(weight), bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     if weight.is_meta and not x.is_meta:  # F.linear would return a meta tensor, silently
         raise RuntimeError("this projection keeps only its packed weight (keep_packed_only): inference only")
     return F.linear(x, weight, bias)
@@ -171,9 +209,10 @@ class Attention(nn.Module):
         self.qkv = Linear(config.hidden_size, width, bias=config.qkv_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_bias)
 
-    def _qkv(self, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q [..., heads, hd], k and v [..., kv_heads, hd] for normed input h [..., hidden]."""
-        qkv = self.qkv(h)
+    def _qkv(self, h: Tensor, cos: Tensor, sin: Tensor, hooks: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+        """q [..., heads, hd], k and v [..., kv_heads, hd] for normed input h [..., hidden]; hooks=False:
+        the projection's `.forward` directly (the rollout path, see `Transformer.forward`)."""
+        qkv = self.qkv(h) if hooks else self.qkv.forward(h)
         lead = qkv.shape[:-1]
         qk_heads = self.num_heads + self.num_kv_heads
         # One RoPE call rotates q and k together: they are adjacent in the fused projection.
@@ -194,7 +233,7 @@ class Attention(nn.Module):
         masks: list[Tensor],
     ) -> Tensor:
         """Attention for flat tokens h [N, hidden]; writes their K/V into this layer's cache first."""
-        q, k, v = self._qkv(h, cos, sin)  # [N, heads, hd], [N, kv_heads, hd] ×2
+        q, k, v = self._qkv(h, cos, sin, hooks=False)  # [N, heads, hd], [N, kv_heads, hd] ×2
         k_cache[layout.write_slots, :, layout.write_positions] = k
         v_cache[layout.write_slots, :, layout.write_positions] = v
         groups = layout.groups
@@ -208,7 +247,7 @@ class Attention(nn.Module):
                     out[group.token_slice] = o
                 else:
                     out.index_copy_(0, group.token_rows, o.index_select(0, group.output_index))
-        return self.o_proj(out)
+        return self.o_proj.forward(out)
 
     def _attend(
         self, q: Tensor, k_cache: Tensor, v_cache: Tensor, group: AttentionGroup, mask: Tensor
@@ -229,9 +268,13 @@ class Attention(nn.Module):
         if mask.dtype != torch.bool:
             # Decode (one query per sequence): plain matmul-softmax-matmul with an additive mask beats the
             # flash kernel here, whose tiling overhead dominates at 1–3 query rows per head.
-            scores = torch.matmul(qg, keys.transpose(-1, -2)).mul_(hd**-0.5).add_(mask)  # [rows, kvh, g, kv]
-            o = torch.matmul(scores.softmax(-1), values)  # [rows, kvh, g, hd]
-            return o.reshape(rows, kvh * g * hd)
+            # One baddbmm scales the products and adds the mask; the cache's [rows, kvh] dims merge into
+            # one batch dim without a copy (a slot's heads are adjacent in the cache).
+            batch = rows * kvh
+            keys, values = keys.reshape(batch, -1, hd), values.reshape(batch, -1, hd)
+            scores = torch.baddbmm(mask, qg.reshape(batch, g, hd), keys.transpose(1, 2), alpha=hd**-0.5)
+            o = torch.bmm(scores.softmax(-1), values)  # [rows * kvh, g, hd]
+            return o.view(rows, kvh * g * hd)
         o = sdpa(qg, keys, values, attn_mask=mask)  # [rows, kvh, g*q_len, hd]
         if q_len == 1:
             return o.reshape(rows, kvh * g * hd)
@@ -260,6 +303,11 @@ class MLP(nn.Module):
         # split, not two slices: a slice's backward zero-fills a full-size gradient (1.5 s of a 30 s step).
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down(F.silu(gate) * up)
+
+    def forward_cached(self, x: Tensor) -> Tensor:
+        """`forward` for the rollout path: the projections' `.forward` directly (see `Transformer.forward`)."""
+        gate, up = self.gate_up.forward(x).split(self.intermediate, dim=-1)
+        return self.down.forward(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -292,14 +340,14 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def keep_packed_only(self) -> int:
-        """Inference only: the decoder layers' projections keep just their oneDNN-packed copies.
+        """Inference only: the decoder layers' projections keep just their packed copies (`packed_gemm`).
 
         Each plain weight becomes a meta placeholder (its shape and dtype, no storage), so a rollout holds
         the projections once instead of twice; anything that reads one, such as a training forward, fails
         loudly. The embedding (also the tied LM head) and an untied LM head stay plain: lookups and the
         draft vocabulary read their rows. Write new values with `write_parameter`, read them back with
-        `named_weights`. Returns the bytes freed: 0 where oneDNN does not run these weights (CUDA, a
-        dtype the probe refused).
+        `named_weights`. Returns the bytes freed: 0 where no packed kernel runs these weights (CUDA, a
+        dtype the probes refused).
         """
         freed = 0
         for layer in self.layers:
@@ -307,16 +355,17 @@ class Transformer(nn.Module):
                 if not isinstance(module, Linear) or module.weight.is_meta:
                     continue
                 weight = module.weight
-                if not onednn_linear_ok(weight.device, weight.dtype):
+                gemm = packed_gemm(weight.device, weight.dtype, weight.shape[0])
+                if gemm is None:
                     return freed
-                module._pack.put(weight)
+                module._pack.put(weight, gemm, only_copy=True)
                 freed += weight.numel() * weight.element_size()
                 module.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
         return freed
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """(name, value) of every parameter, as `named_parameters` but packed-only ones unpacked (a copy:
-        oneDNN's reorder is exact both ways), so checks and tests read what decoding uses."""
+        """(name, value) of every parameter, as `named_parameters` but packed-only ones unpacked (an exact
+        copy, `_PackedWeight.unpack`), so checks and tests read what decoding uses."""
         for name, _ in self.named_parameters():
             yield name, self.weight(name)
 
@@ -328,7 +377,7 @@ class Transformer(nn.Module):
             return param.detach()
         module = self.get_submodule(name.rpartition(".")[0])
         assert isinstance(module, Linear) and module._pack.packed is not None
-        return module._pack.packed.to_dense()
+        return module._pack.unpack()
 
     def write_parameter(self, name: str, value: Tensor) -> None:
         """Copy `value` into parameter `name`; a packed-only projection is repacked straight from it."""
@@ -340,8 +389,8 @@ class Transformer(nn.Module):
                 f"{name}: got {tuple(value.shape)} {value.dtype}, expected {tuple(param.shape)} {param.dtype}"
             )
         if param.is_meta:
-            assert isinstance(module, Linear) and attr == "weight"
-            module._pack.put(value)
+            assert isinstance(module, Linear) and attr == "weight" and module._pack.gemm is not None
+            module._pack.put(value, module._pack.gemm, only_copy=True)
             return
         with torch.no_grad():
             param.copy_(value)  # bumps the tensor version: a prepacked copy repacks on next use
@@ -375,11 +424,19 @@ class Transformer(nn.Module):
             )
         cos_table, sin_table = self.rotary.tables(cache.max_len, input_ids.device, cache.dtype)
         cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]  # [N, 1, hd]
-        masks = [_fold_mask(group.mask, self.config.queries_per_kv, cache.dtype) for group in layout.groups]
+        config = self.config
+        masks = [
+            _fold_mask(group.mask, config.queries_per_kv, config.num_key_value_heads, cache.dtype)
+            for group in layout.groups
+        ]
         x = self.embed_tokens(input_ids)  # [N, hidden]
+        # `.forward` directly, not `module(...)`: this loop makes ~7 module calls a layer, and nn.Module's
+        # call machinery (hook checks) cost ~1 ms of a SmolLM2 decode step on a CPU. Module hooks therefore
+        # do not fire on the rollout path; nothing of ours registers any (the learner's path keeps them).
         for layer, k_cache, v_cache in zip(self.layers, cache.keys, cache.values, strict=True):
-            x += layer.attn.forward_cached(layer.input_norm(x), cos, sin, layout, k_cache, v_cache, masks)
-            x += layer.mlp(layer.post_norm(x))
+            attn = layer.attn
+            x += attn.forward_cached(layer.input_norm.forward(x), cos, sin, layout, k_cache, v_cache, masks)
+            x += layer.mlp.forward_cached(layer.post_norm.forward(x))
         for slot, start, n in zip(layout.slots, layout.starts, layout.num_new, strict=True):
             cache.set_length(slot, start + n)
         if layout.num_logits == 0:  # e.g. a pass of mid-prompt prefill chunks only
@@ -413,15 +470,17 @@ class Transformer(nn.Module):
         return self.head(x)
 
 
-def _fold_mask(mask: Tensor, groups: int, dtype: torch.dtype) -> Tensor:
+def _fold_mask(mask: Tensor, groups: int, kv_heads: int, dtype: torch.dtype) -> Tensor:
     """[rows, 1, q_len, kv] → [rows, 1, groups*q_len, kv] matching the GQA-folded queries.
 
-    Single-query groups in fp32/fp64 get an additive float mask instead (0 or -inf), which selects the
-    matmul attention path; lower precisions keep SDPA, whose softmax accumulates in fp32.
+    Single-query groups in fp32/fp64 get an additive float mask instead (0 or -inf), laid out
+    [rows * kv_heads, 1, kv] for the batched products of the matmul attention path (one copy per pass,
+    shared by every layer); lower precisions keep SDPA, whose softmax accumulates in fp32.
     """
     rows, _, q_len, kv_len = mask.shape
     if q_len == 1:
         if dtype in (torch.float32, torch.float64):
-            return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            additive = torch.zeros((rows, kv_heads, 1, kv_len), dtype=dtype, device=mask.device)
+            return additive.masked_fill_(~mask, float("-inf")).view(rows * kv_heads, 1, kv_len)
         return mask  # broadcasts over the folded axis
     return mask.unsqueeze(2).expand(rows, 1, groups, q_len, kv_len).reshape(rows, 1, groups * q_len, kv_len)

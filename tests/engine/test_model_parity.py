@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from slipstream.engine.batch import BatchLayout
 from slipstream.engine.config import ModelConfig, dtype_from_name, dtype_name
-from slipstream.engine.device import onednn_linear_ok, set_onednn_linear
+from slipstream.engine.device import packed_gemm, set_packed_gemm
 from slipstream.engine.kv_cache import KVCache
 from slipstream.engine.model import Linear, Transformer
 from slipstream.engine.tree import tree_attention_mask
@@ -56,9 +56,9 @@ CASES = {
 
 @pytest.fixture
 def onednn_off() -> Iterator[None]:
-    set_onednn_linear(False)
+    set_packed_gemm(False)
     yield
-    set_onednn_linear(True)
+    set_packed_gemm(True)
 
 
 def hf_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -142,17 +142,14 @@ def test_packed_only_projections(
 ) -> None:
     """A rollout's packed-only model decodes exactly as the plain one, before and after a weight update
     written through `write_parameter`, and a training forward (which needs the plain weights) fails. (Both
-    on oneDNN: where a plain model's few-row projections take BLAS, `blas_rows`, it rounds differently.)"""
-    from slipstream.engine import device as engine_device
-
-    monkeypatch.setitem(engine_device._blas_rows, torch.float32, frozenset())
+    take the same packed kernel, so at every row count.)"""
     arch, overrides = CASES[case]
     path = make_checkpoint(arch, seed=5, **overrides)
     plain, packed = load_model(path), load_model(path)
     freed = packed.keep_packed_only()
     projections = [m.weight for layer in plain.layers for m in layer.modules() if isinstance(m, Linear)]
-    if not onednn_linear_ok(torch.device("cpu"), torch.float32):
-        assert freed == 0  # nothing is packed where oneDNN does not run: the plain weights stay
+    if packed_gemm(torch.device("cpu"), torch.float32) is None:
+        assert freed == 0  # nothing is packed where no packed kernel runs: the plain weights stay
         return
     assert freed == sum(w.numel() * w.element_size() for w in projections)
     ids = torch.randint(0, 160, (2, 40), generator=torch.Generator().manual_seed(5))
@@ -211,8 +208,8 @@ except RuntimeError as e:
     bf16_reorder = str(e)
 with torch.inference_mode():
     logits = model.forward_train(ids)
-    probes = {str(d): native.onednn_linear_ok(torch.device("cpu"), d) for d in (torch.float32, torch.bfloat16)}
-    native.set_onednn_linear(False)  # every projection through F.linear
+    probes = {str(d): native.packed_gemm(torch.device("cpu"), d) is not None for d in (torch.float32, torch.bfloat16)}
+    native.set_packed_gemm(False)  # every projection through F.linear
     reference = model.forward_train(ids)
 print(json.dumps({"bf16_reorder": bf16_reorder, "probes": probes, "equal": torch.equal(logits, reference)}))
 """
@@ -402,10 +399,10 @@ def test_small_row_padding_returns_the_unpadded_rows(
 
     layer = Linear(48, 40, bias=True)
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
-    if not onednn_linear_ok(x.device, torch.float32):
+    if not engine_device._probe_onednn(torch.float32):
         pytest.skip("this torch build runs no packed oneDNN projections")  # then nothing is padded either
     with torch.inference_mode():
-        monkeypatch.setitem(engine_device._blas_rows, torch.float32, frozenset())  # oneDNN at every row count
+        monkeypatch.setitem(engine_device._gemm, torch.float32, "onednn")
         monkeypatch.setitem(engine_device._onednn_pad, torch.float32, frozenset())
         plain = layer(x)
         monkeypatch.setitem(engine_device._onednn_pad, torch.float32, frozenset({1, 2}))
@@ -423,35 +420,70 @@ def test_small_row_padding_returns_the_unpadded_rows(
     torch.testing.assert_close(padded, plain, atol=1e-6, rtol=0)
 
 
-def test_few_rows_take_blas_where_it_is_faster(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where `blas_rows` names a row count (fp32 on Intel: MKL's gemv beats oneDNN there), a projection of
-    that many rows runs F.linear on the plain weight, others oneDNN's packed kernel, with the same values up
-    to rounding; a packed-only projection has no plain weight and stays on oneDNN."""
+def test_packed_gemm_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 on Intel takes MKL's packed sgemm where this torch has it, except LM-head widths (oneDNN);
+    AMD and bf16 take oneDNN; SLIPSTREAM_CPU_GEMM overrides, and a bad value is refused by name."""
     from slipstream.engine import device as engine_device
-    from slipstream.engine import model as engine_model
 
-    if not onednn_linear_ok(torch.device("cpu"), torch.float32):
-        pytest.skip("this torch build runs no packed oneDNN projections: every row count takes F.linear")
-    layer = Linear(48, 40, bias=True)
-    monkeypatch.setitem(engine_device._blas_rows, torch.float32, frozenset({1, 2, 3}))
-    monkeypatch.setitem(engine_device._onednn_pad, torch.float32, frozenset())
-    calls: list[int] = []
-    real = engine_model.F.linear
-
-    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return real(x, *args)
-
-    monkeypatch.setattr(engine_model.F, "linear", spy)
-    with torch.inference_mode():
-        for rows in (1, 3, 4, 16):
-            x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(rows))
-            expected = real(x, layer.weight, layer.bias)
-            torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=0)
-    assert calls == [1, 3]
+    cpu = torch.device("cpu")
     on_intel = any(
         line.startswith("vendor_id") and "GenuineIntel" in line for line in Path("/proc/cpuinfo").open()
     )
-    engine_device._blas_rows.clear()
-    assert engine_device.blas_rows(torch.float32) == (frozenset({1, 2, 3}) if on_intel else frozenset())
-    assert engine_device.blas_rows(torch.bfloat16) == frozenset()
+    mkl, onednn = engine_device._probe_mkl(), engine_device._probe_onednn(torch.float32)
+    engine_device.set_packed_gemm(True)  # empties the choices
+    try:
+        expected = "mkl" if mkl and on_intel else ("onednn" if onednn else None)
+        assert packed_gemm(cpu, torch.float32, 960) == expected
+        wide = "onednn" if onednn else expected
+        assert packed_gemm(cpu, torch.float32, engine_device.MKL_MAX_WIDTH + 1) == wide
+        assert packed_gemm(cpu, torch.bfloat16) in ("onednn", None)
+        assert packed_gemm(torch.device("cuda"), torch.float32) is None
+        for forced, available in (("onednn", onednn), ("mkl", mkl), ("none", True)):
+            engine_device.set_packed_gemm(True)
+            monkeypatch.setenv("SLIPSTREAM_CPU_GEMM", forced)
+            if available:
+                assert packed_gemm(cpu, torch.float32) == (None if forced == "none" else forced)
+            else:
+                with pytest.raises(ValueError, match=f"SLIPSTREAM_CPU_GEMM={forced}: this torch build"):
+                    packed_gemm(cpu, torch.float32)
+        engine_device.set_packed_gemm(True)
+        monkeypatch.setenv("SLIPSTREAM_CPU_GEMM", "blas")
+        with pytest.raises(ValueError, match="SLIPSTREAM_CPU_GEMM='blas': expected one of mkl, onednn, none"):
+            packed_gemm(cpu, torch.float32)
+    finally:
+        monkeypatch.delenv("SLIPSTREAM_CPU_GEMM", raising=False)
+        engine_device.set_packed_gemm(True)
+
+
+@pytest.mark.parametrize("gemm", ["mkl", "onednn"])
+def test_packed_kernels_equal_f_linear_and_unpack_exactly(gemm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each packed kernel gives F.linear's values (up to rounding) at 0, 1, 3, 4 and 16 rows, 3-D inputs and
+    a bias; its pack reads back bit for bit, negative zeros, subnormals and rows holding inf or NaN too
+    (MKL's pack has no inverse: `unpack` multiplies by the identity and restores what that cannot carry)."""
+    from slipstream.engine import device as engine_device
+    from slipstream.engine.model import _PackedWeight
+
+    if not {"mkl": engine_device._probe_mkl, "onednn": lambda: engine_device._probe_onednn(torch.float32)}[
+        gemm
+    ]():
+        pytest.skip(f"this torch build runs no packed {gemm} projections")
+    monkeypatch.setitem(engine_device._gemm, torch.float32, gemm)
+    layer = Linear(48, 40, bias=True)
+    with torch.inference_mode():
+        for shape in ((0, 48), (1, 48), (3, 48), (4, 48), (16, 48), (2, 3, 48)):
+            x = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0]))
+            out = layer(x)
+            assert out.shape == (*shape[:-1], 40)
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias))
+        assert layer._pack.gemm == gemm
+        weight = torch.randn(40, 48, generator=torch.Generator().manual_seed(2))
+        weight[0, 0], weight[1, 1], weight[2, 2] = -0.0, 0.0, -3e-42  # a negative zero, a zero, a subnormal
+        weight[3, 4], weight[5, 6] = float("inf"), float("nan")
+        pack = _PackedWeight()
+        pack.put(weight, gemm, only_copy=True)
+        back = pack.unpack()
+    assert torch.equal(back.view(torch.int32), weight.view(torch.int32))
+    if gemm == "mkl":  # a pack beside a plain weight keeps no read-back aids: asking for one is an error
+        pack.put(weight, gemm)
+        with pytest.raises(RuntimeError, match="no exact read-back"):
+            pack.unpack()
