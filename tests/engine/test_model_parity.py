@@ -479,10 +479,15 @@ def test_packed_kernels_equal_f_linear_and_unpack_exactly(gemm: str, monkeypatch
         weight = torch.randn(40, 48, generator=torch.Generator().manual_seed(2))
         weight[0, 0], weight[1, 1], weight[2, 2] = -0.0, 0.0, -3e-42  # a negative zero, a zero, a subnormal
         weight[3, 4], weight[5, 6] = float("inf"), float("nan")
-        pack = _PackedWeight()
-        pack.put(weight, gemm, only_copy=True)
-        back = pack.unpack()
-    assert torch.equal(back.view(torch.int32), weight.view(torch.int32))
+        lone_zero = torch.randn(40, 48, generator=torch.Generator().manual_seed(3))
+        lone_zero[7, 9] = -0.0  # found by the reductions alone: nothing else is off
+        backs = []
+        for planted in (weight, lone_zero):
+            pack = _PackedWeight()
+            pack.put(planted, gemm, only_copy=True)
+            backs.append(pack.unpack())
+    for planted, back in zip((weight, lone_zero), backs, strict=True):
+        assert torch.equal(back.view(torch.int32), planted.view(torch.int32))
     if gemm == "mkl":  # a pack beside a plain weight keeps no read-back aids: asking for one is an error
         pack.put(weight, gemm)
         with pytest.raises(RuntimeError, match="no exact read-back"):
