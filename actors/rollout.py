@@ -39,11 +39,13 @@ from slipstream.engine.drafters import Drafter, EagleDrafter, NGramDrafter
 from slipstream.engine.eagle import EagleHead
 from slipstream.engine.episodes import EpisodeLimits, Episodes, Finished, policy_windows
 from slipstream.engine.generator import Completion, Generator, Request
+from slipstream.engine.iteration import timed_step
 from slipstream.engine.sampling import SamplingParams, sample_seed
 from slipstream.engine.speculator import warm_up
 from slipstream.engine.tokenizer import Tokenizer
 from slipstream.engine.tuner import STALE_METHODS, Tuner, TunerConfig
 from slipstream.engine.weight_receiver import WeightReceiver
+from slipstream.engine.weight_staging import WeightStaging
 from slipstream.engine.weights import load_model
 from slipstream.protocols.control import Idle
 from slipstream.protocols.drafter import DrafterUpdate, HiddenStates
@@ -153,13 +155,12 @@ class RolloutActor(Actor):
         self.policy_version = cfg.policy_version
         self._samples: dict[str, tuple[int, int]] = {}  # request id -> (group id, sample index)
         self._queued_ns: dict[str, int] = {}  # request id -> arrival (monotonic ns), for its "sample" span
-        self._push_started_ns: dict[int, int] = {}  # weight version -> its first bucket's arrival
         self._arm = "off"
         self._iteration = 0
         self._idle_sent = True  # nothing to report until work arrives
-        self._staged: dict[int, dict[int, WeightUpdate]] = {}  # version -> bucket -> update (cloned)
-        self._ready_version: int | None = None  # a complete, verified version waiting for a drained queue
-        self._in_place_version: int | None = None  # a version being written into the parameters: no decoding
+        # Accepted buckets until their version is whole: written in place when idle, else staged.
+        self.staging = WeightStaging(self.model, checksum, cuda_ipc.device_checksum)
+        self._staged = self.staging.staged  # version -> bucket -> what is kept of it
         # What each pushed bucket is: duplicate, dropped, refused or accepted (the drafter uses the same).
         self.receiver = WeightReceiver(
             expected={name: (p.shape, p.dtype) for name, p in self.model.named_parameters()},
@@ -400,39 +401,15 @@ class RolloutActor(Actor):
             self._refuse(msg, f"bucket {msg.bucket}: {verdict.error}", want_full=verdict.want_full)
             return
         assert verdict.tensors is not None
-        if self._in_place_version is not None and msg.version < self._in_place_version:
+        if self.staging.superseded(msg.version):
             # A newer version is already being written over it (a re-push after a learner restart).
-            self.log.warning("weights_superseded", version=msg.version, by=self._in_place_version)
+            self.log.warning("weights_superseded", version=msg.version, by=self.staging.writing)
             return
-        self._push_started_ns.setdefault(msg.version, time.monotonic_ns())
-        buckets = self._staged.setdefault(msg.version, {})
-        if self._in_place_version is not None or (len(buckets) == 0 and not self.generator.has_unfinished()):
-            # Idle (the synchronous loop's case), or already writing one: each bucket goes straight into
-            # the parameters, with no staged copy (a model's worth of memory); `step` decodes nothing until
-            # the version's last bucket is in, so no token comes from a mix of two versions.
-            self._in_place_version = msg.version
-            for name, tensor in zip(msg.names, verdict.tensors, strict=True):
-                self.model.write_parameter(name, tensor)
-            kept: list[torch.Tensor] = []  # applied: only the names and checksum stay, to verify
-        else:
-            # Clone: received tensors alias a frame or shared-memory slot that is recycled after this handler
-            # (decoded ones are this actor's own already).
-            kept = verdict.tensors if verdict.decoded else [t.clone() for t in verdict.tensors]
-        buckets[msg.bucket] = WeightUpdate(
-            version=msg.version,
-            bucket=msg.bucket,
-            num_buckets=msg.num_buckets,
-            names=list(msg.names),
-            tensors=kept,
-            checksum=msg.checksum,
-            encoding=CUDA_IPC if msg.encoding == CUDA_IPC else "",  # which checksum verifies it
-        )
-        if len(buckets) == msg.num_buckets:
-            for old in [v for v in self._staged if v < msg.version]:
-                del self._staged[old]
-            self._ready_version = msg.version
-            if self._in_place_version == msg.version or not self.generator.has_unfinished():
-                self._apply_weights()
+        if self.staging.add(
+            msg.version, msg.bucket, msg.num_buckets, msg.names, verdict.tensors, msg.checksum,
+            device_hashed=msg.encoding == CUDA_IPC, owned=verdict.decoded, busy=self.generator.has_unfinished(),
+        ):  # fmt: skip
+            self._apply_weights()
 
     def _refuse(self, msg: WeightUpdate, error: str, *, want_full: bool = False) -> None:
         self.log.error("weights_refused", version=msg.version, bucket=msg.bucket, error=error)
@@ -443,36 +420,14 @@ class RolloutActor(Actor):
         self.send(COORDINATOR, ack)
 
     def _apply_weights(self) -> None:
-        version = self._ready_version
-        assert version is not None
-        updates = self._staged.pop(version)
-        for update in updates.values():
-            if not update.tensors:
-                continue  # written in place on arrival
-            for name, tensor in zip(update.names, update.tensors, strict=True):
-                self.model.write_parameter(name, tensor)
+        applied = self.staging.apply(verify=self.config.verify_applied_weights)
+        version, error = applied.version, None
         self.policy_version = version
         self.receiver.applied(version)
-        self._ready_version = None
-        self._in_place_version = None
-        error = None
-        if self.config.verify_applied_weights:
-            held = dict(self.model.named_weights())  # packed-only projections unpacked: what decoding uses
-            differing = [
-                u.bucket
-                for u in updates.values()
-                if (cuda_ipc.device_checksum if u.encoding == CUDA_IPC else checksum)(
-                    u.names, [held[n] for n in u.names]
-                )
-                != u.checksum
-            ]
-            if differing:
-                error = f"applied weights differ from the learner's in buckets {sorted(differing)}"
-                self.log.error("weights_differ", version=version, buckets=sorted(differing))
-        first = self._push_started_ns.pop(version, None)
-        for old in [v for v in self._push_started_ns if v < version]:
-            del self._push_started_ns[old]
-        if first is not None:  # first bucket in -> applied (and verified): the end of a push's flow
+        if applied.differing:
+            error = f"applied weights differ from the learner's in buckets {applied.differing}"
+            self.log.error("weights_differ", version=version, buckets=applied.differing)
+        if (first := applied.first_bucket_ns) is not None:  # first bucket in -> applied: a push's flow ends
             self.spans.add("apply_weights", first, time.monotonic_ns() - first, version - 1, version=version)
         self.log.info(
             "weights_applied", version=version, verified=self.config.verify_applied_weights, **memory_now()
@@ -485,13 +440,13 @@ class RolloutActor(Actor):
     # -- decoding -------------------------------------------------------------------------------------
 
     def step(self) -> bool:
-        if self._in_place_version is not None:
+        if self.staging.writing is not None:
             return False  # the parameters hold part of a version: wait for its other buckets
         if self._pending_drafter is not None:
             self._swap_drafter()
         generator = self.generator
         if not generator.has_unfinished() and not (self.episodes is not None and self.episodes.live):
-            if self._ready_version is not None:
+            if self.staging.ready is not None:
                 self._apply_weights()
             if not self._idle_sent:
                 self._idle_sent = True
@@ -510,53 +465,29 @@ class RolloutActor(Actor):
                 self._end_episode(self.episodes.fail(request_id, why))
             if generator.num_decoding == 0 and generator.num_prefilling == 0:
                 return False  # every live request waits for its environment: sleep until an answer comes
-        batch = generator.num_decoding
-        clean = batch > 0 and generator.num_prefilling == 0
-        decision = self.tuner.choose(max(batch, 1), self.methods)
+        clean = generator.num_decoding > 0 and generator.num_prefilling == 0
+        decision = self.tuner.choose(max(generator.num_decoding, 1), self.methods)
         if decision.arm != self._arm:
             arm = self.tuner.arm(decision.arm)
             self.generator.set_spec(None if arm.method == "off" else arm.spec(self.config.spec_mode))
             self._arm = decision.arm
         self.log.info("tuner_decision", iteration=self._iteration, **decision.as_dict())
-        before = generator.stats
-        offered_before, accepted_before = generator.position_stats
-        prefilling = generator.num_prefilling
-        started_ns = time.monotonic_ns()
-        started = time.perf_counter()
-        outputs = generator.step()
-        seconds = time.perf_counter() - started
-        after = generator.stats
-        committed = after["committed"] - before["committed"]
-        drafted, accepted = after["drafted"] - before["drafted"], after["accepted"] - before["accepted"]
-        offered_after, accepted_after = generator.position_stats
-        offered_at = [
-            n - (offered_before[d] if d < len(offered_before) else 0) for d, n in enumerate(offered_after)
-        ]
-        accepted_at = [
-            n - (accepted_before[d] if d < len(accepted_before) else 0) for d, n in enumerate(accepted_after)
-        ]
-        ended_ns = time.monotonic_ns()
+        outputs, it = timed_step(generator)
         self.spans.add(
-            "iteration",
-            started_ns,
-            ended_ns - started_ns,
-            self.policy_version,
-            batch=batch,
-            prefilling=prefilling,
-            prefill_tokens=generator.last_prefill_tokens,
-            arm=decision.arm,
-            drafted=drafted,
-            accepted=accepted,
-            committed=committed,
-        )
-        if generator.last_draft_ns:  # a speculative iteration: drafting, then the verify pass and commit
-            drafted_at = started_ns + generator.last_draft_ns
-            self.spans.add("draft", started_ns, generator.last_draft_ns, self.policy_version)
-            self.spans.add("verify", drafted_at, ended_ns - drafted_at, self.policy_version, nodes=drafted)
+            "iteration", it.started_ns, it.ended_ns - it.started_ns, self.policy_version, batch=it.batch,
+            prefilling=it.prefilling, prefill_tokens=it.prefill_tokens, arm=decision.arm, drafted=it.drafted,
+            accepted=it.accepted, committed=it.committed,
+        )  # fmt: skip
+        if it.draft_ns:  # a speculative iteration: drafting, then the verify pass and commit
+            drafted_at = it.started_ns + it.draft_ns
+            self.spans.add("draft", it.started_ns, it.draft_ns, self.policy_version)
+            self.spans.add(
+                "verify", drafted_at, it.ended_ns - drafted_at, self.policy_version, nodes=it.drafted
+            )
         if clean:
-            self.tuner.record(batch, decision.arm, committed, seconds)
+            self.tuner.record(it.batch, decision.arm, it.committed, it.seconds)
         # Acceptance needs no clean clock: prefill rows draft nothing, so every iteration's decodes count.
-        stale = self.tuner.record_acceptance(decision.arm, batch, accepted, drafted)
+        stale = self.tuner.record_acceptance(decision.arm, it.batch, it.accepted, it.drafted)
         if stale is not None:
             self.log.warning(
                 "drafter_stale",
@@ -568,18 +499,11 @@ class RolloutActor(Actor):
         self.send(
             COORDINATOR,
             IterationStats(
-                rank=self.rank,
-                iteration=self._iteration,
-                batch_size=batch,
-                arm=decision.arm,
-                drafted=drafted,
-                accepted=accepted,
-                committed=committed,
-                iter_s=seconds,
-                offered_at=offered_at,
-                accepted_at=accepted_at,
+                rank=self.rank, iteration=self._iteration, batch_size=it.batch, arm=decision.arm,
+                drafted=it.drafted, accepted=it.accepted, committed=it.committed, iter_s=it.seconds,
+                offered_at=it.offered_at, accepted_at=it.accepted_at,
             ),
-        )
+        )  # fmt: skip
         self._iteration += 1
         episodes = self.episodes
         for output in outputs:
