@@ -9,6 +9,8 @@ opening or reply raises, passes its deadline or answers garbage is answered with
 makes that one sample invalid, recorded and masked) and dropped; the actor serves on. A turn for an
 episode it does not hold is answered `unknown`. At start it tells its rollouts `EnvironmentUp` with a
 fresh incarnation: a restarted process holds none of its predecessor's episodes, and they are replayed.
+A restarted rollout says `RolloutUp`: the episodes of its dead predecessor are dropped (a call in flight for
+one is dropped when it returns, unanswered), never held until this actor restarts.
 
 Non-obvious: a plain `reply` that hangs cannot be killed (a thread); past its deadline its sample is
 invalid and its thread stays busy until it returns, so `reply_threads` hung calls at once make every
@@ -40,6 +42,7 @@ from slipstream.protocols.environment import (
     EnvironmentUp,
     EpisodeOpened,
     OpenEpisode,
+    RolloutUp,
     Turn,
 )
 from slipstream.runtime.actor import Actor, Fatal, handler
@@ -77,7 +80,8 @@ class EnvironmentActor(Actor):
         self.episodes: dict[str, Any] = {}  # episode id -> the environment's episode object
         self.turns: dict[str, int] = {}  # episode id -> the next turn it expects
         self.busy: set[str] = set()  # episodes with a call in flight
-        self.counts = {"opened": 0, "turns": 0, "errors": 0, "unknown": 0}
+        self.closed: set[str] = set()  # of those, closed meanwhile: dropped when the call returns
+        self.counts = {"opened": 0, "turns": 0, "errors": 0, "unknown": 0, "orphans": 0}
         self._out: queue.SimpleQueue[tuple[str, Message]] = queue.SimpleQueue()
         self._pool = concurrent.futures.ThreadPoolExecutor(cfg.reply_threads, thread_name_prefix="env-reply")
         self._loop = asyncio.new_event_loop()
@@ -140,6 +144,17 @@ class EnvironmentActor(Actor):
     @handler
     def on_close(self, msg: CloseEpisode, sender: str) -> None:
         self._drop(msg.episode_id)
+
+    @handler
+    def on_rollout_up(self, msg: RolloutUp, sender: str) -> None:
+        """A (re)started rollout: its predecessors' episodes go (ids `owner@incarnation/…`)."""
+        prefix, own = f"{msg.owner}@", f"{msg.owner}@{msg.incarnation}/"
+        orphans = [e for e in {*self.episodes, *self.busy} if e.startswith(prefix) and not e.startswith(own)]
+        for episode_id in orphans:
+            self._drop(episode_id)
+        self.counts["orphans"] += len(orphans)
+        if orphans:
+            self.log.warning("episodes_orphaned", owner=msg.owner, dropped=len(orphans))
 
     # -- calls into the environment (the loop's thread) ---------------------------------------------------
 
@@ -209,6 +224,9 @@ class EnvironmentActor(Actor):
             except queue.Empty:
                 return sent
             self.busy.discard(episode_id)
+            if episode_id in self.closed:  # closed while its call ran (its rollout ended it, or died)
+                self.closed.discard(episode_id)
+                continue
             if isinstance(msg, EpisodeOpened):
                 self.counts["opened"] += msg.error is None
                 if msg.error is None:
@@ -230,6 +248,8 @@ class EnvironmentActor(Actor):
     def _drop(self, episode_id: str) -> None:
         self.episodes.pop(episode_id, None)
         self.turns.pop(episode_id, None)
+        if episode_id in self.busy:
+            self.closed.add(episode_id)
 
 
 def _message(m: Any) -> ChatMessage:

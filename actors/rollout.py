@@ -5,19 +5,13 @@ each `Completion` streams out the moment it finishes (tokens, behaviour log-prob
 version), its hidden states go to the drafter actors (`hidden_to`), and a drained queue reports `Idle`, so
 the coordinator can lease the device to drafter training. Per decode iteration the tuner picks the
 speculation arm for the live batch size and is rewarded with that iteration's committed tokens per
-second; arms change speed, never output (tested). Its state persists across steps and restarts.
-
-Between iterations it swaps in the newest `DrafterUpdate` (mid-generation: drafts change, outputs do not)
-and applies a complete `WeightUpdate` once no request is in flight, so no response mixes two policies (one
-that starts while idle is written in place as its buckets arrive, with no staged copy; decoding waits).
-Non-obvious: sample i of a group samples with `sample_seed(request.seed, i)` (engine/sampling.py, as
-`generate` seeds request i), so in the default reproducible mode its tokens depend on its seed alone;
-tuner rewards skip iterations with prefill in them. An EAGLE head whose acceptance collapses (say, after a
-policy update) is benched by the tuner until a newer head arrives (event "drafter_stale"). A request it
-cannot serve is answered with error completions naming the problem. A bucket from another host may be a
-delta (`WeightUpdate.encoding`): decoded against the weights held, only if they are its `base_version`, and
-checksummed like a full one; otherwise refused once per version with `want_full`, and the coordinator
-sends the version in full. The update rules and the other choices in full: docs/actors.md.
+second; arms change speed, never output (tested). A request with a dataset row (`row_json`) is a
+multi-turn episode: its environment actor opens it and answers each turn (engine/episodes.py).
+Between iterations it swaps in the newest `DrafterUpdate` and applies a complete `WeightUpdate` once no
+request is in flight (engine/weight_staging.py), so no response mixes two policies. Non-obvious: sample i
+of a group samples with `sample_seed(request.seed, i)`, so in reproducible mode its tokens depend on its
+seed alone; tuner rewards skip iterations with prefill in them; a request it cannot serve is answered with
+error completions naming the problem. The update rules and the other choices in full: docs/actors.md.
 """
 
 from __future__ import annotations
@@ -25,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Literal
 
@@ -55,6 +50,7 @@ from slipstream.protocols.environment import (
     EnvironmentUp,
     EpisodeOpened,
     OpenEpisode,
+    RolloutUp,
     Turn,
 )
 from slipstream.protocols.learner import CUDA_IPC, WeightAck, WeightUpdate
@@ -175,7 +171,13 @@ class RolloutActor(Actor):
         self._env = cfg.environments[self.rank % len(cfg.environments)] if cfg.environments else ""
         if cfg.environments:
             tokenizer = Tokenizer.from_dir(hub.resolve(cfg.model))
-            self.episodes = Episodes(self.generator, tokenizer, cfg.episodes, owner=self.name)
+            # Episode ids name this process: a restarted rollout's never collide with its predecessor's,
+            # which its environment drops on RolloutUp (the same samples are dealt to it again).
+            incarnation = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self.episodes = Episodes(
+                self.generator, tokenizer, cfg.episodes, owner=f"{self.name}@{incarnation}"
+            )
+            self.send(self._env, RolloutUp(owner=self.name, incarnation=incarnation))
         if cfg.warm_up:
             self._warm_up()
 

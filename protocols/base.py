@@ -10,7 +10,8 @@ PROTOCOL_VERSION = (
     # (CheckpointSaved, WeightsPushed, HeadAck) instead of Status topics, Failed; TrainStep trains only
     # (pushes are PushWeights, with delta_base; checkpoints SaveCheckpoint); 7: WeightUpdate.ipc (CUDA IPC);
     # 8: RewardCalls (reward time and batch sizes per term); 9: multi-turn episodes (Completion's policy mask,
-    # opening, turns, env reward and error; ScoredGroup.policy_masks; GenerateRequest.row_json; environment.*)
+    # opening, turns, env reward and error; ScoredGroup.policy_masks; GenerateRequest.row_json; environment.*,
+    # RolloutUp among them)
 )
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]

@@ -8,6 +8,7 @@ or answered garbage (the sample is then invalid: masked, never scored 0). `Close
 rollout ended itself (a cap). An actor answers a turn for an episode it does not hold with `unknown`,
 and says `EnvironmentUp` with a fresh `incarnation` to its rollouts at start: after a restart, episodes
 held by the process before are lost and the rollout replays them from their start with the same seeds.
+A rollout in turn says `RolloutUp` at start: episodes of its earlier processes are dropped there at once.
 """
 
 import sys
@@ -28,6 +29,7 @@ class EnvironmentKind(StrEnum):
     ANSWER = "environment.answer"
     CLOSE = "environment.close"
     UP = "environment.up"
+    ROLLOUT_UP = "environment.rollout_up"
 
 
 class ChatMessage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -96,6 +98,18 @@ class EnvironmentUp(Message, frozen=True, kw_only=True):
     incarnation: str
 
 
-MESSAGES: tuple[type[Message], ...] = (OpenEpisode, EpisodeOpened, Turn, Answer, CloseEpisode, EnvironmentUp)
+class RolloutUp(Message, frozen=True, kw_only=True):
+    """Rollout → its environment, once at start: a new process of rollout `owner` (its name), whose episode
+    ids begin `owner@incarnation/`. Episodes of the owner's earlier processes (a dead rollout's) are
+    dropped, never answered: they would otherwise be held until the environment restarts."""
+
+    kind = EnvironmentKind.ROLLOUT_UP
+    owner: str
+    incarnation: str
+
+
+MESSAGES: tuple[type[Message], ...] = (
+    OpenEpisode, EpisodeOpened, Turn, Answer, CloseEpisode, EnvironmentUp, RolloutUp,
+)  # fmt: skip
 
 __all__ = [m.__name__ for m in MESSAGES] + ["MESSAGES", "ChatMessage", "EnvironmentKind"]

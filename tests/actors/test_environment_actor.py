@@ -12,7 +12,14 @@ from typing import Any
 import msgspec
 
 from slipstream.actors.environment import EnvironmentActor
-from slipstream.protocols.environment import Answer, EnvironmentUp, EpisodeOpened, OpenEpisode, Turn
+from slipstream.protocols.environment import (
+    Answer,
+    EnvironmentUp,
+    EpisodeOpened,
+    OpenEpisode,
+    RolloutUp,
+    Turn,
+)
 from slipstream.runtime.inbox import Inbox
 from slipstream.tasks.datasets import Row
 from slipstream.tasks.environments import Observation
@@ -20,7 +27,7 @@ from tests.actors.test_rollout_actor import Captured
 
 
 class Flaky:
-    """Behaves as its question says: "ok", "async", "raise", "hang", "garbage"."""
+    """Behaves as its question says: "ok", "async", "raise", "hang", "garbage", "slow" (answers in 0.3 s)."""
 
     stop_sequences = ("</call>",)
 
@@ -35,6 +42,8 @@ class Flaky:
             raise ZeroDivisionError("planted")
         if self.mode == "hang":
             time.sleep(2.0)
+        if self.mode == "slow":
+            time.sleep(0.3)
         if self.mode == "garbage":
             return {"text": "not an Observation"}
         if self.mode == "async":
@@ -83,6 +92,39 @@ def test_episodes_good_and_bad_are_answered_and_the_actor_serves_on() -> None:
         assert by_id["ok"].done and by_id["ok"].reward == 1.0 and by_id["raise"].unknown
         bad = env.on_open(OpenEpisode(episode_id="x", row_json="{not json"), "rollout:0")
         assert bad is None and "malformed row" in (out.of(EpisodeOpened)[-1].error or "")
+    finally:
+        env.on_stop()
+
+
+def test_a_restarted_rollouts_predecessor_episodes_are_dropped_in_flight_too() -> None:
+    """RolloutUp from a new process of rollout:0 drops every episode its dead predecessor held (issue 42,
+    step 3), one whose reply is running included: that reply is neither sent nor kept when it returns."""
+    out = Captured()
+    cfg = msgspec.convert({"env": "tests.actors.test_environment_actor:Flaky"}, EnvironmentActor.Config)
+    env = EnvironmentActor(cfg, rank=0, outbox=out, inbox=Inbox(8))
+    env.on_start()
+    try:
+        modes = {"rollout:0@old/1:0/0": "ok", "rollout:0@old/1:1/0": "slow", "rollout:10@x/2:0/0": "ok",
+                 "rollout:0@new/1:0/0": "ok"}  # fmt: skip
+        for episode_id, mode in modes.items():
+            env.on_open(
+                OpenEpisode(episode_id=episode_id, row_json=json.dumps({"question": mode})), "rollout:0"
+            )
+        wait(env, out, EpisodeOpened, len(modes))
+        env.on_turn(Turn(episode_id="rollout:0@old/1:1/0", turn=0, text="first"), "rollout:0")
+        assert env.busy == {"rollout:0@old/1:1/0"}  # its reply runs for 0.3 s
+        env.on_rollout_up(RolloutUp(owner="rollout:0", incarnation="new"), "rollout:0")
+        # rollout:10's episode is not rollout:0's (the owner ends at "@"), nor is the new process's.
+        assert set(env.episodes) == {"rollout:10@x/2:0/0", "rollout:0@new/1:0/0"}
+        assert env.counts["orphans"] == 2
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            env.step()
+            time.sleep(0.01)
+        assert out.of(Answer) == [] and not env.busy and not env.closed
+        assert set(env.episodes) == {"rollout:10@x/2:0/0", "rollout:0@new/1:0/0"}
+        env.on_turn(Turn(episode_id="rollout:0@old/1:0/0", turn=0, text="x"), "rollout:0")
+        assert out.of(Answer)[-1].unknown
     finally:
         env.on_stop()
 

@@ -127,6 +127,7 @@ def samples() -> dict[str, Message]:
         ),
         environment.CloseEpisode(episode_id="rollout:0/3:1/0"),
         environment.EnvironmentUp(incarnation="41-ab"),
+        environment.RolloutUp(owner="rollout:0", incarnation="42-cd"),
         learner.TrainStep(step=1, num_groups=8, version=2),
         learner.PushWeights(version=3, to=["rollout:1"], head_to=["drafter:1"], delta_base={"rollout:1": 2}),
         learner.WeightUpdate(

@@ -93,6 +93,7 @@ GOLDEN = {
     ),
     "environment.turn": ("94af726f6c6c6f75743a302f333a312f3001b03c63616c633e312b313c2f63616c633e920506"),
     "environment.up": ("91a534312d6162"),
+    "environment.rollout_up": ("92a9726f6c6c6f75743a30a534322d6364"),
 }
 
 
