@@ -85,6 +85,7 @@ class Coordinator:
         lease_cpus: dict[str, list[int]] | None = None,
         verifiers: Sequence[str] = (),
         learners: Sequence[str] = (),
+        environments: Sequence[str] = (),
         lease_threads: int = 1,
         restart: bool = False,
         policy_version: int = 0,
@@ -94,6 +95,7 @@ class Coordinator:
     ) -> None:
         self.sup = sup
         self.rollouts, self.verifiers, self.learners = list(rollouts), list(verifiers), list(learners)
+        self.environments = list(environments)  # multi-turn episodes' actors: the rollouts talk to them
         self.leases = LeaseTable(
             drafter_of=dict(drafters or {}), threads=lease_threads, cpus_of=dict(lease_cpus or {})
         )

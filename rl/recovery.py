@@ -8,6 +8,8 @@ handed what it lost; without, the wait raises `ActorDiedError` naming it.
   again the samples it owed: same seeds, so the same tokens in reproducible mode. One that ran out of
   device memory restarts with half its batch cap (`out_of_memory` event).
 - verifier: restarted and sent again the score requests it held (a reward is never lost or counted twice).
+- environment: restarted; at start it tells its rollouts `EnvironmentUp`, and they replay the episodes it
+  held from their start with the same seeds (each sample still completes once: the rollouts own them).
 - drafter: restarted from its own checkpoint, its leases void, handed the policy's head (drafters change
   speed, never samples: the step goes on meanwhile).
 - learner: every rank restarted (one lost rank breaks the process group) from the newest checkpoint, then
@@ -123,6 +125,12 @@ async def recover_verifier(coord: Coordinator, name: str) -> int:
         await coord.sup.send(name, coord.score_requests[key])
     coord.emit("requeued", actor=name, scores=len(owed))
     return len(owed)
+
+
+async def recover_environment(coord: Coordinator, name: str) -> None:
+    """Restarts dead environment actor `name`; its rollouts replay what it held (actors/rollout.py)."""
+    await restart(coord, name, "episodes' answers")
+    coord.emit("environment_restarted", actor=name)
 
 
 async def recover_drafter(coord: Coordinator, drafter: str) -> None:

@@ -37,7 +37,15 @@ from slipstream.protocols.rollout import Completion, GenerateRequest, SamplingSp
 from slipstream.rl import recovery
 from slipstream.rl import run_dir as run_dir_files
 from slipstream.rl.coordinator import Coordinator
-from slipstream.rl.run_config import TrainConfig, actor_names, actor_specs, data_stream, lease_plan
+from slipstream.rl.run_config import (
+    TrainConfig,
+    actor_names,
+    actor_specs,
+    data_stream,
+    environment_names,
+    episode_tokens,
+    lease_plan,
+)
 from slipstream.rl.run_dir import StepRecord
 from slipstream.rl.step import StepMetrics, rollout_step
 from slipstream.runtime.agent import AgentLauncher
@@ -105,7 +113,7 @@ class Run:
         self.start = int(state["step"])
         self.stream = data_stream(cfg, state, log)
         self.sampling = SamplingSpec(
-            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_tokens,
+            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=episode_tokens(cfg),
             stop_token_ids=sorted(self.tokenizer.stop_ids),
         )  # fmt: skip
         self.spans = SpanRecorder(
@@ -152,7 +160,7 @@ class Run:
         self.coord = await self._exit.enter_async_context(
             Coordinator(
                 self.sup, rollouts=self.rollouts, drafters=drafter_of, lease_cpus=lease_cpus,
-                verifiers=verifiers, learners=learners,
+                verifiers=verifiers, learners=learners, environments=environment_names(cfg),
                 restart=True,  # a dead rollout, verifier or drafter is restarted and dealt its work again
                 policy_version=self.start, recover_learners=self.recover_learners, spans=self.spans,
                 log=self.log,
@@ -238,7 +246,8 @@ class Run:
 
         async def score(completion: Completion) -> None:
             last_completion[0] = time.monotonic()
-            await self.coord.score(self._score_request(work, completion))
+            if not self._env_scored(work, completion):
+                await self.coord.score(self._score_request(work, completion))
             advance()
 
         work.completions, work.metrics = await rollout_step(self.coord, self._requests(work), score)
@@ -347,9 +356,27 @@ class Run:
                 seed=group_seed(cfg.seed, g),
                 sampling=self.sampling,
                 policy_version=work.step,
+                # An episode: the environment opens it from the row (the prompt above is not used then).
+                row_json=_row_json(work.rows[g]) if cfg.environment.env else "",
             )
             for g in work.rows
         ]
+
+    def _env_scored(self, work: StepWork, completion: Completion) -> bool:
+        """An episode's reward where it needs no verifier: the environment's own, or None for an invalid
+        episode (its error recorded: masked, never a silent 0). False: the verifier scores the transcript."""
+        if not self.cfg.environment.env:
+            return False
+        key = (completion.group_id, completion.sample_index)
+        if completion.finish_reason == "error":
+            why = f"episode: {completion.error or 'the rollout could not serve it'}"
+            work.reward_errors[why] = work.reward_errors.get(why, 0) + 1
+            work.rewards[key] = None
+            return True
+        if completion.env_reward is not None:
+            work.rewards[key] = completion.env_reward
+            return True
+        return False
 
     def _score_request(self, work: StepWork, completion: Completion) -> ScoreRequest:
         row = work.rows[completion.group_id]
@@ -366,16 +393,17 @@ class Run:
         cfg, groups = self.cfg, []
         for g in work.rows:
             done = [work.completions[(g, i)] for i in range(cfg.group_size)]
+            prompt, differs = self._opening(work, g, done)
             groups.append(
                 ScoredGroup(
                     step=work.step,
                     group_id=g,
-                    prompt_ids=torch.tensor(work.prompts[g], dtype=torch.int64),
+                    prompt_ids=prompt,
                     response_ids=[c.token_ids for c in done],
                     behaviour_logprobs=[c.logprobs for c in done],
                     # A request the rollout could not serve comes back as an "error" completion: invalid.
                     rewards=[
-                        None if c.finish_reason == "error" else work.rewards[(g, i)]
+                        None if c.finish_reason == "error" or i in differs else work.rewards[(g, i)]
                         for i, c in enumerate(done)
                     ],
                     temperature=cfg.temperature,
@@ -390,12 +418,28 @@ class Run:
             )
         return groups
 
+    def _opening(self, work: StepWork, g: int, done: list[Completion]) -> tuple[torch.Tensor, set[int]]:
+        """Group `g`'s prompt: its episodes' opening where they are episodes (the environment's messages,
+        rendered), else the request's; and the samples whose opening differs from the group's (an
+        environment whose opening is not a function of the row): invalid, as the learner reads one prompt
+        a group."""
+        openings = [(i, c.prompt_ids) for i, c in enumerate(done) if c.prompt_ids.numel()]
+        if not openings:
+            return torch.tensor(work.prompts[g], dtype=torch.int64), set()
+        prompt = openings[0][1]
+        differs = {i for i, ids in openings if not torch.equal(ids, prompt)}
+        if differs:
+            why = "episode: its opening differs from its group's (the learner reads one prompt a group)"
+            work.reward_errors[why] = work.reward_errors.get(why, 0) + len(differs)
+        return prompt, differs
+
     def _record(self, work: StepWork) -> StepRecord:
         """The step's metrics.jsonl record (fields: rl/run_dir.py)."""
         groups, m, marks, lead = work.groups, work.metrics, work.marks, work.stats[0]
         valid = [r for grp in groups for r in grp.rewards if r is not None]
         mixed = sum(len({r for r in grp.rewards if r is not None}) > 1 for grp in groups)
         tokens = sum(len(c.token_ids) for c in work.completions.values())
+        turns = [c.turns for c in work.completions.values() if c.turns]  # episodes' policy turns
         moved = self.coord.pushed.pop(work.version, {})  # what the push of this version sent across hosts
         for late in [v for v in self.coord.pushed if v < work.version]:  # a head push reported after its step
             del self.coord.pushed[late]
@@ -437,7 +481,14 @@ class Run:
             wire_full_bytes=moved.get("full_bytes", 0),
             policy_version=work.version,
             restarts=self.coord.restarted[work.restarts_before :],
+            turns_mean=round(sum(turns) / len(turns), 3) if turns else 0.0,
+            turns_max=max(turns, default=0),
         )
+
+
+def _row_json(row: Row) -> str:
+    """A dataset row as the environment opens an episode from it (values JSON cannot hold, as text)."""
+    return json.dumps({"question": row.question, "answer": row.answer, "metadata": row.metadata}, default=str)
 
 
 def gpu_count(device: str) -> int:
@@ -463,6 +514,7 @@ def step_line(r: StepRecord, steps: int) -> str:
     split = f"rollout {r.rollout_s:.1f}, reward {r.reward_s:.1f}, learn {r.learn_s:.1f}, sync {r.sync_s:.1f}"
     split += f", ckpt {r.checkpoint_s:.1f}" if r.checkpoint_s else ""
     invalid = f"  {r.invalid} invalid" if r.invalid else ""
+    invalid += f"  turns {r.turns_mean:.1f} (max {r.turns_max})" if r.turns_max else ""
     # The reward calls' seconds over the step's: what rewards cost, overlapped with the rollout or not.
     calls = f"  reward calls {r.reward_call_s / r.step_s:.0%}" if r.reward_terms and r.step_s > 0 else ""
     return (

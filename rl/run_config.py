@@ -17,10 +17,12 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from slipstream.actors.drafter import DrafterActor
+from slipstream.actors.environment import EnvironmentActor
 from slipstream.actors.learner import LearnerActor
 from slipstream.actors.rollout import RolloutActor
 from slipstream.actors.verifier import VerifierActor
 from slipstream.engine import hub
+from slipstream.engine.episodes import EpisodeLimits
 from slipstream.engine.grpo import LossConfig
 from slipstream.engine.policy_train import OptimConfig
 from slipstream.engine.sampling import GROUP_BITS, MAX_SEED
@@ -33,6 +35,7 @@ from slipstream.runtime.placement import (
     NodeShare,
     Placement,
     default_shares,
+    environment_nodes,
     place,
     place_nodes,
 )
@@ -40,6 +43,7 @@ from slipstream.runtime.sinks import MetricsConfig
 from slipstream.runtime.supervisor import ActorSpec
 from slipstream.runtime.transport import actor_name
 from slipstream.tasks.datasets import DEFAULT_DATASET_SIZE, load_rows
+from slipstream.tasks.environments import check_environment
 from slipstream.tasks.reward_conventions import RewardTerm
 from slipstream.tasks.stream import DataStream
 
@@ -91,6 +95,41 @@ class VerifierSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
     batch_size: Positive = 32  # most completions in one call of a batched reward (docs/rewards.md)
     batch_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 0.05  # longest a batch waits to fill
     batch_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0  # limit of one batched call
+
+
+class EnvironmentSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Multi-turn episodes (issue 42, docs/environments.md): each sample is an episode of `env`, opened
+    from its dataset row; environment actors answer the policy's turns. Unset `env`: single-turn."""
+
+    env: str = ""  # the episode factory "pkg.module:Name" (tasks/environments.py); "" = no environment
+    options: dict[str, Any] = {}  # the factory's keyword arguments after the row
+    actors: Positive = 1  # environment actors; rollout r talks to actor r % actors
+    max_turns: Positive = 8  # policy turns of an episode; past it the episode ends, scored by the reward
+    max_turn_tokens: Positive = 256  # one policy turn's tokens
+    # An episode's tokens after its opening, the policy's and the environment's (its requests' max_tokens);
+    # 0 = the run's max_tokens
+    max_total_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # One call into the environment (its factory, opening or a reply); past it the sample is invalid. The
+    # rollout waits 5 s more for the answer (the wire) before it takes the environment as lost.
+    turn_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    max_replays: Annotated[int, msgspec.Meta(ge=0)] = 3  # replays of one sample after environment restarts
+
+    def __post_init__(self) -> None:
+        if self.env:  # a misspelt path or option fails here, at start, naming the field
+            check_environment(self.env, self.options)
+        elif self.options:
+            raise ValueError("options: set without env")
+        if self.max_total_tokens and self.max_turn_tokens > self.max_total_tokens:
+            raise ValueError(
+                f"max_turn_tokens: {self.max_turn_tokens} exceeds max_total_tokens ({self.max_total_tokens})"
+            )
+
+    def limits(self) -> EpisodeLimits:
+        """The rollouts' caps of one episode."""
+        return EpisodeLimits(
+            max_turns=self.max_turns, max_turn_tokens=self.max_turn_tokens,
+            turn_timeout_s=self.turn_timeout_s + 5.0, max_replays=self.max_replays,
+        )  # fmt: skip
 
 
 class LearnerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -184,6 +223,7 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     rollout: RolloutSection = RolloutSection()
     drafter: DrafterSection = DrafterSection()
     verifier: VerifierSection = VerifierSection()
+    environment: EnvironmentSection = EnvironmentSection()  # multi-turn episodes; unset: single-turn
     learner: LearnerSection = LearnerSection()
     faults: FaultsSection = FaultsSection()
     metrics: MetricsConfig = MetricsConfig()  # TensorBoard, wandb: where step records also go
@@ -289,6 +329,19 @@ def actor_names(
     )
 
 
+def environment_names(cfg: TrainConfig) -> list[str]:
+    """The environment actors' names (none for a single-turn run)."""
+    return [
+        actor_name(EnvironmentActor.role, e)
+        for e in range(cfg.environment.actors if cfg.environment.env else 0)
+    ]
+
+
+def episode_tokens(cfg: TrainConfig) -> int:
+    """The tokens a sample may hold after its prompt: an episode's policy and environment tokens together."""
+    return (cfg.environment.env and cfg.environment.max_total_tokens) or cfg.max_tokens
+
+
 def lease_plan(
     cfg: TrainConfig, *, baseline: bool, hosts: list[Host] | None = None
 ) -> tuple[dict[str, str], dict[str, list[int]]]:
@@ -332,7 +385,10 @@ def actor_specs(
     rollouts, drafters = actor_names(cfg, baseline=baseline, hosts=hosts)[:2]
     train_drafter = bool(drafters)
     tuner = TunerConfig(buckets=cfg.rollout.tuner.buckets, arms=["off"]) if baseline else cfg.rollout.tuner
-    max_len = 1024 + cfg.max_tokens  # prompts of reasoning tasks are short; a longer one is refused, named
+    max_len = 1024 + episode_tokens(
+        cfg
+    )  # prompts of reasoning tasks are short; a longer one is refused, named
+    environments = environment_names(cfg)
     dtype = rollout_dtype(cfg)
     specs = [
         ActorSpec.of(
@@ -349,6 +405,8 @@ def actor_specs(
                 drafter=cfg.drafter.init_from if train_drafter else "",
                 hidden_to=drafters,
                 verify_applied_weights=cfg.rollout.verify_weights,
+                environments=environments,
+                episodes=cfg.environment.limits(),
             ),
             threads=slot.threads,
             hang_s=cfg.faults.hang_s,
@@ -402,6 +460,22 @@ def actor_specs(
             node=where.verifier_nodes[r] if where.verifier_nodes else 0,
         )
         for r in range(cfg.verifier.actors)
+    ]
+    rollout_nodes = [slot.node for slot in where.rollouts]
+    specs += [
+        ActorSpec.of(
+            EnvironmentActor,
+            rank=e,
+            config=EnvironmentActor.Config(
+                env=cfg.environment.env,
+                options=cfg.environment.options,
+                turn_timeout_s=cfg.environment.turn_timeout_s,
+                notify=[r for i, r in enumerate(rollouts) if i % len(environments) == e],
+            ),
+            hang_s=cfg.faults.hang_s,
+            node=node,
+        )
+        for e, node in enumerate(environment_nodes(len(environments), rollout_nodes))
     ]
     specs += [
         ActorSpec.of(

@@ -85,6 +85,9 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     # seconds, and per term {calls, samples, seconds, batch_mean, batch_max, invalid} (rl/step.py)
     reward_call_s: float = 0.0
     reward_terms: dict[str, dict[str, float]] = {}
+    # Multi-turn episodes (issue 42): policy turns per sample, the mean and the most (0 and 0: single-turn)
+    turns_mean: float = 0.0
+    turns_max: int = 0
 
 
 def write_samples(path: Path, groups: list[ScoredGroup], tokenizer: Tokenizer) -> None:

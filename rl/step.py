@@ -4,9 +4,10 @@ The handle owns the step's state: the requests, the ledger of what was dealt to 
 (each (group, sample) taken once), the completions routed to it, and its `StepMetrics`, which the
 coordinator fills from IterationStats, leases and DrafterStats. Iterating it deals the groups (the least
 loaded rollout first, by expected work) and yields each completion as it arrives; `finish()` waits until
-every drafter lease is released and every rollout is idle. A rollout, drafter or verifier that dies
-meanwhile is recovered (rl/recovery.py). `rollout_step` is the whole half-step, shared by `slipstream
-train` and `bench rollout`: train sends each completion to a verifier at once (rewards overlap the tail).
+every drafter lease is released and every rollout is idle. A rollout, drafter, verifier or environment
+actor that dies meanwhile is recovered (rl/recovery.py). `rollout_step` is the whole half-step, shared by
+`slipstream train` and `bench rollout`: train sends each completion to a verifier at once (rewards overlap
+the tail).
 """
 
 from __future__ import annotations
@@ -231,6 +232,8 @@ class RolloutStep:
                 while self.completions.empty():
                     for name in [r for r in coord.rollouts if r in coord.dead]:
                         await recovery.recover_rollout(coord, name, self)
+                    for name in [e for e in coord.environments if e in coord.dead]:
+                        await recovery.recover_environment(coord, name)
                     if self.completions.empty():
                         await coord.changed()
                 completion = self.completions.get_nowait()
@@ -267,6 +270,8 @@ class RolloutStep:
         while unsettled():
             for drafter in [d for d in table.drafters if d in coord.dead]:
                 await recovery.recover_drafter(coord, drafter)
+            for name in [e for e in coord.environments if e in coord.dead]:
+                await recovery.recover_environment(coord, name)
             for rollout in [r for r in coord.rollouts if r in coord.dead]:
                 # Its share was in (the rollout is over): back up with the current weights, and idle.
                 await recovery.revive_rollout(coord, rollout, "leases released", coord.policy_version)

@@ -9,6 +9,7 @@ GPUs of their own when the host has enough, else share the rollouts' from the fi
 a CPU host rollout r is pinned to core r mod cores, one thread; the learner takes `learner_threads`. A run
 across nodes is placed node by node (`place_nodes`): each node's `NodeShare` (default: rollouts and
 verifiers spread evenly, every learner rank on node 0) goes through `place` with its cores and GPUs.
+Environment actors (multi-turn episodes) go to the node of the first rollout they serve, unpinned.
 Actors sharing one GPU each get a share of its memory (`GpuShares`, set by the actor's host process from
 `SLIPSTREAM_GPU_MEMORY`), and a plan that does not fit the card fails here, naming the actors and bytes.
 
@@ -34,6 +35,7 @@ __all__ = [
     "Slot",
     "apply_gpu_memory",
     "default_shares",
+    "environment_nodes",
     "place",
     "place_nodes",
 ]
@@ -292,6 +294,14 @@ def place_nodes(
         learners += [_on(s, node) for s in p.learners]
         verifier_nodes += [node] * share.verifiers
     return Placement(rollouts, drafters, learners, drafter_of, verifier_nodes)
+
+
+def environment_nodes(environments: int, rollout_nodes: list[int]) -> list[int]:
+    """The node of each environment actor: that of the first rollout it serves (rollout r talks to actor
+    r % environments), so a turn's round trip stays on one host; node 0 where it serves none. They are not
+    pinned: an episode's work is Python between turns, not a device's (on a CPU host they share the cores
+    as the verifiers do)."""
+    return [rollout_nodes[e] if e < len(rollout_nodes) else 0 for e in range(environments)]
 
 
 def _on(slot: Slot, node: int) -> Slot:

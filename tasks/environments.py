@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
+import inspect
 import operator
 import random
 import re
@@ -35,6 +36,7 @@ __all__ = [
     "Episode",
     "GuessNumber",
     "Observation",
+    "check_environment",
     "evaluate_arithmetic",
     "load_environment",
 ]
@@ -212,3 +214,20 @@ def load_environment(path: str, options: Mapping[str, Any] | None = None) -> Env
     if not callable(factory):
         raise ValueError(f"environment {path!r}: {attr} is not callable ({type(factory).__name__})")
     return functools.partial(factory, **dict(options or {})) if options else factory
+
+
+def check_environment(path: str, options: Mapping[str, Any] | None = None) -> None:
+    """What a run config checks at start: `path` loads (ValueError "env: …") and its factory takes a row and
+    `options` (ValueError "options: …", e.g. a misspelt keyword)."""
+    try:
+        factory = load_environment(path)
+    except ValueError as e:
+        raise ValueError(f"env: {e}") from None
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # some callables have none to read: they are called as they are
+        return
+    try:
+        signature.bind(None, **dict(options or {}))
+    except TypeError as e:
+        raise ValueError(f"options: {path} does not take them: {e}") from None
