@@ -51,12 +51,14 @@ def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def actor(model: Path, run_dir: Path, arms: list[str], **episodes: Any) -> tuple[RolloutActor, Captured]:
+def actor(
+    model: Path, run_dir: Path, arms: list[str], hidden_to: tuple[str, ...] = (), **episodes: Any
+) -> tuple[RolloutActor, Captured]:
     out = Captured()
     cfg = msgspec.convert(
         {"model": str(model), "max_batch": 4, "max_len": 512, "warm_up": False, "environments": [ENV],
          "tuner": {"buckets": [1, 2, 5], "arms": arms, "epsilon": 0.5, "hold": 1, "seed": 1},
-         "episodes": {"max_turn_tokens": 6, "max_turns": 3, **episodes}},
+         "episodes": {"max_turn_tokens": 6, "max_turns": 3, **episodes}, "hidden_to": list(hidden_to)},
         RolloutActor.Config,
     )  # fmt: skip
     rollout = RolloutActor(cfg, rank=0, outbox=out, inbox=Inbox(8), run_dir=str(run_dir))
@@ -130,6 +132,36 @@ def test_a_two_turn_record_masks_the_environment_and_speculation_changes_nothing
         assert "observation 0" in answer and answer.rstrip().endswith("assistant")
         question = f"What is {key[0]} + 2?"
         assert c.prompt_ids.tolist() == tokenizer.apply_chat_template([{"role": "user", "content": question}])
+
+
+def test_after_an_answer_no_eagle_drafts_are_offered_and_the_tokens_stay_the_same(
+    chat_model: Path, tmp_path: Path
+) -> None:
+    """EAGLE across turns (issue 42): the head is not fed the answer's hidden states, so while an episode
+    decodes after an answer the tuner is offered n-gram drafts or none (engine/episodes.py); before any
+    answer it is offered the head. Greedy tokens equal plain decoding's either way."""
+    plain, out = actor(chat_model, tmp_path / "plain", ["off"])
+    plain.on_generate(request(0, 3), "coordinator")
+    run(plain, out, two_turns)
+    want = {c.sample_index: c.token_ids.tolist() for c in out.of(Completion)}
+    # hidden_to: an untrained head is held (trained online in a run), so eagle and hybrid are arms.
+    rollout, out = actor(chat_model, tmp_path / "eagle", ["off", "eagle:d3", "hybrid:d3"], ("drafter:0",))
+    assert {"eagle", "hybrid"} <= rollout.methods
+    offered: list[tuple[bool, frozenset[str]]] = []
+    choose = rollout.tuner.choose
+
+    def recording(batch: int, available: Any = None) -> Any:
+        offered.append((rollout.episodes.past_an_answer, frozenset(available)))
+        return choose(batch, available)
+
+    rollout.tuner.choose = recording  # type: ignore[method-assign]
+    rollout.on_generate(request(0, 3), "coordinator")
+    run(rollout, out, two_turns)
+    assert {c.sample_index: c.token_ids.tolist() for c in out.of(Completion)} == want
+    after = [methods for past, methods in offered if past]
+    before = [methods for past, methods in offered if not past]
+    assert after and all(not {"eagle", "hybrid"} & m for m in after)
+    assert before and all({"eagle", "hybrid"} <= m for m in before)
 
 
 def test_a_slow_environment_does_not_stall_the_other_samples(chat_model: Path, tmp_path: Path) -> None:
