@@ -123,10 +123,13 @@ class Calculator:
     """An arithmetic task with a calculator tool: the policy may write `<calc>EXPR</calc>` (answered with
     `<result>VALUE</result>` or `<error>…</error>`) any number of times, up to `max_calls`, then
     `<answer>…</answer>`; reward 1.0 if the answer equals the row's, else 0.0. A turn with neither ends the
-    episode with reward 0.0."""
+    episode with reward 0.0. `example`: the opening holds one worked exchange (a call, its result, the
+    answer) before the question: SmolLM2-135M then tags its answers and sometimes calls the tool, where
+    with the instruction alone it did neither in 16 samples (deploy/configs/multiturn.yaml)."""
 
     row: Row
     max_calls: int = 4
+    example: bool = False
     stop_sequences: Sequence[str] = ("</calc>",)
     calls: int = field(default=0, init=False)
 
@@ -135,8 +138,20 @@ class Calculator:
         "Finish with <answer>number</answer>."
     )
 
+    EXAMPLE = (
+        {"role": "user", "content": "State the final answer to the following arithmetic problem: 3 + 4 ="},
+        {"role": "assistant", "content": "<calc>3 + 4</calc>"},
+        {"role": "tool", "content": "<result>7</result>"},
+        {"role": "assistant", "content": "<answer>7</answer>"},
+    )
+
     def opening(self) -> list[dict[str, str]]:
-        return [{"role": "system", "content": self.SYSTEM}, {"role": "user", "content": self.row.question}]
+        example = [dict(m) for m in self.EXAMPLE] if self.example else []
+        return [
+            {"role": "system", "content": self.SYSTEM},
+            *example,
+            {"role": "user", "content": self.row.question},
+        ]
 
     def reply(self, turn: str) -> Observation:
         answer = _ANSWER.search(turn)

@@ -43,6 +43,9 @@ def test_a_calculator_episode_from_tool_calls_to_the_reward() -> None:
     greedy.reply("<calc>1+1</calc>")
     last = greedy.reply("<calc>1+1</calc>")
     assert last.done and last.reward == 0.0 and "more than 2 calls" in last.text
+    shown = Calculator(Row(question="What is 2 + 2?", answer="4"), example=True).opening()
+    assert [m["role"] for m in shown] == ["system", "user", "assistant", "tool", "assistant", "user"]
+    assert shown[-1]["content"] == "What is 2 + 2?" and shown[2]["content"] == "<calc>3 + 4</calc>"
 
 
 def test_the_guessing_game_answers_each_guess_and_rewards_fewer_turns() -> None:
