@@ -74,6 +74,11 @@ class RunFigures(msgspec.Struct, frozen=True, kw_only=True):
     # per batch-size bucket, summed over steps and rollouts: [decode device-seconds, committed tokens]; the
     # two runs side by side say at which batch sizes the method gained or lost time
     decode_by_batch: dict[str, list[float]] = {}
+    # per batch-size bucket, the mean over the steps that speculated there of their accept length (decode
+    # iterations only: on a multi-turn run, policy tokens; an environment's answer is prefilled)
+    accept_by_batch: dict[str, float] = {}
+    turns_mean: float = 0.0  # policy turns per sample, the mean of the steps' means (0: single-turn)
+    turns_max: int = 0
     idle_device_s: float
     reclaimed_s: float  # idle device-seconds leased to drafter training
     reclaimed_share: float
@@ -267,6 +272,10 @@ def run_figures(
             cell = by_batch.setdefault(bucket, [0.0, 0])
             cell[0] = round(cell[0] + seconds, 3)
             cell[1] += int(committed)
+    accepts: dict[str, list[float]] = {}
+    for s in steps:
+        for bucket, accept in (s.get("accept_by_batch") or {}).items():
+            accepts.setdefault(bucket, []).append(float(accept))
     return RunFigures(
         wall_s=round(wall_s, 1),
         step_s=mean("step_s"),
@@ -280,6 +289,9 @@ def run_figures(
         accept_length=round(sum(s["accept_length"] * s["tokens"] for s in steps) / max(tokens, 1), 3),
         step0_accept_by_batch=dict(steps[0].get("accept_by_batch", {})),
         decode_by_batch=by_batch,
+        accept_by_batch={b: round(sum(v) / len(v), 3) for b, v in accepts.items()},
+        turns_mean=round(sum(s.get("turns_mean", 0.0) for s in steps) / len(steps), 3),
+        turns_max=max((int(s.get("turns_max", 0)) for s in steps), default=0),
         idle_device_s=round(idle, 2),
         reclaimed_s=round(reclaimed, 2),
         reclaimed_share=round(reclaimed / idle, 3) if idle > 0 else 0.0,
