@@ -174,8 +174,12 @@ class RolloutActor(Actor):
             # Episode ids name this process: a restarted rollout's never collide with its predecessor's,
             # which its environment drops on RolloutUp (the same samples are dealt to it again).
             incarnation = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+            def wait(start: int, dur: int, **at: object) -> None:  # a turn's wait for its environment: a span
+                self.spans.add("env_wait", start, dur, self.policy_version, **at)
+
             self.episodes = Episodes(
-                self.generator, tokenizer, cfg.episodes, owner=f"{self.name}@{incarnation}"
+                self.generator, tokenizer, cfg.episodes, f"{self.name}@{incarnation}", on_wait=wait
             )
             self.send(self._env, RolloutUp(owner=self.name, incarnation=incarnation))
         if cfg.warm_up:
@@ -320,9 +324,7 @@ class RolloutActor(Actor):
         self.send(self._env, OpenEpisode(episode_id=episode_id, row_json=self.episodes.row_json(request_id)))
 
     def _end_episode(self, finished: Finished) -> None:
-        self.send(
-            self._env, CloseEpisode(episode_id=finished.episode_id)
-        )  # the environment may still hold it
+        self.send(self._env, CloseEpisode(episode_id=finished.episode_id))  # the environment may hold it
         if finished.completion is not None:
             self._finish(finished.completion, finished)
             return
@@ -330,7 +332,7 @@ class RolloutActor(Actor):
         self._queued_ns.pop(finished.request_id, None)
         self.log.warning("episode_invalid", group_id=group_id, sample_index=index, error=finished.error)
         self._send_completion(
-            group_id, index, [], [], "error", 0.0, error=finished.error, turns=finished.turns
+            group_id, index, [], [], "error", 0.0, error=finished.error, **finished.counts()
         )
 
     # -- updates --------------------------------------------------------------------------------------
@@ -545,7 +547,7 @@ class RolloutActor(Actor):
         accept = (len(completion.token_ids) if mask is None else sum(mask)) / passes if passes else 0.0
         extra = {}
         if episode is not None:
-            extra = {"prompt_ids": episode.prompt_ids, "turns": episode.turns, "env_reward": episode.reward}
+            extra = {"prompt_ids": episode.prompt_ids, "env_reward": episode.reward, **episode.counts()}
         self._send_completion(group_id, index, completion.token_ids, completion.logprobs,
                               completion.finish_reason, accept, mask=mask, **extra)  # fmt: skip
         if not self.config.hidden_to:

@@ -10,13 +10,15 @@ appended (`resume`: prefilled on the same cache, masked out of training, log-pro
 tokens are never re-tokenized. Done, `max_turns` or the request's `max_tokens` (every token after the
 opening) end the episode (`finish`). Cutting a speculative step's tokens at the turn's end keeps the
 output what plain decoding gives; drafters read the live history, observations included.
+Each turn's environment wait (the turn's end to its answer, an error, a loss or a timeout; the opening
+not counted) is timed on an injected clock, reported to `on_wait` and summed per sample across replays.
 The messages and the deadlines are the rollout actor's (actors/rollout.py).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -28,7 +30,10 @@ from slipstream.engine.generator import Completion, Generator, Request, StepOutp
 from slipstream.engine.sampling import SamplingParams
 from slipstream.engine.tokenizer import Tokenizer
 
-__all__ = ["EpisodeLimits", "Episodes", "Finished", "TurnEnd", "policy_windows"]
+__all__ = ["EpisodeLimits", "Episodes", "Finished", "TurnEnd", "WaitHook", "policy_windows"]
+
+# on_wait(start_ns, dur_ns, episode=…, turn=…, outcome=…): one turn's wait for its environment, as it ends
+WaitHook = Callable[..., None]
 
 _SENTINEL = "\u2063turn\u2063"  # stands for the assistant's turn when the template's delta is rendered
 
@@ -67,6 +72,11 @@ class Finished:
     turns: int
     reward: float | None = None
     error: str | None = None
+    env_wait_s: float = 0.0  # waiting for the environment's answers, every turn and replay of the sample
+
+    def counts(self) -> dict[str, float | int]:
+        """What the sample's `Completion` carries of its turns: `turns` and `env_wait_s`."""
+        return {"turns": self.turns, "env_wait_s": self.env_wait_s}
 
 
 @dataclass
@@ -84,14 +94,21 @@ class _Episode:
     turn_start: int = 0  # tokens after the prompt when the current turn began
     turns: int = 0
     since: float = field(default_factory=time.monotonic)  # when it began waiting for the environment
+    sent_ns: int | None = None  # the injected clock's reading when the turn waiting for its answer was sent
+    wait_ns: int = 0  # waits of its turns so far (its earlier attempts' included)
 
 
 class Episodes:
     """The live episodes of one generator; see the module docstring."""
 
-    def __init__(self, generator: Generator, tokenizer: Tokenizer, limits: EpisodeLimits, owner: str) -> None:
-        """owner: names this rollout in episode ids (unique across the run's rollouts)."""
+    def __init__(
+        self, generator: Generator, tokenizer: Tokenizer, limits: EpisodeLimits, owner: str,
+        *, on_wait: WaitHook | None = None, clock: Callable[[], int] = time.monotonic_ns,
+    ) -> None:  # fmt: skip
+        """owner: names this rollout in episode ids (unique across the run's rollouts); on_wait: told each
+        turn's environment wait (a span); clock: nanoseconds, monotonic (a test's fake)."""
         self.generator, self.tokenizer, self.limits, self.owner = generator, tokenizer, limits, owner
+        self.on_wait, self.clock = on_wait, clock
         self.live: dict[str, _Episode] = {}
         self._eos_text = {tokenizer.decode([i], skip_special_tokens=False) for i in generator.eos_token_ids}
 
@@ -166,7 +183,7 @@ class Episodes:
                 turn = turn[:cut]
             elif not out.paused:
                 self.generator.pause(out.request_id)
-            ep.state, ep.since = "waiting", time.monotonic()
+            ep.state, ep.since, ep.sent_ns = "waiting", time.monotonic(), self.clock()
             text = self.tokenizer.decode(turn, skip_special_tokens=True)
             end = TurnEnd(request_id=out.request_id, episode_id=self.episode_id(out.request_id), turn=ep.turns,
                           text=text, token_ids=list(turn))  # fmt: skip
@@ -191,6 +208,7 @@ class Episodes:
         """The environment's answer to the waiting turn: the episode ends (done, `max_turns`, no room for the
         answer within `max_tokens`) or the rendered answer is appended and decoding goes on."""
         ep = self.live[request_id]
+        self._stop_waiting(ep, "answered")
         if done:
             return self._end(ep, "stop", reward)
         if ep.turns >= self.limits.max_turns:
@@ -204,6 +222,16 @@ class Episodes:
         ep.messages.append({"role": role, "content": text})
         ep.turn_start, ep.state = seq.num_generated, "decoding"
         return None
+
+    def _stop_waiting(self, ep: _Episode, outcome: str) -> None:
+        """The waiting turn's wait ends (answered, failed, lost): summed into the sample's, told to on_wait."""
+        if (sent := ep.sent_ns) is None:
+            return  # decoding, or waiting for its opening (not a turn)
+        now, ep.sent_ns = self.clock(), None
+        ep.wait_ns += now - sent
+        if self.on_wait is not None:
+            episode = f"{self.owner}/{ep.request_id}/{ep.attempt}"
+            self.on_wait(sent, now - sent, episode=episode, turn=ep.turns - 1, outcome=outcome)
 
     def _delta(self, ep: _Episode, text: str, role: str, *, ended_at_stop_id: bool) -> list[int]:
         """The tokens the chat template adds after the policy's turn: its close (less the stop id the policy
@@ -229,6 +257,7 @@ class Episodes:
 
     def fail(self, request_id: str, error: str) -> Finished:
         """The episode is invalid (its environment raised, hung, answered garbage or was lost): dropped."""
+        self._stop_waiting(self.live[request_id], "failed")
         self.generator.abort(request_id)
         return self._pop(request_id, None, self.live[request_id].turns, error=error)
 
@@ -236,7 +265,7 @@ class Episodes:
         episode_id, ep = self.episode_id(request_id), self.live.pop(request_id)
         return Finished(
             request_id=request_id, episode_id=episode_id, completion=completion, prompt_ids=ep.prompt_ids,
-            turns=turns, **end,  # type: ignore[arg-type]
+            turns=turns, env_wait_s=ep.wait_ns / 1e9, **end,  # type: ignore[arg-type]
         )  # fmt: skip
 
     def replay(self, request_id: str) -> str | None:
@@ -245,10 +274,11 @@ class Episodes:
         spent (then `fail` it)."""
         ep = self.live[request_id]
         if ep.attempt >= self.limits.max_replays:
-            return None
+            return None  # `fail` ends its wait
+        self._stop_waiting(ep, "lost")
         self.generator.abort(request_id)
         self.live[request_id] = _Episode(
-            request_id, ep.params, ep.group_id, ep.row_json, attempt=ep.attempt + 1
+            request_id, ep.params, ep.group_id, ep.row_json, attempt=ep.attempt + 1, wait_ns=ep.wait_ns
         )
         return self.episode_id(request_id)
 

@@ -6,6 +6,7 @@ is recorded with its version, and the drafter's buffer takes the newest version'
 A multi-turn episode's completion (issue 42) holds every token after the opening — the policy's turns and
 the environment's rendered answers — with `policy_mask` saying which the policy sampled; an answer's
 tokens carry log-prob 0 and are never trained on. Decoding checks the lengths, dtypes and that zero.
+It also carries the episode's turns and its seconds waiting for the environment (`env_wait_s`).
 """
 
 import sys
@@ -15,7 +16,7 @@ from typing import Annotated, Literal
 import msgspec
 import torch
 
-from slipstream.protocols.base import Message, NonNeg
+from slipstream.protocols.base import Message, NonNeg, NonNegF
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 # NaN fails both bounds, so a non-finite reward cannot even be decoded.
@@ -91,6 +92,8 @@ class Completion(Message, frozen=True, kw_only=True):
         default_factory=_no_ids
     )  # an episode's opening; [0]: the request's
     turns: NonNeg = 0  # policy turns of an episode (0: a single-turn request)
+    # An episode's seconds waiting for its environment's answers: each turn sent to the answer, summed
+    env_wait_s: NonNegF = 0.0
     env_reward: Finite | None = None  # the environment's reward at the episode's end (None: the run's reward)
     error: str | None = None  # why the sample is invalid (finish_reason "error"): masked, never scored 0
 

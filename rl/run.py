@@ -20,6 +20,7 @@ import json
 import math
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -440,6 +441,9 @@ class Run:
         mixed = sum(len({r for r in grp.rewards if r is not None}) > 1 for grp in groups)
         tokens = sum(len(c.token_ids) for c in work.completions.values())
         turns = [c.turns for c in work.completions.values() if c.turns]  # episodes' policy turns
+        # A multi-turn run: every sample is an episode (an invalid one too, with the turns it reached).
+        by_count = Counter(str(c.turns) for c in work.completions.values() if self.cfg.environment.env)
+        waits = [c.env_wait_s for c in work.completions.values()]
         moved = self.coord.pushed.pop(work.version, {})  # what the push of this version sent across hosts
         for late in [v for v in self.coord.pushed if v < work.version]:  # a head push reported after its step
             del self.coord.pushed[late]
@@ -483,6 +487,9 @@ class Run:
             restarts=self.coord.restarted[work.restarts_before :],
             turns_mean=round(sum(turns) / len(turns), 3) if turns else 0.0,
             turns_max=max(turns, default=0),
+            turns_by_count=dict(sorted(by_count.items(), key=lambda kv: int(kv[0]))),
+            env_wait_s=round(sum(waits), 3),
+            env_wait_max_s=round(max(waits, default=0.0), 3),
         )
 
 
@@ -514,7 +521,8 @@ def step_line(r: StepRecord, steps: int) -> str:
     split = f"rollout {r.rollout_s:.1f}, reward {r.reward_s:.1f}, learn {r.learn_s:.1f}, sync {r.sync_s:.1f}"
     split += f", ckpt {r.checkpoint_s:.1f}" if r.checkpoint_s else ""
     invalid = f"  {r.invalid} invalid" if r.invalid else ""
-    invalid += f"  turns {r.turns_mean:.1f} (max {r.turns_max})" if r.turns_max else ""
+    wait = f", env wait {r.env_wait_s:.1f} s"
+    invalid += f"  turns {r.turns_mean:.1f} (max {r.turns_max}{wait})" if r.turns_max else ""
     # The reward calls' seconds over the step's: what rewards cost, overlapped with the rollout or not.
     calls = f"  reward calls {r.reward_call_s / r.step_s:.0%}" if r.reward_terms and r.step_s > 0 else ""
     return (

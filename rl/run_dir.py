@@ -88,6 +88,12 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     # Multi-turn episodes (issue 42): policy turns per sample, the mean and the most (0 and 0: single-turn)
     turns_mean: float = 0.0
     turns_max: int = 0
+    # policy turns -> samples with that many ({"1": n, "2": n, ...}: the long tail in turns; {}: single-turn)
+    turns_by_count: dict[str, int] = {}
+    # seconds samples waited for their environment's answers (each turn sent to its answer): summed over the
+    # step's samples (sample-seconds: samples wait at once), and the most one sample waited
+    env_wait_s: float = 0.0
+    env_wait_max_s: float = 0.0
 
 
 def write_samples(path: Path, groups: list[ScoredGroup], tokenizer: Tokenizer) -> None:

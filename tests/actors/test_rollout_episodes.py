@@ -3,7 +3,8 @@
 - A 2-turn episode's record: the environment's tokens (the rendered delta) masked out with log-prob 0,
   the policy's tokens with their log-probs, the opening as the prompt, the environment's reward.
 - Greedy tokens are identical with speculation on and off across turns (reproducible mode).
-- A slow environment does not stall the others: while one episode waits, the other samples decode.
+- A slow environment does not stall the others: while one episode waits, the other samples decode; its
+  sample's environment wait (`Completion.env_wait_s`) is the longest.
 - An environment restart (EnvironmentUp with a new incarnation) replays lost episodes from their start:
   the same tokens, each sample completed once; a raising environment makes only its sample invalid.
 """
@@ -194,7 +195,12 @@ def test_a_slow_environment_does_not_stall_the_other_samples(chat_model: Path, t
     assert rollout.generator.num_parked == 1
     rollout.on_answer(two_turns(held[0]), ENV)
     run(rollout, out, two_turns)
-    assert sorted(c.sample_index for c in out.of(Completion)) == [0, 1, 2]
+    done = {c.sample_index: c for c in out.of(Completion)}
+    assert sorted(done) == [0, 1, 2]
+    # Each sample's environment wait travels on its completion; the held turn's outlasted the others'
+    # decoding, the others' were answered at once.
+    assert all(c.turns >= 1 and c.env_wait_s > 0 for c in done.values())
+    assert done[0].env_wait_s > max(done[1].env_wait_s, done[2].env_wait_s)
 
 
 def test_a_restart_replays_lost_episodes_and_an_error_is_one_invalid_sample(

@@ -59,6 +59,7 @@ def samples() -> dict[str, Message]:
             policy_mask=torch.tensor([True, False, True]),
             prompt_ids=torch.tensor([1, 2]),
             turns=2,
+            env_wait_s=0.75,
             env_reward=1.0,
             error=None,
         ),
