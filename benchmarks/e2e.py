@@ -79,6 +79,11 @@ class RunFigures(msgspec.Struct, frozen=True, kw_only=True):
     accept_by_batch: dict[str, float] = {}
     turns_mean: float = 0.0  # policy turns per sample, the mean of the steps' means (0: single-turn)
     turns_max: int = 0
+    # What reached the coordinator a step (its `inbound` events, rl/coordinator.py), the mean over the
+    # steps (start-up excluded): messages, bytes, and {kind: [messages, bytes]}
+    inbound_messages: float = 0.0
+    inbound_bytes: float = 0.0
+    inbound_by_kind: dict[str, list[float]] = {}
     idle_device_s: float
     reclaimed_s: float  # idle device-seconds leased to drafter training
     reclaimed_share: float
@@ -266,6 +271,7 @@ def run_figures(
     idle = sum(s["idle_device_s"] for s in steps)
     reclaimed = sum(s["reclaimed_s"] for s in steps)
     peaks = peak_rss(run_dir) if run_dir is not None else {}
+    inbound = coordinator_inbound(run_dir) if run_dir is not None else []
     by_batch: dict[str, list[float]] = {}
     for s in steps:
         for bucket, (seconds, committed) in (s.get("decode_by_batch") or {}).items():
@@ -292,6 +298,7 @@ def run_figures(
         accept_by_batch={b: round(sum(v) / len(v), 3) for b, v in accepts.items()},
         turns_mean=round(sum(s.get("turns_mean", 0.0) for s in steps) / len(steps), 3),
         turns_max=max((int(s.get("turns_max", 0)) for s in steps), default=0),
+        **inbound_means(inbound),
         idle_device_s=round(idle, 2),
         reclaimed_s=round(reclaimed, 2),
         reclaimed_share=round(reclaimed / idle, 3) if idle > 0 else 0.0,
@@ -303,6 +310,32 @@ def run_figures(
         peak_pss_mb_total=round(memory.peak_mb, 1) if memory is not None else 0.0,
         peak_pss_mb=memory.at_peak_mb if memory is not None else {},
     )
+
+
+def coordinator_inbound(run_dir: Path) -> list[dict[str, Any]]:
+    """The coordinator's `inbound` events but the first (start-up, before step 0): one a step."""
+    path = run_dir / "logs" / "coordinator.jsonl"
+    if not path.is_file():
+        return []
+    events = [e for e in map(json.loads, path.read_text().splitlines()) if e.get("event") == "inbound"]
+    return events[1:]
+
+
+def inbound_means(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """`RunFigures`' inbound fields: means over the steps' events."""
+    if not events:
+        return {}
+    by_kind: dict[str, list[float]] = {}
+    for e in events:
+        for kind, (messages, nbytes) in e["kinds"].items():
+            cell = by_kind.setdefault(kind, [0.0, 0.0])
+            cell[0] += messages / len(events)
+            cell[1] += nbytes / len(events)
+    return {
+        "inbound_messages": round(sum(e["messages"] for e in events) / len(events), 1),
+        "inbound_bytes": round(sum(e["bytes"] for e in events) / len(events), 1),
+        "inbound_by_kind": {k: [round(m, 1), round(b, 1)] for k, (m, b) in sorted(by_kind.items())},
+    }
 
 
 def peak_rss(run_dir: Path) -> dict[str, float]:

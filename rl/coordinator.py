@@ -45,6 +45,7 @@ from slipstream.rl.ledger import Ledger
 from slipstream.rl.recovery import ActorDiedError
 from slipstream.rl.step import RolloutStep, StepMetrics
 from slipstream.runtime.spans import NULL_RECORDER, SpanRecorder
+from slipstream.runtime.traffic import Traffic
 
 __all__ = ["ActorDiedError", "Coordinator", "RequestFailedError", "Supervisor"]
 
@@ -58,6 +59,7 @@ class Supervisor(Protocol):
 
     inbox: asyncio.Queue[tuple[str, Message]]
     deaths: asyncio.Queue[Any]  # runtime/spec.py ActorDied: .name, .reason
+    traffic: Traffic  # what crossed the control socket, by kind (logged a step: `inbound`)
 
     async def send(self, name: str, msg: Message) -> None: ...
 
@@ -155,6 +157,7 @@ class Coordinator:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        self.log_inbound()  # the last step's cycle
 
     async def _dispatch(self) -> None:
         sup = self.sup
@@ -277,6 +280,20 @@ class Coordinator:
         """`step` starts dealing: untagged reports (IterationStats, DrafterStats, Idle) are its from now."""
         self._step = step
         self.leases.begin_step()
+        self.log_inbound()
+
+    def log_inbound(self) -> None:
+        """Logs what reached the coordinator since the last call, by kind (an `inbound` event: messages,
+        bytes): called as each step begins, so an event holds the previous step's whole cycle, and at the
+        run's end."""
+        kinds = self.sup.traffic.take()
+        if kinds:
+            self.emit(
+                "inbound",
+                messages=sum(n for n, _ in kinds.values()),
+                bytes=sum(b for _, b in kinds.values()),
+                kinds=kinds,
+            )
 
     async def score(self, request: ScoreRequest) -> None:
         """Sends one completion to the verifier with the fewest outstanding requests; its `Reward` comes

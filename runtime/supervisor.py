@@ -42,6 +42,7 @@ from slipstream.runtime.launcher import ActorLaunch, Launcher, LocalLauncher, No
 from slipstream.runtime.process import exit_code_text, exit_how
 from slipstream.runtime.shm import cleanup as cleanup_shm
 from slipstream.runtime.spec import ActorDied, ActorSpec
+from slipstream.runtime.traffic import Traffic
 from slipstream.runtime.transport import (
     CurveKeys,
     actor_name,
@@ -138,6 +139,7 @@ class Supervisor:
         # A restarted actor connects with its predecessor's identity: it takes the name over at once.
         self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._codec = Codec()
+        self.traffic = Traffic()  # what the receive loop decoded, by kind (runtime/traffic.py)
         self._procs: dict[str, _Proc] = {}
         self.inbox: asyncio.Queue[tuple[str, Message]] = asyncio.Queue(maxsize=inbox_size)
         self._backpressure = False  # the receive loop waits for inbox room (liveness is not judged then)
@@ -331,6 +333,7 @@ class Supervisor:
             except ProtocolError as e:
                 self._emit("dropped_malformed", sender=sender, error=str(e), level="warning")
                 continue
+            self.traffic.add(msg.kind, sum(len(f) for f in frames[1:]))
             if entry is None:
                 self._emit("unknown_sender", sender=sender, kind=msg.kind, level="warning")
                 continue

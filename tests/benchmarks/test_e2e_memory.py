@@ -53,6 +53,30 @@ def test_peaks_come_from_stopped_events_and_sum(tmp_path: Path) -> None:
     assert "upper bound" in text
 
 
+def test_inbound_figures_are_the_coordinators_events_per_step_without_start_up(tmp_path: Path) -> None:
+    """The coordinator logs `inbound` as each step begins and at the end (rl/coordinator.py): the first
+    event is start-up's, the others one step each; the figures are their means."""
+
+    def inbound(messages: int, kinds: dict[str, list[int]]) -> dict:
+        return {"event": "inbound", "messages": messages, "bytes": sum(b for _, b in kinds.values()),
+                "kinds": kinds}  # fmt: skip
+
+    write_log(tmp_path, "coordinator", [
+        inbound(50, {"control.hello": [50, 5000]}),  # start-up: left out
+        {"event": "step_done", "step": 0},
+        inbound(14, {"rollout.completion": [12, 1200], "learner.step_stats": [2, 100]}),
+        inbound(12, {"rollout.completion": [12, 1000]}),
+    ])  # fmt: skip
+    figures = e2e.run_figures({"steps": [STEP, STEP]}, 5.0, run_dir=tmp_path)
+    assert figures.inbound_messages == 13.0 and figures.inbound_bytes == 1150.0
+    assert figures.inbound_by_kind == {
+        "learner.step_stats": [1.0, 50.0],
+        "rollout.completion": [12.0, 1100.0],
+    }
+    (tmp_path / "logs" / "coordinator.jsonl").unlink()
+    assert e2e.run_figures({"steps": [STEP]}, 5.0, run_dir=tmp_path).inbound_by_kind == {}
+
+
 def test_two_rounds_run_a_b_b_a_and_pool_the_speedups(tmp_path: Path, monkeypatch) -> None:
     # The order is the point: whichever mode runs first in an invocation pays the host's first touches.
     # Training and the learner's cost are stubbed here; tests/cli/test_train.py runs the real bench.

@@ -198,6 +198,8 @@ def test_bench_e2e_runs_both_modes_and_times_the_learner(tiny_chat: Path, tmp_pa
     assert result.baseline.accept_length == 1.0  # plain decoding: one token per target forward
     assert result.baseline.step0_accept_by_batch == {}  # it never speculated
     assert result.speedup_step > 0 and result.slipstream.tokens_per_s > 0
+    # In-process runs write no coordinator log (the CLI configures it): no inbound figures, not zeros.
+    assert result.slipstream.inbound_by_kind == {} and result.slipstream.inbound_messages == 0
     cost = result.learner
     assert cost.steps == 2 and len(cost.forward_s) == len(cost.train_s) == 2
     assert cost.sequence_tokens > cost.response_tokens > 0

@@ -25,6 +25,7 @@ from slipstream.rl.coordinator import ActorDiedError, Coordinator, RequestFailed
 from slipstream.runtime.actor import Actor, handler
 from slipstream.runtime.codec import Codec
 from slipstream.runtime.inbox import Inbox
+from slipstream.runtime.traffic import Traffic
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class FakeSupervisor:
     def __init__(self) -> None:
         self.inbox: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.deaths: asyncio.Queue[Died] = asyncio.Queue()
+        self.traffic = Traffic()
         self.sent: list[tuple[str, Any]] = []
 
     async def send(self, name: str, msg: Any) -> None:
@@ -605,3 +607,44 @@ def test_a_learner_that_dies_while_a_restarted_rollout_is_re_pushed_is_recovered
             assert (await nxt).sample_index == 0
 
     run(main())
+
+
+def test_each_step_logs_what_reached_the_coordinator_by_kind() -> None:
+    """`begin` logs the traffic since the previous step began (messages and bytes, by kind), and leaving
+    the coordinator logs the last step's; nothing is logged for an interval that received nothing."""
+    events: list[tuple[str, dict[str, Any]]] = []
+
+    class Log:
+        def info(self, event: str, **fields: Any) -> None:
+            events.append((event, fields))
+
+    async def main() -> None:
+        sup = FakeSupervisor()
+        async with Coordinator(sup, rollouts=["rollout:0"], log=Log()) as coord:
+            sup.traffic.add("rollout.completion", 100)
+            sup.traffic.add("rollout.completion", 50)
+            sup.traffic.add("control.heartbeat", 10)
+            coord.begin(coord.rollout([request(0)]))
+            coord.begin(coord.rollout([request(1)]))  # nothing arrived in between: no event
+            sup.traffic.add("reward.reward", 7)
+
+    run(main())
+    inbound = [fields for event, fields in events if event == "inbound"]
+    assert inbound == [
+        {
+            "messages": 3,
+            "bytes": 160,
+            "kinds": {"rollout.completion": [2, 150], "control.heartbeat": [1, 10]},
+        },
+        {"messages": 1, "bytes": 7, "kinds": {"reward.reward": [1, 7]}},
+    ]
+
+
+def test_traffic_counts_by_kind_and_starts_afresh_after_a_take() -> None:
+    traffic = Traffic()
+    assert traffic.take() == {}
+    traffic.add("a", 3)
+    traffic.add("b", 4)
+    traffic.add("a", 5)
+    assert traffic.take() == {"a": [2, 8], "b": [1, 4]}
+    assert traffic.take() == {}

@@ -62,6 +62,13 @@ def test_three_actors_exchange_then_sigkill_is_reported_and_rest_shut_down(tmp_p
             done = await next_status(sup, "smoke_done")
             assert done.fields["acked"] == 16 and done.fields["bad"] == 0
             assert done.fields["shm_mapped_bytes"] > 0  # same-host bulk tensors took the shared-memory lane
+            # What crossed the control socket, by kind: each actor's hello and ready, its heartbeats, the
+            # source's status; bytes as the frames arrived. Counted afresh after a take.
+            kinds = sup.traffic.take()
+            assert kinds["control.hello"][0] == kinds["control.ready"][0] == 3, kinds
+            assert kinds["control.status"][0] >= 1
+            assert all(n >= 1 and nbytes >= 4 * n for n, nbytes in kinds.values()), kinds
+            assert set(sup.traffic.take()) <= {"control.heartbeat", "control.status"}
 
             killed_at = time.monotonic()
             os.kill(sup.pid("sink:1"), signal.SIGKILL)
