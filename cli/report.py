@@ -252,7 +252,42 @@ def header_rows(data: RunData) -> list[tuple[str, str]]:
         ("total time", f"{_duration(total)} (sum of step times)"),
         ("final reward", reward),
     ]
-    return rows + ([("reward calls", calls)] if (calls := reward_calls_row(data.records)) else [])
+    rows += [("reward calls", calls)] if (calls := reward_calls_row(data.records)) else []
+    return rows + turns_rows(data)
+
+
+def turns_rows(data: RunData) -> list[tuple[str, str]]:
+    """Multi-turn episodes (issue 42): turns per sample with the long tail in turns (samples by their turns,
+    every step), and the environment wait: seconds a step summed over samples, its share of the samples' time
+    in the rollout (their `sample` spans; traced runs), the most one sample waited. One row saying so for a
+    single-turn run."""
+    recs = data.records
+    env = (data.config.get("environment") or {}).get("env")
+    if not env and not any(r.get("turns_max") for r in recs):
+        return [("turns per sample", "single-turn run: no environment, no episodes")]
+    counts: dict[int, int] = {}
+    for r in recs:
+        for k, n in (r.get("turns_by_count") or {}).items():
+            counts[int(k)] = counts.get(int(k), 0) + n
+    top = max((r.get("turns_max") or 0 for r in recs), default=0)
+    if counts:
+        played = {k: n for k, n in counts.items() if k}  # 0: invalid before its first turn
+        mean = sum(k * n for k, n in played.items()) / max(sum(played.values()), 1)
+        tail = ", ".join(f"{k}: {n}" for k, n in sorted(counts.items()))
+        turns = f"mean {mean:.2f}, max {top}; samples by turns (all steps) {tail}"
+    else:
+        mean = sum(r.get("turns_mean") or 0.0 for r in recs) / len(recs)
+        turns = f"mean {mean:.2f}, max {top}; samples by turns: not recorded in this run (before the field)"
+    rows = [("turns per sample", turns)]
+    if not any("env_wait_s" in r for r in recs):
+        return [*rows, ("environment wait", "not recorded in this run (before the field)")]
+    wait = sum(r.get("env_wait_s") or 0.0 for r in recs)
+    text = f"{wait / len(recs):.2f} s a step (summed over samples)"
+    lives = sum(sp.dur_ns for sp in data.spans if sp.name == "sample") / 1e9
+    waits = sum(sp.dur_ns for sp in data.spans if sp.name == "env_wait") / 1e9
+    text += f", {waits / lives:.0%} of the samples' time in the rollout" if lives else ", share: needs spans"
+    text += f"; at most {max(r.get('env_wait_max_s') or 0.0 for r in recs):.2f} s for one sample"
+    return [*rows, ("environment wait", text)]
 
 
 def reward_calls_row(records: list[dict[str, Any]]) -> str:

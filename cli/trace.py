@@ -2,12 +2,13 @@
 
 One process track per actor (named by role and rank, the coordinator first), with its spans on thread
 lanes: decode iterations, learner micro-batches, per-sample rewards and drafter steps on lane 0; spans
-that overlap by nature, the rollouts' per-sample spans and the verifier's `reward_batch` calls (term,
-size, seconds; one per worker at once), packed onto as few further lanes as keep each lane free of
-overlaps (the long tail reads as the last lanes' lone bars). A "devices" process has two lanes per rollout
-device: when it was idle, and when a drafter held it. A weight push is a flow arrow from the learner's
-`push` span to each rollout's `apply_weights` span of the same version. Times are microseconds from the
-first span kept, on the coordinator's clock (runtime/spans.py aligns them).
+that overlap by nature, the rollouts' per-sample spans and their episodes' `env_wait`s (a turn sent to
+its environment until the answer) and the verifier's `reward_batch` calls (one per worker at once), each
+packed onto as few further lanes as keep each lane free of overlaps (the long tail: the last lanes' bars).
+A "devices" process has two lanes per rollout device: when it was idle, and when a drafter held it. A
+weight push is a flow arrow from the learner's `push` span to each rollout's `apply_weights` span of the
+same version. Times are microseconds from the first span kept, on the coordinator's clock (runtime/spans.py
+aligns them).
 
     slipstream trace runs/demo -o trace.json --steps 2:3
 """
@@ -27,7 +28,8 @@ __all__ = ["add_parser", "chrome_trace", "run"]
 
 _ROLE_ORDER = {"coordinator": 0, "learner": 1, "rollout": 2, "verifier": 3, "drafter": 4}
 _DEVICES_PID = 1000
-_PACKED = {"sample": "samples", "reward_batch": "reward calls"}  # span name -> its lanes' name
+# span name -> its lanes' name: the kinds whose spans overlap by nature, each packed onto lanes of its own
+_PACKED = {"sample": "samples", "env_wait": "environment waits", "reward_batch": "reward calls"}
 
 
 def _parse_steps(text: str | None) -> tuple[int, int] | None:

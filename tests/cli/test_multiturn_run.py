@@ -5,8 +5,9 @@ SIGKILLs its environment actor at the first reply (the episode kills its own pro
 restart it, its rollouts replay the lost episodes from their start, and every sample is recorded once,
 none invalid; the record holds each sample's policy mask (two runs of policy tokens, the environment's
 answer between them at log-prob 0), the opening as the prompt, two turns a sample, and the environment's
-reward where it gave one, else the verifier's on the transcript. A bad `environment:` section fails at
-start, naming the field.
+reward where it gave one, else the verifier's on the transcript; each turn's environment wait in the
+step record (summed, most, turns by count), as `env_wait` spans, and in `report` and `trace` of the same
+run. A bad `environment:` section fails at start, naming the field.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import pytest
 import uvloop
 
 from slipstream.cli import main as cli_main
-from slipstream.cli import train
+from slipstream.cli import report, train
 from slipstream.engine.tokenizer import Tokenizer
 from slipstream.rl import run_config
+from slipstream.runtime.spans import read_spans
 from tests.cli.conftest import brevity, config, recorded_samples
 from tests.cli.multiturn_env import env_reward
 
@@ -99,6 +101,40 @@ def test_masks_turns_openings_and_rewards_are_recorded(run: Any) -> None:
                 assert s["reward"] == brevity(row.question, text, **fields)
                 by_verifier += 1
     assert by_env and by_verifier
+
+
+def test_environment_waits_and_turns_are_in_the_record_the_report_and_the_trace(run: Any) -> None:
+    cfg, run_dir = run
+    steps = steps_of(run_dir)
+    per_step = cfg.prompts_per_step * cfg.group_size
+    assert [s["turns_by_count"] for s in steps] == [{"2": per_step}] * STEPS  # every sample, two turns
+    for s in steps:  # two turns a sample, each waiting for its answer
+        assert 0 < s["env_wait_max_s"] <= s["env_wait_s"] < s["rollout_s"] * per_step, s
+    spans = read_spans(run_dir)
+    waits = [sp for sp in spans if sp.name == "env_wait"]
+    answered = [sp for sp in waits if sp.args["outcome"] == "answered"]
+    # Every sample's two turns were answered (the lost ones replayed); the turn that killed its environment
+    # (and any other in flight then) was lost.
+    assert len(answered) == STEPS * per_step * 2 and {sp.args["turn"] for sp in answered} == {0, 1}
+    assert {sp.args["outcome"] for sp in waits} == {"answered", "lost"}
+    assert {sp.role for sp in waits} == {"rollout"}
+    by_step = [sum(sp.dur_ns for sp in waits if sp.step == s["step"]) / 1e9 for s in steps]
+    assert by_step == pytest.approx([s["env_wait_s"] for s in steps], abs=0.01)  # the record sums the spans
+
+    pytest.importorskip("matplotlib")
+    rows = dict(report.header_rows(report.load_run(run_dir)))
+    assert rows["turns per sample"] == f"mean 2.00, max 2; samples by turns (all steps) 2: {STEPS * per_step}"
+    wait = rows["environment wait"]
+    assert " s a step (summed over samples), " in wait and "% of the samples' time in the rollout" in wait
+    assert cli_main.main(["report", str(run_dir), "-o", str(run_dir / "report")]) == 0
+    assert "<th>environment wait</th>" in (run_dir / "report" / report.HTML_NAME).read_text()
+
+    assert cli_main.main(["trace", str(run_dir), "-o", str(run_dir / "trace.json")]) == 0
+    events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    drawn = [e for e in events if e.get("name") == "env_wait" and e["ph"] == "X"]
+    assert len(drawn) == len(waits) and all(e["args"]["episode"] for e in drawn)
+    assert all(lanes[e["pid"], e["tid"]].startswith("environment waits ") for e in drawn)
 
 
 @pytest.mark.parametrize(

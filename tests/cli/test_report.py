@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from slipstream.cli import report
-from slipstream.runtime.spans import SpanRecorder
+from slipstream.runtime.spans import Span, SpanRecorder
 
 pytest.importorskip("matplotlib")
 
@@ -178,6 +178,8 @@ def test_a_traced_run_draws_every_chart_embedded_and_beside_the_page(tmp_path: P
     assert "not recorded" not in page
     for text in ("smollm2-135m", "slipstream", "3 (steps 0–2)", "0.400 (first step 0.200)", "63.0 s"):
         assert text in page, text
+    assert "<th>turns per sample</th><td>single-turn run: no environment, no episodes</td>" in page
+    assert "<th>environment wait</th>" not in page
     # Reward time per term and its batch sizes, over the run: 6 s of 63 s of steps.
     assert (
         "<th>reward calls</th><td>6.0 s (10% of step time); exact: 1.5 s, 72 calls, batch mean 1.0 (max 1); "
@@ -203,6 +205,35 @@ def test_an_untraced_older_run_says_what_it_did_not_record(tmp_path: Path) -> No
     assert linked == {f"{c.name}.png" for c in result.charts if c.png} and len(embedded) == len(linked)
     assert not (out / "long_tail.png").exists()
     assert not (out / "drafter_loss.png").exists()
+
+
+def test_turns_rows_of_a_multi_turn_run_and_of_one_from_before_the_wait_fields(tmp_path: Path) -> None:
+    recs = [
+        {"step": 0, "turns_mean": 1.5, "turns_max": 3, "turns_by_count": {"0": 1, "1": 2, "3": 1},
+         "env_wait_s": 2.0, "env_wait_max_s": 0.9},
+        {"step": 1, "turns_mean": 1.0, "turns_max": 1, "turns_by_count": {"1": 4}, "env_wait_s": 1.0,
+         "env_wait_max_s": 0.4},
+    ]  # fmt: skip
+    data = report.RunData(tmp_path, recs, {"environment": {"env": "pkg.mod:Env"}}, None, mode="slipstream")
+    untraced = dict(report.turns_rows(data))
+    # The mean over played samples (7 of them: 9 turns), the histogram summed over the steps.
+    assert untraced["turns per sample"] == "mean 1.29, max 3; samples by turns (all steps) 0: 1, 1: 6, 3: 1"
+    assert untraced["environment wait"] == (
+        "1.50 s a step (summed over samples), share: needs spans; at most 0.90 s for one sample"
+    )
+    spans = [Span("rollout-0", "rollout", 0, name, 0, int(s * 1e9), 0) for name, s in
+             (("sample", 8.0), ("sample", 4.0), ("env_wait", 3.0), ("iteration", 5.0))]  # fmt: skip
+    data.spans = spans
+    assert (
+        "1.50 s a step (summed over samples), 25% of the samples' time in the rollout"
+        in dict(report.turns_rows(data))["environment wait"]
+    )
+    older = [{"step": 0, "turns_mean": 2.0, "turns_max": 2}]
+    rows = dict(report.turns_rows(report.RunData(tmp_path, older, {}, None, mode="?")))
+    assert rows == {
+        "turns per sample": "mean 2.00, max 2; samples by turns: not recorded in this run (before the field)",
+        "environment wait": "not recorded in this run (before the field)",
+    }
 
 
 def test_a_baseline_run_has_no_speculation_chart(tmp_path: Path) -> None:
