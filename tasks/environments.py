@@ -173,20 +173,25 @@ class Calculator:
 
 @dataclass
 class GuessNumber:
-    """A game: the environment holds a number in [1, high] (from the row's seed or its `answer`); each turn
-    the policy writes a guess, the environment answers "higher", "lower" or "correct". Reward on success:
-    1 / turns taken (fewer is better), 0.0 after `max_turns`; a turn without a number is a lost turn."""
+    """A game: the environment holds a number in [1, high] (the row's `answer`, or with `from_answer` off or
+    no answer, one drawn from the row's seed or question); each turn the policy writes a guess, the
+    environment answers "higher", "lower" or "correct". Reward on success: 1 / turns taken (fewer is
+    better), 0.0 after `max_turns`; a turn without a number is a lost turn."""
 
     row: Row
     high: int = 100
     max_turns: int = 8
+    from_answer: bool = True
     stop_sequences: Sequence[str] = ()
     turns: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         answer = self.row.answer
         seed = self.row.metadata.get("seed", self.row.question)
-        self.secret = int(answer) if answer is not None else random.Random(str(seed)).randint(1, self.high)
+        if self.from_answer and answer is not None:
+            self.secret = int(answer)
+        else:
+            self.secret = random.Random(str(seed)).randint(1, self.high)
 
     def opening(self) -> list[dict[str, str]]:
         prompt = f"I am thinking of a whole number from 1 to {self.high}. Guess it: answer with one number."

@@ -60,3 +60,9 @@ def test_the_guessing_game_answers_each_guess_and_rewards_fewer_turns() -> None:
     lost = GuessNumber(Row(question="g", answer=3), max_turns=2)
     lost.reply("1")
     assert lost.reply("2") == Observation(text="no: it was 3", role="user", done=True, reward=0.0)
+    # from_answer off: a task's rows (whose answers may be 0 or negative) only seed the secret, in range.
+    drawn = [
+        GuessNumber(Row(question=f"q{i}", answer=-4), high=16, from_answer=False).secret for i in range(40)
+    ]
+    assert all(1 <= d <= 16 for d in drawn) and len(set(drawn)) > 5
+    assert drawn[0] == GuessNumber(Row(question="q0", answer=9), high=16, from_answer=False).secret
