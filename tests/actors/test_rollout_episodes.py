@@ -107,14 +107,17 @@ def run(
     raise AssertionError("the rollout never went idle")
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9], ids=["greedy", "reproducible-sampled"])
 def test_a_two_turn_record_masks_the_environment_and_speculation_changes_nothing(
-    chat_model: Path, tmp_path: Path
+    chat_model: Path, tmp_path: Path, temperature: float
 ) -> None:
+    # Greedy, and sampled in reproducible mode (the rollout's default spec_mode): the same tokens with and
+    # without speculation, across the environment's answer.
     records = {}
     for name, arms in (("plain", ["off"]), ("ngram", ["off", "ngram:d3"])):
         rollout, out = actor(chat_model, tmp_path / name, arms)
-        rollout.on_generate(request(0, 3), "coordinator")
-        rollout.on_generate(request(1, 2), "coordinator")
+        rollout.on_generate(request(0, 3, temperature), "coordinator")
+        rollout.on_generate(request(1, 2, temperature), "coordinator")
         run(rollout, out, two_turns)
         records[name] = {(c.group_id, c.sample_index): c for c in out.of(Completion)}
         assert len(records[name]) == 5
@@ -125,7 +128,7 @@ def test_a_two_turn_record_masks_the_environment_and_speculation_changes_nothing
         assert c.turns == 2 and c.env_reward == 1.0 and c.error is None
         mask = c.policy_mask
         assert mask.shape == c.token_ids.shape and 0 < int((~mask).sum()) < len(mask)
-        assert bool((c.logprobs[~mask] == 0).all())  # greedy: the policy's are 0 too (sampled: below)
+        assert bool((c.logprobs[~mask] == 0).all())  # the environment's tokens carry no log-prob
         # Exactly one answer between the two turns, and it is the template's rendered tool message.
         runs = [bool(x) for x in mask.tolist()]
         assert runs.index(False) == 6 and runs[:6] == [True] * 6  # the first turn: max_turn_tokens
