@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import importlib
 import inspect
 import operator
 import random
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from slipstream.tasks.datasets import Row
+from slipstream.tasks.rewards import import_named
 
 __all__ = [
     "Calculator",
@@ -221,17 +221,9 @@ def _same(given: str, expected: Any) -> bool:
 def load_environment(path: str, options: Mapping[str, Any] | None = None) -> EnvironmentFactory:
     """The environment named "pkg.module:name" (a class or a function taking a `Row`), called with `options`
     as keyword arguments after the row. Every failure is a ValueError naming the path."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"environment {path!r}: must look like 'package.module:Name'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # whatever the module raises at import, the message names the path
-        raise ValueError(f"environment {path!r}: cannot import {module_name}: {type(e).__name__}: {e}") from e
-    factory = getattr(module, attr, None)
-    if factory is None:
-        raise ValueError(f"environment {path!r}: module {module_name} has no attribute {attr}")
+    factory = import_named(path, "environment", "Name")
     if not callable(factory):
+        attr = path.partition(":")[2]
         raise ValueError(f"environment {path!r}: {attr} is not callable ({type(factory).__name__})")
     return functools.partial(factory, **dict(options or {})) if options else factory
 

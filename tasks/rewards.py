@@ -40,21 +40,28 @@ _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
+def import_named(path: str, what: str, shape: str) -> Any:
+    """The object "pkg.module:name" names (a reward, an environment); every failure a ValueError naming
+    `what` and the path: "reward 'x.y:z': module x.y has no attribute z"."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"{what} {path!r}: must look like 'package.module:{shape}'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # whatever the module raises at import, the message names the path
+        raise ValueError(f"{what} {path!r}: cannot import {module_name}: {type(e).__name__}: {e}") from e
+    if not hasattr(module, attr):
+        raise ValueError(f"{what} {path!r}: module {module_name} has no attribute {attr}")
+    return getattr(module, attr)
+
+
 def load_reward(path: str) -> Callable[..., Any]:
     """The reward named "pkg.mod:fn"; a class is instantiated (no arguments) and the instance returned.
 
     Every failure is a ValueError naming the path: "reward 'x.y:z': module x.y has no attribute z".
     """
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"reward {path!r}: must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # whatever the module raises at import, the message names the path
-        raise ValueError(f"reward {path!r}: cannot import {module_name}: {type(e).__name__}: {e}") from e
-    if not hasattr(module, attr):
-        raise ValueError(f"reward {path!r}: module {module_name} has no attribute {attr}")
-    obj = getattr(module, attr)
+    obj = import_named(path, "reward", "function")
+    attr = path.partition(":")[2]
     if isinstance(obj, type):
         try:
             obj = obj()

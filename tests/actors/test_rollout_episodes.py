@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,6 @@ import pytest
 import torch
 
 from slipstream.actors.rollout import RolloutActor
-from slipstream.engine import hub
 from slipstream.engine.tokenizer import Tokenizer
 from slipstream.protocols.environment import (
     Answer,
@@ -35,21 +33,14 @@ from slipstream.protocols.environment import (
 from slipstream.protocols.rollout import Completion, GenerateRequest, SamplingSpec
 from slipstream.runtime.inbox import Inbox
 from tests.actors.test_rollout_actor import Captured
-from tests.engine.conftest import build_checkpoint
+from tests.engine.conftest import build_chat_checkpoint
 
 ENV = "environment:0"
 
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    smol = hub.pull("smollm2-135m")
-    vocab = json.loads((smol / "config.json").read_text())["vocab_size"]
-    path = build_checkpoint(
-        tmp_path_factory.mktemp("chat"), vocab_size=vocab, eos_token_id=2, max_position_embeddings=1024
-    )
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(smol / name, path / name)
-    return path
+    return build_chat_checkpoint(tmp_path_factory.mktemp("chat"), max_position_embeddings=1024)
 
 
 def actor(

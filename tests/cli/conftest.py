@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +11,9 @@ import msgspec
 import pytest
 
 from slipstream.benchmarks.soak import near_tie
-from slipstream.engine import hub
 from slipstream.rl import run_config
 from slipstream.tasks.rewards import reasoning_gym
-from tests.engine.conftest import build_checkpoint
+from tests.engine.conftest import build_chat_checkpoint
 
 
 def brevity(prompt: str, completion: str, **row: Any) -> float:
@@ -26,18 +24,11 @@ def brevity(prompt: str, completion: str, **row: Any) -> float:
 
 @pytest.fixture(scope="module")
 def tiny_chat(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    smol = hub.pull("smollm2-135m")
-    vocab = json.loads((smol / "config.json").read_text())["vocab_size"]
-    path = build_checkpoint(
+    return build_chat_checkpoint(
         tmp_path_factory.mktemp("tiny-chat"),
-        vocab_size=vocab,
-        eos_token_id=2,
         max_position_embeddings=2048,
         tie_word_embeddings=True,  # as SmolLM2: the head is the embedding, and its packed copy must follow
     )
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(smol / name, path / name)
-    return path
 
 
 def config(model: Path, **overrides: Any) -> run_config.TrainConfig:

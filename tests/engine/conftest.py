@@ -8,6 +8,8 @@ margins, and parity tests compare logits that actually vary.
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,6 +59,19 @@ def build_checkpoint(
         model.save_pretrained(path, max_shard_size=max(1, total // shards))
     else:
         model.save_pretrained(path)
+    return path
+
+
+def build_chat_checkpoint(path: Path, **overrides: Any) -> Path:
+    """`build_checkpoint` with SmolLM2's vocabulary, tokenizer and chat template (its EOS, id 2): a tiny
+    random decoder that real prompts and turns go through."""
+    from slipstream.engine import hub
+
+    smol = hub.pull("smollm2-135m")
+    vocab = json.loads((smol / "config.json").read_text())["vocab_size"]
+    build_checkpoint(path, vocab_size=vocab, eos_token_id=2, **overrides)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(smol / name, path / name)
     return path
 
 

@@ -10,21 +10,18 @@ SmolLM2's chat template, no sockets (the test plays the environment).
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from slipstream.engine import hub
 from slipstream.engine.episodes import EpisodeLimits, Episodes, Finished, TurnEnd
 from slipstream.engine.generator import Generator
 from slipstream.engine.sampling import SamplingParams
 from slipstream.engine.tokenizer import Tokenizer
 from slipstream.engine.weights import load_model
-from tests.engine.conftest import build_checkpoint
+from tests.engine.conftest import build_chat_checkpoint
 
 S = 1_000_000_000  # ns a second
 OPENING = [{"role": "user", "content": "What is 1 + 2?"}]
@@ -42,14 +39,7 @@ class Clock:
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    smol = hub.pull("smollm2-135m")
-    vocab = json.loads((smol / "config.json").read_text())["vocab_size"]
-    path = build_checkpoint(
-        tmp_path_factory.mktemp("chat"), vocab_size=vocab, eos_token_id=2, max_position_embeddings=512
-    )
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(smol / name, path / name)
-    return path
+    return build_chat_checkpoint(tmp_path_factory.mktemp("chat"), max_position_embeddings=512)
 
 
 def episodes(chat_model: Path, clock: Clock, waits: list[tuple[int, int, dict[str, Any]]]) -> Episodes:
