@@ -43,8 +43,8 @@ DEVICE_KINDS = ("cpu", "cuda")
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)  # dtypes the oneDNN packed path is tried for
 GEMMS = ("mkl", "onednn")  # the packed-weight kernels `packed_gemm` chooses from
 _packed_enabled = True
-_gemm: dict[torch.dtype, str | None] = {}  # `packed_gemm`'s choice per dtype, made on first use
-_ONEDNN_WIDE: dict[torch.dtype, bool] = {}  # whether oneDNN takes the projections past MKL_MAX_WIDTH
+# `packed_gemm`'s choice per dtype, made on first use: (up to MKL_MAX_WIDTH outputs, past it)
+_gemm: dict[torch.dtype, tuple[str | None, str | None]] = {}
 MKL_MAX_WIDTH = 8192
 """Output widths past this (an LM head) stay on oneDNN where MKL is chosen: a 49152 × 576 head took 5.9 / 8.2
 ms at 4 / 16 rows through MKL's packed sgemm and 5.4 / 7.0 through oneDNN (2 threads, Xeon with AMX)."""
@@ -120,7 +120,6 @@ def set_packed_gemm(enabled: bool) -> None:
     global _packed_enabled
     _packed_enabled = enabled
     _gemm.clear()
-    _ONEDNN_WIDE.clear()
     _onednn_pad.clear()
 
 
@@ -129,27 +128,25 @@ def packed_gemm(device: torch.device, dtype: torch.dtype, width: int = 0) -> str
     sgemm), "onednn" (oneDNN's blocked weights) or None (F.linear: CUDA, or nothing probed runs here).
 
     fp32 on Intel takes MKL's packed sgemm where this torch build has it: SmolLM2's 120 layer projections
-    streamed from memory (an Intel Xeon with AMX, 2 threads) took 16.9 / 22.0 / 31.0 ms at 1 / 4 / 16 rows
-    against oneDNN's 22.0 / 25.5 / 35.0 and F.linear's 16.8 / 30.1 / 42.6, and within 3% of oneDNN from 24
-    rows up (docs/engine.md, "Model"). On AMD, MKL takes a generic path and oneDNN wins at every row count;
-    bf16 has no MKL packing. By vendor and a probe, not timed: start-up timings on a shared host swung by
-    more than these effects. SLIPSTREAM_CPU_GEMM=onednn|mkl|none overrides, for A/B runs."""
+    streamed from memory (an Intel Xeon with AMX, 2 threads) took 16.2 / 19.7 / 27.7 / 48.5 ms at 1 / 4 /
+    16 / 64 rows against oneDNN's 25.3 / 24.4 / 33.0 / 67.8 (docs/engine.md, "Model"); widths past
+    MKL_MAX_WIDTH (an LM head) stay on oneDNN. On AMD, MKL takes a generic path and oneDNN wins at every
+    row count; bf16 has no MKL packing. By vendor and a probe, not timed: start-up timings on a shared host
+    swung by more than these effects. SLIPSTREAM_CPU_GEMM=onednn|mkl|none forces one, for A/B runs."""
     if not _packed_enabled or device.type != "cpu":
         return None
     if dtype not in _gemm:
         _gemm[dtype] = _choose_gemm(dtype)
-    gemm = _gemm[dtype]
-    if gemm == "mkl" and width > MKL_MAX_WIDTH and _ONEDNN_WIDE.get(dtype, False):
-        return "onednn"
-    return gemm
+    narrow, wide = _gemm[dtype]
+    return wide if width > MKL_MAX_WIDTH else narrow
 
 
-def _choose_gemm(dtype: torch.dtype) -> str | None:
+def _choose_gemm(dtype: torch.dtype) -> tuple[str | None, str | None]:
     forced = os.environ.get("SLIPSTREAM_CPU_GEMM", "")
     if forced not in ("", *GEMMS, "none"):
         raise ValueError(f"SLIPSTREAM_CPU_GEMM={forced!r}: expected one of {', '.join(GEMMS)}, none")
     if forced == "none":
-        return None
+        return None, None
     mkl = dtype == torch.float32 and _probe_mkl()
     onednn = dtype in _ONEDNN_DTYPES and _probe_onednn(dtype)
     if forced:
@@ -157,11 +154,10 @@ def _choose_gemm(dtype: torch.dtype) -> str | None:
             raise ValueError(
                 f"SLIPSTREAM_CPU_GEMM={forced}: this torch build and CPU do not run it for {dtype}"
             )
-        return forced
-    _ONEDNN_WIDE[dtype] = onednn and forced != "mkl"
-    if mkl and _intel():
-        return "mkl"
-    return "onednn" if onednn else None
+        return forced, forced
+    onednn_or_none = "onednn" if onednn else None
+    narrow = "mkl" if mkl and _intel() else onednn_or_none
+    return narrow, onednn_or_none or narrow
 
 
 def onednn_pad_rows(dtype: torch.dtype) -> frozenset[int]:

@@ -92,6 +92,7 @@ class _Episode:
     stop_sequences: tuple[str, ...] = ()
     prompt_ids: list[int] = field(default_factory=list)
     turn_start: int = 0  # tokens after the prompt when the current turn began
+    scanned: int = 0  # tokens of the current turn already searched for a stop sequence (none found)
     turns: int = 0
     since: float = field(default_factory=time.monotonic)  # when it began waiting for the environment
     sent_ns: int | None = None  # the injected clock's reading when the turn waiting for its answer was sent
@@ -172,7 +173,8 @@ class Episodes:
                 continue
             seq = self.generator.scheduler.get(out.request_id)
             turn = seq.tokens[seq.num_prompt + ep.turn_start :]
-            cuts = [self._stop_at(turn, ep.stop_sequences)]
+            cuts = [self._stop_at(turn, ep.stop_sequences, ep.scanned)]
+            ep.scanned = len(turn)
             if len(turn) >= self.limits.max_turn_tokens:
                 cuts.append(self.limits.max_turn_tokens)
             cut = min((c for c in cuts if c is not None), default=None)
@@ -192,15 +194,21 @@ class Episodes:
             ep.messages.append({"role": "assistant", "content": text})
         return ends
 
-    def _stop_at(self, turn: list[int], stops: tuple[str, ...]) -> int | None:
-        """The fewest tokens of `turn` whose text holds a stop sequence, or None."""
-        if not stops or not any(s in self.tokenizer.decode(turn) for s in stops):
+    def _stop_at(self, turn: list[int], stops: tuple[str, ...], scanned: int = 0) -> int | None:
+        """The fewest tokens of `turn` whose text holds a stop sequence, or None. The first `scanned` tokens
+        held none, so only a window reaching back from them by the longest stop's length (a C-character
+        stop spans at most C tokens; 4 more for tokens that decode to part of a character) is decoded:
+        a step costs the new tokens, not the whole turn again."""
+        if not stops:
             return None
-        for k in range(1, len(turn) + 1):
-            text = self.tokenizer.decode(turn[:k])
+        start = max(0, scanned - max(map(len, stops)) - 4)
+        if not any(s in self.tokenizer.decode(turn[start:]) for s in stops):
+            return None
+        for k in range(max(start + 1, scanned), len(turn) + 1):
+            text = self.tokenizer.decode(turn[start:k])
             if any(s in text for s in stops):
                 return k
-        return None  # unreachable: the whole turn holds one
+        return None  # unreachable: the window holds one
 
     def answer(
         self, request_id: str, text: str, role: str, done: bool, reward: float | None
@@ -220,7 +228,7 @@ class Episodes:
             return self._end(ep, "length", None)
         self.generator.resume(request_id, tokens)
         ep.messages.append({"role": role, "content": text})
-        ep.turn_start, ep.state = seq.num_generated, "decoding"
+        ep.turn_start, ep.scanned, ep.state = seq.num_generated, 0, "decoding"
         return None
 
     def _stop_waiting(self, ep: _Episode, outcome: str) -> None:

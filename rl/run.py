@@ -386,7 +386,7 @@ class Run:
             sample_index=completion.sample_index,
             prompt=row.question,
             completion=self.tokenizer.decode(completion.token_ids.tolist(), skip_special_tokens=True),
-            row_json=json.dumps({"question": row.question, "answer": row.answer, "metadata": row.metadata}),
+            row_json=_row_json(row),
             policy_version=completion.policy_version,
         )
 
@@ -494,7 +494,8 @@ class Run:
 
 
 def _row_json(row: Row) -> str:
-    """A dataset row as the environment opens an episode from it (values JSON cannot hold, as text)."""
+    """A dataset row as a reward scores with it and an environment opens an episode from it (values JSON
+    cannot hold, as text)."""
     return json.dumps({"question": row.question, "answer": row.answer, "metadata": row.metadata}, default=str)
 
 

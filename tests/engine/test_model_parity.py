@@ -402,7 +402,7 @@ def test_small_row_padding_returns_the_unpadded_rows(
     if not engine_device._probe_onednn(torch.float32):
         pytest.skip("this torch build runs no packed oneDNN projections")  # then nothing is padded either
     with torch.inference_mode():
-        monkeypatch.setitem(engine_device._gemm, torch.float32, "onednn")
+        monkeypatch.setitem(engine_device._gemm, torch.float32, ("onednn", "onednn"))
         monkeypatch.setitem(engine_device._onednn_pad, torch.float32, frozenset())
         plain = layer(x)
         monkeypatch.setitem(engine_device._onednn_pad, torch.float32, frozenset({1, 2}))
@@ -467,7 +467,7 @@ def test_packed_kernels_equal_f_linear_and_unpack_exactly(gemm: str, monkeypatch
         gemm
     ]():
         pytest.skip(f"this torch build runs no packed {gemm} projections")
-    monkeypatch.setitem(engine_device._gemm, torch.float32, gemm)
+    monkeypatch.setitem(engine_device._gemm, torch.float32, (gemm, gemm))
     layer = Linear(48, 40, bias=True)
     with torch.inference_mode():
         for shape in ((0, 48), (1, 48), (3, 48), (4, 48), (16, 48), (2, 3, 48)):
