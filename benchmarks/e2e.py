@@ -117,7 +117,7 @@ class E2EResult(msgspec.Struct, frozen=True, kw_only=True):
     speedup_step: float  # baseline seconds per step / Slipstream's
     speedup_rollout: float
     identical_sample_steps: int  # steps whose every response is token-identical across the two runs
-    learner: LearnerCost
+    learner: LearnerCost | None  # None: not measured (--cost-steps 0, e.g. on a GPU machine's clock)
     rounds: int = 1  # 2: S B then B S; slipstream/baseline above are round 1's, the speedups pool rounds
     speedup_step_each: list[float] = []  # per round
     speedup_rollout_each: list[float] = []
@@ -175,7 +175,11 @@ def run(
         speedup_step=round(mean(base, "step_s") / mean(slip, "step_s"), 3),
         speedup_rollout=round(mean(base, "rollout_s") / mean(slip, "rollout_s"), 3),
         identical_sample_steps=identical,
-        learner=learner_cost(root / "slipstream", steps=min(cost_steps, steps), threads=threads),
+        learner=(
+            learner_cost(root / "slipstream", steps=min(cost_steps, steps), threads=threads)
+            if cost_steps
+            else None
+        ),
         rounds=rounds,
         speedup_step_each=[round(b.step_s / s.step_s, 3) for s, b in zip(slip, base, strict=True)],
         speedup_rollout_each=[round(b.rollout_s / s.rollout_s, 3) for s, b in zip(slip, base, strict=True)],
@@ -458,7 +462,12 @@ def render(result: E2EResult) -> str:
     cost = result.learner
     lines.append(
         f"speedup: step {result.speedup_step}x, rollout {result.speedup_rollout}x; identical samples in "
-        f"{result.identical_sample_steps}/{result.steps} steps; learner cost per token {cost.cost_x}x a "
-        f"forward pass ({cost.threads} threads, {cost.sequence_tokens} tokens per batch, {cost.steps} batches)"
+        f"{result.identical_sample_steps}/{result.steps} steps; "
+        + (
+            f"learner cost per token {cost.cost_x}x a forward pass ({cost.threads} threads, "
+            f"{cost.sequence_tokens} tokens per batch, {cost.steps} batches)"
+            if cost
+            else "learner cost not measured"
+        )
     )
     return "\n".join(lines)

@@ -135,6 +135,7 @@ def _e2e(args: argparse.Namespace) -> int:
         run_train,
         root,
         threads=args.threads or cfg.learner.threads,
+        cost_steps=args.cost_steps,
         rounds=args.rounds,
         isolated=True,
         interleave=not args.sequential,
@@ -370,6 +371,8 @@ def add_parser(sub: Any) -> None:
     _json(p, "E2EResult")
     p.add_argument("--run-dir", type=Path, default=None, help="where both runs go (runs/bench-e2e-…)")
     p.add_argument("--threads", type=int, default=None, help="learner-cost threads (learner.threads)")
+    p.add_argument("--cost-steps", type=int, default=3,
+                   help="batches the learner's cost is measured on, on the CPU (0: not measured)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=2,
                    help="2: runs Slipstream, baseline, baseline, Slipstream and pools them; 1: S, B only")  # fmt: skip
     p.add_argument(
