@@ -36,7 +36,7 @@ from slipstream.engine.episodes import EpisodeLimits, Episodes, Finished, policy
 from slipstream.engine.generator import Completion, Generator, Request
 from slipstream.engine.iteration import timed_step
 from slipstream.engine.sampling import SamplingParams, sample_seed
-from slipstream.engine.speculator import warm_up
+from slipstream.engine.speculator import capture_graphs, warm_up
 from slipstream.engine.tokenizer import Tokenizer
 from slipstream.engine.tuner import STALE_METHODS, Tuner, TunerConfig
 from slipstream.engine.weight_receiver import WeightReceiver
@@ -113,8 +113,7 @@ class RolloutActor(Actor):
             device=require_device(cfg.device),
         )
         # Decoding reads only the packed projections: holding the plain ones too was a model's worth.
-        freed = self.model.keep_packed_only()
-        self.log.info("packed_only", freed_mb=round(freed / 2**20, 1))
+        self.log.info("packed_only", freed_mb=round(self.model.keep_packed_only() / 2**20, 1))
         self.tuner = Tuner(cfg.tuner)
         self.tuner_path = Path(self.run_dir or ".") / "rollout" / f"rank-{self.rank}" / "tuner.json"
         if self.tuner_path.is_file():
@@ -122,10 +121,9 @@ class RolloutActor(Actor):
             self.log.info("tuner_restored", path=str(self.tuner_path))
         arms = self.tuner.arms
         deepest = max(arm.spec().verify_budget for arm in arms if arm.method != "off") if len(arms) > 1 else 0
-        self.eagle: EagleDrafter | None = None
         # An EAGLE head is worth holding only if it starts trained or will be trained online.
-        if any(arm.method in ("eagle", "hybrid") for arm in arms) and (cfg.drafter or cfg.hidden_to):
-            self.eagle = self._make_eagle()
+        eagle = any(arm.method in ("eagle", "hybrid") for arm in arms) and bool(cfg.drafter or cfg.hidden_to)
+        self.eagle: EagleDrafter | None = self._make_eagle() if eagle else None
         drafters: dict[str, Drafter] = {}
         # Held drafters observe every commit: plain decoding (arms ["off"]) pays for no n-gram tables.
         if any(arm.method in ("ngram", "hybrid") for arm in arms):
@@ -141,8 +139,7 @@ class RolloutActor(Actor):
             return_hidden=bool(cfg.hidden_to),
             drafters=drafters,
         )
-        narrowed = self.tuner.limit_nodes(self.generator.max_nodes)
-        if narrowed:  # past the largest node bucket a fixed-shape step is captured for
+        if narrowed := self.tuner.limit_nodes(self.generator.max_nodes):  # past the largest node bucket
             self.log.warning("tuner_arms_not_offered", arms=narrowed, max_nodes=self.generator.max_nodes)
         self._retuned_version = 0 if self.eagle is None else self.eagle.version
         self._pending_drafter: DrafterUpdate | None = None  # the newest update, swapped in before decoding
@@ -198,9 +195,14 @@ class RolloutActor(Actor):
         finally:
             if self.eagle is not None:
                 self.eagle.vocab.frozen = False
-        self.spans.add("warm_up", started_ns, time.monotonic_ns() - started_ns, arms=len(arms))
+        # Every CUDA graph the run can meet, now, not on first use in a rollout's tail (docs/gpu.md).
+        caps = [self.tuner.max_batch(arm.name) or self.config.max_batch for arm in arms]
+        graphs = capture_graphs(self.generator, list(zip(specs, caps, strict=True)), self.eagle)
+        self.spans.add("warm_up", started_ns, time.monotonic_ns() - started_ns, arms=len(arms), graphs=graphs)
         seconds = round(time.perf_counter() - started, 3)
-        self.log.info("warmed_up", arms=[a.name for a in arms], seconds=seconds, **memory_now())
+        self.log.info(
+            "warmed_up", arms=[a.name for a in arms], graphs=graphs, seconds=seconds, **memory_now()
+        )
 
     def _make_eagle(self) -> EagleDrafter:
         cfg = self.config

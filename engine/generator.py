@@ -171,15 +171,11 @@ class Generator:
 
     def abort(self, request_id: str) -> bool:
         """Drop a waiting or running request (no completion is produced); False if unknown."""
-        live = self.scheduler.drop_waiting(request_id)
+        live, group = self.scheduler.drop_waiting(request_id), None
         if live is None:
-            seq = self.scheduler.running.get(request_id)
-            if seq is None:
+            if (seq := self.scheduler.running.get(request_id)) is None:
                 return False
-            live = self.scheduler.finish(seq)
-            group = seq.group
-        else:
-            group = None
+            live, group = self.scheduler.finish(seq), seq.group
         self.speculator.finish(request_id, None if live else group)
         return True
 
@@ -460,6 +456,12 @@ class Generator:
         for d in range(min(accepted, depth)):
             self._accepted_at[d] += 1
 
+    def capture_graphs(self, plans: Sequence[tuple[SpecConfig | None, int]]) -> int:
+        """Capture now every fixed-shape step decoding under each plan (a speculation config or None, and
+        the most rows it decodes at) can meet, so none lands inside a rollout; returns the new graphs."""
+        step = self._static
+        return 0 if step is None else step.capture([k for p in plans for k in step.keys_for(*p)])
+
     @property
     def max_nodes(self) -> int | None:
         """Nodes a row the fixed-shape step verifies at most (the pending token and its drafts: the largest
@@ -487,11 +489,8 @@ class Generator:
         static: bool | None = None,
     ) -> Generator:
         """A generator sized for `requests`: slots and length fit the job (a static cache's bytes, a grown
-        one's limits).
-
-        eos_token_ids: stop ids for every request (None: the model config's; () decodes to max_tokens);
-        share_prompts, static: as in `__init__`.
-        """
+        one's limits). eos_token_ids: stop ids for every request (None: the model config's; () decodes to
+        max_tokens); share_prompts, static: as in `__init__`."""
         num_slots = max(1, min(max_batch, len(requests)))
         longest = max(len(r.prompt_ids) + r.params.max_tokens for r in requests)
         # Room for one verify pass's nodes past the last committed token before they are rolled back.

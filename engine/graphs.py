@@ -11,16 +11,19 @@ Non-obvious choices:
 - Manual capture, as nano-vllm, SGLang and mini-sglang do, not `torch.compile(mode="reduce-overhead")`:
   no recompiles per shape, capture in milliseconds, and nothing a CPU cannot run eagerly.
 - `capture(keys)` takes the keys largest first, so the smaller graphs reuse the largest one's pool blocks
-  (graphs of one pool never run at once here: one stream, one step at a time).
+  (graphs of one pool never run at once here: one stream, one step at a time). Callers capture every key
+  a run can meet before the run (the rollout's warm-up): a capture on first use cost the first iteration
+  of each new shape 0.1-0.7 s on an H200 (docs/gpu.md, 2026-11-28), in the middle of a rollout's tail.
 - Graphs bind addresses: everything a step reads (weights, the KV cache, rotary tables) must be updated in
   place between replays, never reallocated; `Transformer.write_parameter` copies in place.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 
 import torch
 
@@ -38,6 +41,8 @@ class GraphRunner:
         self._pool = torch.cuda.graph_pool_handle() if self.enabled else None
         self.capture_s = 0.0
         """Seconds spent warming up and capturing so far (a bench reports it)."""
+        self.seen: set[Hashable] = set()
+        """Every key run so far, eagerly or replayed (what a run met: tests hold captures to it)."""
 
     @property
     def keys(self) -> list[Hashable]:
@@ -46,6 +51,7 @@ class GraphRunner:
 
     def __call__(self, key: Hashable) -> None:
         """Run the step for `key`: replay its graph (captured on first use) or call it eagerly."""
+        self.seen.add(key)
         if not self.enabled:
             self.fn(key)
             return
@@ -54,17 +60,20 @@ class GraphRunner:
             graph = self._capture(key)
         graph.replay()
 
-    def capture(self, keys: Iterable[Hashable], size: Callable[[Hashable], int] | None = None) -> None:
+    def capture(self, keys: Iterable[Hashable], size: Callable[[Hashable], int] | None = None) -> int:
         """Capture `keys` now, largest first by `size` (default: as given), so smaller graphs share the
-        largest one's memory."""
+        largest one's memory; returns how many were new. One garbage collection for all of them."""
         if not self.enabled:
-            return
+            return 0
         ordered = sorted(keys, key=size, reverse=True) if size is not None else list(keys)
-        for key in ordered:
-            if key not in self._graphs:
-                self._capture(key)
+        new = [key for key in dict.fromkeys(ordered) if key not in self._graphs]
+        if new:
+            with _no_collection():
+                for key in new:
+                    self._capture(key, collect=False)
+        return len(new)
 
-    def _capture(self, key: Hashable) -> torch.cuda.CUDAGraph:
+    def _capture(self, key: Hashable, *, collect: bool = True) -> torch.cuda.CUDAGraph:
         started = time.perf_counter()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -73,18 +82,9 @@ class GraphRunner:
                 self.fn(key)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        # No garbage collection inside a capture: collecting another runner's graph there frees its memory,
-        # which CUDA forbids while a stream captures ("operation not permitted when stream is capturing",
-        # the capture invalidated: a bench building one generator after another hit it on an H200).
-        collect = gc.isenabled()
-        gc.collect()
-        gc.disable()
-        try:
+        with _no_collection() if collect else contextlib.nullcontext():
             with torch.cuda.graph(graph, pool=self._pool):
                 self.fn(key)
-        finally:
-            if collect:
-                gc.enable()
         torch.cuda.synchronize(self.device)
         self._graphs[key] = graph
         self.capture_s += time.perf_counter() - started
@@ -93,3 +93,20 @@ class GraphRunner:
     def reset(self) -> None:
         """Drop every graph (their pool memory returns once nothing else holds it)."""
         self._graphs.clear()
+
+
+@contextlib.contextmanager
+def _no_collection() -> Iterator[None]:
+    """No garbage collection inside a capture: collecting another runner's graph there frees its memory,
+    which CUDA forbids while a stream captures ("operation not permitted when stream is capturing", the
+    capture invalidated: a bench building one generator after another hit it on an H200). One collection
+    before, then none until the captures are done: a batch of captures pays one full collection, not one
+    each."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -41,6 +41,7 @@ from slipstream.engine.verify import (
 )
 
 if TYPE_CHECKING:
+    from slipstream.engine.drafters.eagle import EagleDrafter
     from slipstream.engine.generator import Generator
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "Speculator",
     "Verified",
     "VerifyEntry",
+    "capture_graphs",
     "share_budget",
     "verify_drafts",
     "warm_up",
@@ -321,6 +323,21 @@ def _verify_rejection(logits: Tensor, entries: Sequence[VerifyEntry]) -> list[Ve
             out.tokens.tolist(), out.logprobs.tolist(), [0, *(a + 1 for a in out.accepted.tolist())]
         )
     return [results[i] for i in range(len(entries))]
+
+
+def capture_graphs(
+    generator: Generator, plans: Sequence[tuple[SpecConfig | None, int]], eagle: EagleDrafter | None = None
+) -> int:
+    """Capture now every CUDA graph decoding under `plans` (a speculation config or None, and the most rows
+    it decodes at) can meet: the generator's fixed-shape steps and, for plans drafting with `eagle`'s
+    chains, its rounds. On first use, each new shape cost an iteration 0.1-0.7 s in a rollout's tail on
+    an H200 (docs/gpu.md, 2026-11-28). Returns the new graphs (0 where none are replayed: the CPU)."""
+    graphs = generator.capture_graphs(plans)
+    rounds = None if eagle is None else eagle.rounds
+    for spec, rows in plans:
+        if rounds is not None and spec is not None and spec.method in ("eagle", "hybrid") and spec.topk == 1:
+            graphs += rounds.capture(rows, range(1, spec.depth + 1))
+    return graphs
 
 
 def warm_up(

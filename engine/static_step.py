@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -42,6 +43,9 @@ from slipstream.engine.verify_static import (
     rejection_chain_static,
     rejection_tree_static,
 )
+
+if TYPE_CHECKING:
+    from slipstream.engine.speculator import SpecConfig
 
 __all__ = [
     "BATCH_BUCKETS",
@@ -249,11 +253,27 @@ class StaticStep:
         block[:, _FIXED + _BITS * m : _FIXED + (_BITS + 1) * m] = 1 << np.arange(m, dtype=np.int64)
         block[:, _FIXED + _PARENTS * m : _FIXED + (_PARENTS + 1) * m] = -1
 
-    def capture(self, keys: Sequence[StepKey]) -> None:
-        """Capture `keys` now (largest first), on padding rows only: nothing real is written."""
+    def keys_for(self, spec: SpecConfig | None, rows: int) -> list[StepKey]:
+        """Every key steps of at most `rows` rows can meet decoding under `spec` (None: plain): each batch
+        bucket and node bucket up to those (capped at this step's), rows with and without top-k/top-p,
+        verification by matching (and by rejection in its mode), chains (and trees where topk > 1)."""
+        on = spec is not None and spec.enabled
+        top_batch = bucket(min(max(rows, 1), self.max_batch), BATCH_BUCKETS)
+        top_nodes = bucket(min(1 + spec.verify_budget if on else 1, self.max_nodes), NODE_BUCKETS)
+        keys = []
+        for b in (b for b in BATCH_BUCKETS if b <= top_batch):
+            for n in (n for n in NODE_BUCKETS if n <= top_nodes):
+                for rej in (False, True) if on and spec.mode == "rejection" and n > 1 else (False,):
+                    for tree in (False, True) if on and spec.topk > 1 and n > 1 else (False,):
+                        keys += [StepKey(b, n, filtered, rej, tree) for filtered in (False, True)]
+        return keys
+
+    def capture(self, keys: Sequence[StepKey]) -> int:
+        """Capture `keys` now (largest first), on padding rows only: nothing real is written. Returns how
+        many were new (0 where graphs are off)."""
         self._padding(self._staged)
         self.inp.copy_(self.staging)
-        self.runner.capture(keys, size=lambda k: k.batch * k.nodes)
+        return self.runner.capture(keys, size=lambda k: k.batch * k.nodes)
 
     # -----------------------------------------------------------------------------------------------------
     # Device side: no host reads, no data-dependent shapes, outputs into persistent buffers

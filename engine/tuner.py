@@ -153,6 +153,10 @@ class Tuner:
         """The arm called `name` (any spelling of it)."""
         return self.arms[self._arm_index(name)]
 
+    def max_batch(self, name: str) -> int | None:
+        """The largest batch size arm `name` is offered at (None: every batch size)."""
+        return self._max_batch.get(self._arm_index(name))
+
     def _arm_index(self, name: str) -> int:
         i = self._index.get(name)
         if i is None:

@@ -46,9 +46,11 @@ def export(name: str, tensor: torch.Tensor) -> CudaIpcRef:
 
     storage = tensor._typed_storage()
     shared = storage._share_cuda_()
-    shared_cache[shared[1]] = StorageWeakRef(
-        storage
-    )  # as torch's own reduce_tensor: this process maps it too
+    # So that this process maps its own ref to the same storage: CUDA refuses to open an IPC handle in the
+    # process that made it ("invalid device context", an H200, 2026-11-28). torch's `rebuild_cuda_tensor`
+    # looks its cache up by (handle, storage offset), while its `reduce_tensor` stores by handle alone,
+    # so copying that (as this did) never hit.
+    shared_cache[(shared[1], shared[3])] = StorageWeakRef(storage)
     return describe(tensor, shared)
 
 

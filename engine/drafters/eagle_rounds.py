@@ -119,6 +119,22 @@ class EagleRounds:
             out.extend(host[:, :k].clone())
         return out
 
+    def keys_for(self, rows: int, ks: Sequence[int]) -> list[tuple]:
+        """Every key rounds of at most `rows` rows drafting chains of `ks` tokens can meet: extend passes of
+        every width, chains keyed or not, over the draft vocabulary or the whole."""
+        top = bucket(min(max(rows, 1), self.max_rows), BATCH_BUCKETS)
+        sizes = [r for r in BATCH_BUCKETS if r <= top]
+        keys: list[tuple] = [("extend", r, w) for r in sizes for w in EXTEND_WIDTHS]
+        flags = [(keyed, restricted) for keyed in (False, True) for restricted in (False, True)]
+        return keys + [("chain", r, k, *f) for r in sizes for k in ks for f in flags]
+
+    def capture(self, rows: int, ks: Sequence[int]) -> int:
+        """Capture `keys_for(rows, ks)` now, on padding rows (the dummy slot): nothing real is written.
+        Returns the new graphs (0 where none are replayed)."""
+        self._padding(self.max_rows)
+        self.inp.copy_(self.staging)
+        return self.runner.capture(self.keys_for(rows, ks), size=lambda key: key[1] * key[2])
+
     def stage(self, slots: Sequence[int], cached: Sequence[int], count: Sequence[int] | None = None) -> int:
         """Load rows of slots with `cached` pairs (and `count` new ones of token 0) into the device block,
         padding to the bucket; returns the bucket. For timing a round's key on chosen rows (bench gpu)."""

@@ -50,7 +50,8 @@ def completions(target: Transformer) -> list[Completion]:
 
 def head_for(target: Transformer) -> EagleHead:
     torch.manual_seed(0)
-    return EagleHead.for_target(target.config).to(target.lm_head_weight.dtype)
+    weight = target.lm_head_weight  # the head where the target is (the gpu test's target is on CUDA)
+    return EagleHead.for_target(target.config).to(device=weight.device, dtype=weight.dtype)
 
 
 def state(c: Completion, j: int, lo: int, *, keyed: bool) -> DraftState:
