@@ -30,10 +30,11 @@ import torch
 from slipstream.engine import eagle_export, hub
 from slipstream.engine.device import require_device
 from slipstream.engine.drafters import Drafter, NGramDrafter, OracleDrafter
+from slipstream.engine.drafters.eagle import EagleDrafter
 from slipstream.engine.generator import Completion, Generator, Request
 from slipstream.engine.model import Transformer
 from slipstream.engine.sampling import SamplingParams
-from slipstream.engine.speculator import SpecConfig
+from slipstream.engine.speculator import SpecConfig, capture_graphs
 from slipstream.engine.tokenizer import Tokenizer
 from slipstream.engine.weights import load_model
 from slipstream.tasks.datasets import reasoning_gym_rows
@@ -248,9 +249,13 @@ def _generator(
     # 32, as `bench gpu`'s large-batch rows once did (docs/gpu.md). share_prompts off: a
     # row's prompts may repeat, and shared ones would join the decode batch a pass after the first.
     if arm.spec == "off":
-        return Generator.for_requests(
+        gen = Generator.for_requests(
             model, requests, max_batch=len(requests), eos_token_ids=(), share_prompts=False, static=static
         )
+        capture_graphs(
+            gen, [(None, len(requests))]
+        )  # untimed: a capture on first use was timed (docs/gpu.md)
+        return gen
     spec = SpecConfig(method=arm.spec, depth=arm.depth, topk=arm.topk, verify=arm.verify, mode=arm.mode)  # type: ignore[arg-type]
     drafter: Drafter
     if arm.spec == "eagle":
@@ -260,7 +265,7 @@ def _generator(
         drafter = OracleDrafter(recorded, device=model.lm_head_weight.device)
     else:
         drafter = NGramDrafter(device=model.lm_head_weight.device)
-    return Generator.for_requests(
+    gen = Generator.for_requests(
         model,
         requests,
         max_batch=len(requests),
@@ -270,6 +275,8 @@ def _generator(
         share_prompts=False,
         static=static,
     )
+    capture_graphs(gen, [(spec, len(requests))], drafter if isinstance(drafter, EagleDrafter) else None)
+    return gen
 
 
 def interleaved_round(
