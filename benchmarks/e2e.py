@@ -92,6 +92,7 @@ class RunFigures(msgspec.Struct, frozen=True, kw_only=True):
     invalid: int
     peak_rss_mb: dict[str, float] = {}  # actor ("role:rank") -> peak resident MiB (VmHWM), from its log
     peak_rss_mb_total: float = 0.0  # their sum: an upper bound of the simultaneous peak
+    peak_gpu_mb: dict[str, float] = {}  # actor -> the most GPU MiB its allocator held (CUDA runs only)
     # What the run's processes held at once: the peak over time (sampled each second) of their summed
     # proportional set size, shared pages split between the processes that map them; and its split.
     peak_pss_mb_total: float = 0.0
@@ -311,6 +312,7 @@ def run_figures(
         invalid=int(summary.get("invalid", 0)),
         peak_rss_mb=peaks,
         peak_rss_mb_total=round(sum(peaks.values()), 1),
+        peak_gpu_mb=peak_rss(run_dir, "peak_gpu_mb") if run_dir is not None else {},
         peak_pss_mb_total=round(memory.peak_mb, 1) if memory is not None else 0.0,
         peak_pss_mb=memory.at_peak_mb if memory is not None else {},
     )
@@ -342,18 +344,19 @@ def inbound_means(events: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def peak_rss(run_dir: Path) -> dict[str, float]:
+def peak_rss(run_dir: Path, field: str = "peak_rss_mb") -> dict[str, float]:
     """Peak resident MiB per actor ("role:rank"), read from the `stopped` events in RUN/logs/*.jsonl; an
-    actor restarted after a crash logs one per clean stop, and the highest counts. A killed one logs none."""
+    actor restarted after a crash logs one per clean stop, and the highest counts. A killed one logs none.
+    `field` "peak_gpu_mb": the GPU memory its allocator held at most (actors that used CUDA)."""
     peaks: dict[str, float] = {}
     for path in sorted((run_dir / "logs").glob("*.jsonl")):
         for line in path.read_text().splitlines():
             if '"stopped"' not in line:  # cheap filter before parsing: logs run to many lines
                 continue
             event = json.loads(line)
-            if event.get("event") == "stopped" and "peak_rss_mb" in event:
+            if event.get("event") == "stopped" and field in event:
                 name = f"{event.get('role')}:{event.get('rank')}"
-                peaks[name] = max(peaks.get(name, 0.0), float(event["peak_rss_mb"]))
+                peaks[name] = max(peaks.get(name, 0.0), float(event[field]))
     return peaks
 
 
@@ -453,6 +456,9 @@ def render(result: E2EResult) -> str:
                 f"{name} peak RSS MiB: {each}; sum {f.peak_rss_mb_total:.0f} (of per-process peaks: an "
                 "upper bound of the simultaneous peak)"
             )
+        if f.peak_gpu_mb:
+            each = ", ".join(f"{actor} {mb:.0f}" for actor, mb in sorted(f.peak_gpu_mb.items()))
+            lines.append(f"{name} peak GPU MiB (allocator): {each}")
         if f.peak_pss_mb_total:
             each = ", ".join(f"{label} {mb:.0f}" for label, mb in f.peak_pss_mb.items())
             lines.append(f"{name} peak summed PSS MiB {f.peak_pss_mb_total:.0f}, held at once: {each}")

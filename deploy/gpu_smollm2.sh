@@ -7,13 +7,14 @@
 #   call 1:      carry [".whl", ".gpusmol/part-1"]  bash deploy/gpu_smollm2.sh stage   (+ the gpu tests)
 #   call 2:      carry [".gpusmol/part-2"]          bash deploy/gpu_smollm2.sh stage
 #   call 3:      carry [".gpusmol/part-3"]          BUDGET_S=540 bash deploy/gpu_smollm2.sh run \
-#                                                     pull,train,e2e-longtail,decode,trace,e2e-demo
+#                                                     pull,train,e2e-longtail,decode,e2e-hostlane,trace,e2e-demo
 # `run` phases, each under its own limit (seconds: PULL_S, TRAIN_S, E2E_S, DECODE_S, TRACE_S; BUDGET_S caps
 # them all from the start and skips what would get under 30 s), each writing as it goes: a line a phase in
 # $OUT/smollm2.log, the JSON beside it, every log and run directory in $OUT/runs.tgz (re-packed after each
 # phase: a call brings back 8 files at most). Phases: pull (join the parts, `models pull`), train (`train
 # device=cuda` on the demo: a line per step, metrics.jsonl), e2e-demo / e2e-longtail (`bench e2e
-# device=cuda`, two ABBA rounds; over the host lane if train failed over CUDA IPC), decode (`bench decode
+# device=cuda`, two ABBA rounds; over the host lane if train failed over CUDA IPC), e2e-hostlane (one round
+# of the long tail with learner.push_ipc=false: the sync against IPC's), decode (`bench decode
 # --device cuda` with the shipped EAGLE head), trace (the train run's Chrome trace).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +49,7 @@ T0=$(date +%s)
 
 pack() {  # everything but the summary log and the JSON in one tarball: a call brings back at most 8 files
   tar czf "$OUT/runs.tgz" --ignore-failed-read --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' \
-    -C / "${LOGS#/}" $(for d in /tmp/run-train /tmp/e2e-demo /tmp/e2e-longtail; do [[ -d $d ]] && echo "${d#/}"; done) 2>/dev/null
+    -C / "${LOGS#/}" $(for d in /tmp/run-train /tmp/e2e-demo /tmp/e2e-longtail /tmp/e2e-hostlane; do [[ -d $d ]] && echo "${d#/}"; done) 2>/dev/null
 }
 
 phase() {  # phase NAME LIMIT CMD...: run CMD under LIMIT seconds (capped by BUDGET_S from the start, if set),
@@ -91,6 +92,10 @@ run() {
         [[ $p == e2e-longtail ]] && config=(--config deploy/configs/longtail.yaml)
         phase "$p" "${E2E_S:-300}" $slip bench e2e --json --rounds "${ROUNDS:-2}" --cost-steps 0 \
           --run-dir "/tmp/$p" "${config[@]}" device=cuda $ipc
+        grep -q '^{' "$LOGS/$p.log" && grep '^{' "$LOGS/$p.log" >"$OUT/$p.json" ;;
+      e2e-hostlane)  # the long tail with weights over the host lane: sync seconds a push vs CUDA IPC's
+        phase "$p" "${E2E_S:-300}" $slip bench e2e --json --rounds 1 --cost-steps 0 --run-dir "/tmp/$p" \
+          --config deploy/configs/longtail.yaml device=cuda learner.push_ipc=false
         grep -q '^{' "$LOGS/$p.log" && grep '^{' "$LOGS/$p.log" >"$OUT/$p.json" ;;
       decode)
         phase decode "${DECODE_S:-180}" $slip bench decode --device cuda --batches 1,4,16 --max-tokens 128 --json \

@@ -38,7 +38,7 @@ from slipstream.runtime.codec import Codec, ProtocolError
 from slipstream.runtime.config import ConfigError, convert
 from slipstream.runtime.inbox import Inbox
 from slipstream.runtime.io_thread import ActorIO
-from slipstream.runtime.process import keep_freed_memory, peak_rss_mb
+from slipstream.runtime.process import keep_freed_memory, peak_gpu_mb, peak_rss_mb
 from slipstream.runtime.shm import ShmArena
 from slipstream.runtime.spans import SpanRecorder, span_path
 from slipstream.runtime.transport import (
@@ -247,7 +247,10 @@ def main(argv: list[str] | None = None) -> int:
                 log.exception("on_stop_failed")
             actor.spans.close()
         # Peak resident memory: what a co-located actor really costs its host (the drafter's budget).
-        log.info("stopped", handled=actor.handled, dropped=io.dropped, peak_rss_mb=round(peak_rss_mb(), 1))
+        gpu = {} if (mb := peak_gpu_mb()) is None else {"peak_gpu_mb": mb}
+        log.info(
+            "stopped", handled=actor.handled, dropped=io.dropped, peak_rss_mb=round(peak_rss_mb(), 1), **gpu
+        )
         return exit_code
     except Exception as e:  # anything before serving: the coordinator must hear why
         log.exception("start_failed")

@@ -68,6 +68,17 @@ def peak_rss_mb() -> float:
     return maxrss / (1 << 20) if sys.platform == "darwin" else maxrss / 1024  # bytes on macOS, KiB elsewhere
 
 
+def peak_gpu_mb() -> float | None:
+    """The most GPU memory this process's caching allocator held at once, MiB over its devices (CUDA graph
+    pools included; the CUDA context and memory mapped from another process's IPC handles not); None where
+    the process never touched CUDA. Never imports torch (reward workers run without it)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    devices = range(torch.cuda.device_count())
+    return round(sum(torch.cuda.max_memory_reserved(d) for d in devices) / 2**20, 1)
+
+
 def keep_freed_memory() -> bool:
     """Keep freed heap memory for reuse (glibc: no mmap-backed chunks, trim only past 2 GiB free at the
     top), so a step's buffers reuse the last step's pages instead of faulting fresh ones in. The resident

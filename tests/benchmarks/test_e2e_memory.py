@@ -24,7 +24,7 @@ def write_log(run_dir: Path, name: str, events: list[dict]) -> None:
 def test_peaks_come_from_stopped_events_and_sum(tmp_path: Path) -> None:
     write_log(tmp_path, "learner-0", [
         {"role": "learner", "rank": 0, "event": "trained", "step": 0},
-        {"role": "learner", "rank": 0, "event": "stopped", "handled": 3, "peak_rss_mb": 3000.5},
+        {"role": "learner", "rank": 0, "event": "stopped", "handled": 3, "peak_rss_mb": 3000.5, "peak_gpu_mb": 812.0},
     ])  # fmt: skip
     # Restarted once after a clean stop: the higher peak counts. A line naming "stopped" elsewhere is no event.
     write_log(tmp_path, "rollout-1", [
@@ -38,6 +38,7 @@ def test_peaks_come_from_stopped_events_and_sum(tmp_path: Path) -> None:
     figures = e2e.run_figures({"steps": [STEP, STEP]}, 5.0, run_dir=tmp_path)
     assert figures.peak_rss_mb == {"learner:0": 3000.5, "rollout:1": 1200.0}
     assert figures.peak_rss_mb_total == 4200.5
+    assert figures.peak_gpu_mb == {"learner:0": 812.0}  # only an actor that used CUDA says
     assert e2e.run_figures({"steps": [STEP]}, 5.0).peak_rss_mb_total == 0.0  # no run directory: no figures
 
     cost = e2e.LearnerCost(

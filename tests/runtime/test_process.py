@@ -6,6 +6,7 @@ import resource
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -208,3 +209,25 @@ def test_memory_sampler_counts_the_tree_and_shared_pages_once(tmp_path: Path) ->
             child.wait()
     assert sampler.sample() < sampler.peak_mb  # the peak stays the peak
     assert process.MemorySampler(root_pid=children[0].pid).sample() == 0.0  # gone: nothing to read
+
+
+def test_peak_gpu_mb_is_none_without_cuda_and_sums_the_devices_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert process.peak_gpu_mb() is None  # torch is imported here, CUDA never initialised
+
+    class Cuda:  # a stand-in for torch.cuda on a two-GPU host: only what peak_gpu_mb reads
+        @staticmethod
+        def is_initialized() -> bool:
+            return True
+
+        @staticmethod
+        def device_count() -> int:
+            return 2
+
+        @staticmethod
+        def max_memory_reserved(device: int) -> int:
+            return (device + 1) << 20
+
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=Cuda))
+    assert process.peak_gpu_mb() == 3.0
