@@ -22,6 +22,7 @@ class Inbox:
         self._data: deque[Any] = deque()
         self._cond = threading.Condition()
         self.control_event = threading.Event()  # set while control is waiting: long steps poll it
+        self._woken = False  # a `wake` not yet seen by a `get`: kept, so one that comes first is not lost
 
     def put_control(self, item: Any) -> None:
         with self._cond:
@@ -40,8 +41,11 @@ class Inbox:
             return True
 
     def wake(self) -> None:
-        """Ends a `get` that is waiting, with nothing: another thread of the actor has work for `step`."""
+        """Ends a `get` that is waiting, or the next one, with nothing: another thread of the actor has work
+        for `step`. Remembered until a `get` sees it: a wake that came while the compute loop was in `step`
+        was lost, and the loop slept its idle wait (1 s) with an environment's answer ready to send."""
         with self._cond:
+            self._woken = True
             self._cond.notify_all()
 
     def has_room(self) -> bool:
@@ -50,8 +54,9 @@ class Inbox:
     def get(self, timeout: float | None) -> tuple[bool, Any] | None:
         """(is_control, item), control first; None if nothing arrived within `timeout` (0 = poll)."""
         with self._cond:
-            if not self._control and not self._data and timeout != 0:
+            if not self._control and not self._data and timeout != 0 and not self._woken:
                 self._cond.wait(timeout)
+            self._woken = False
             if self._control:
                 item = self._control.popleft()
                 if not self._control:

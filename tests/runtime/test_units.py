@@ -101,6 +101,19 @@ def test_inbox_wakes_a_blocked_reader() -> None:
     assert got == [(True, "wake")]
 
 
+def test_a_wake_before_the_wait_is_not_lost() -> None:
+    """An environment's answer handed over while the compute loop was in `step`: the loop's next wait
+    returns at once instead of sleeping its idle wait; the wake counts once."""
+    box = Inbox(capacity=1)
+    box.wake()
+    started = time.monotonic()
+    assert box.get(5.0) is None
+    assert time.monotonic() - started < 2.0  # not the 5 s wait: lost, the wake left it to run out
+    started = time.monotonic()
+    assert box.get(0.3) is None
+    assert time.monotonic() - started >= 0.25  # consumed: this one waits
+
+
 # -- actor dispatch ---------------------------------------------------------------------------------
 
 
