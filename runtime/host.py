@@ -24,6 +24,8 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,7 @@ from slipstream.runtime.actor import COORDINATOR, Actor
 from slipstream.runtime.codec import Codec, ProtocolError
 from slipstream.runtime.config import ConfigError, convert
 from slipstream.runtime.inbox import Inbox
-from slipstream.runtime.io_thread import ActorIO
+from slipstream.runtime.io_thread import ActorIO, PushOutbox
 from slipstream.runtime.process import keep_freed_memory, peak_gpu_mb, peak_rss_mb
 from slipstream.runtime.shm import ShmArena
 from slipstream.runtime.spans import SpanRecorder, span_path
@@ -118,12 +120,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs one actor process from its command line: handshake, build, serve; returns its exit code."""
     args = _parse(argv)
     _die_with_parent(args.parent_pid)
     # Every role allocates and frees large buffers per step (activations, weight pushes): reuse the pages.
     keep_freed_memory()
     cls = import_actor(args.actor)
-    name = actor_name(cls.role, args.rank)
     keys = CurveKeys.load(Path(args.curve_key)) if args.curve_key else None
     log = logs.configure(
         role=cls.role,
@@ -133,142 +135,216 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level,
         curve=keys,
     )
-    ctx = zmq.Context()
-    # With the run's key every socket is CURVE (a multi-node run); a refused peer is logged, nothing more.
-    refused = (lambda key: log.warning("peer_refused", client_key=key[:8])) if keys is not None else None
-    auth = start_authenticator(ctx, keys, refused) if keys is not None else None
-    control = make_socket(ctx, zmq.DEALER, identity=name, connect=args.control, curve=keys)
-    local = ipc_endpoint(args.run_dir, f"data-{cls.role}-{args.rank}", args.node)
-    data = make_socket(ctx, zmq.ROUTER, bind=local, curve=keys)
-    data_endpoint, local_endpoint = local, ""
-    if args.data_host:  # peers on other nodes reach it here; those on its own node at `local`
-        data.bind(f"tcp://{args.data_host}:{args.data_port or '*'}")
-        data_endpoint, local_endpoint = data.getsockopt(zmq.LAST_ENDPOINT).decode(), local
+    wire = _open_wire(args, cls.role, keys, log)
     codec = Codec()
-    io: ActorIO | None = None
-    arena: ShmArena | None = None
-    exit_code = 0
 
     def report_dead(reason: str, code: int) -> None:
         log.error("dead", reason=reason)
-        frames = codec.encode(Dead(role=cls.role, rank=args.rank, reason=reason, exit_code=code))
-        if io is not None and io.is_alive():
-            outbox.send(COORDINATOR, frames)
-        else:
-            control.send_multipart(frames)
+        wire.send(codec.encode(Dead(role=cls.role, rank=args.rank, reason=reason, exit_code=code)))
 
     try:
-        hello = Hello(
-            role=cls.role,
-            rank=args.rank,
-            pid=os.getpid(),
-            host=socket.gethostname(),
-            data_endpoint=data_endpoint,
-            protocol_version=PROTOCOL_VERSION,
-            clock_ns=time.monotonic_ns(),
-            local_endpoint=local_endpoint,
-        )
-        control.send_multipart(codec.encode(hello))
-        init = _await_init(control, codec, args.handshake_timeout, log)
-        init_recv_ns = time.monotonic_ns()
-        if init is None:
+        handshake = _handshake(wire, codec, cls.role, args, log)
+        if handshake is None:
             log.error("handshake_timeout", seconds=args.handshake_timeout)
             return 4
-        apply_threads(init.threads)
-        if os.environ.get("SLIPSTREAM_GPU_MEMORY"):  # placement.GPU_MEMORY_ENV; that module imports torch
-            from slipstream.runtime.placement import apply_gpu_memory
-
-            try:
-                apply_gpu_memory()  # before the actor allocates anything on its GPU
-            except (ValueError, RuntimeError) as e:
-                report_dead(f"gpu memory share: {e}", 2)
-                return 2
+        init, clock_offset_ns = handshake
+        if (refused := _apply_budget(init.threads)) is not None:
+            report_dead(refused, 2)
+            return 2
+        name = actor_name(cls.role, args.rank)
         try:
             config = convert(msgspec.msgpack.decode(init.config), cls.Config, where=f"{name} config")
         except (ConfigError, msgspec.DecodeError) as e:
             report_dead(f"bad config: {e}", 2)
             return 2
         log.info("config", config=msgspec.to_builtins(config))  # the resolved config, once
-        inbox = Inbox(capacity=256)
-        io = ActorIO(
-            ctx=ctx, name=name, control=control, data=data, inbox=inbox, log=log,
-            heartbeat_s=init.heartbeat_s, supervisor_timeout_s=max(10 * init.heartbeat_s, 5.0),
-            peers=init.peers, curve=keys,
-        )  # fmt: skip
-        outbox = io.outbox()
-        arena = ShmArena(
-            run_tag(args.run_dir, args.node), slot_bytes_max=SHM_SLOT_MAX, capacity_bytes=SHM_CAPACITY
-        )
-        actor = cls(
-            config,
-            rank=args.rank,
-            outbox=outbox,
-            inbox=inbox,
-            run_dir=args.run_dir,
-            peers=init.peers,
-            log=log,
-            local_codec=Codec(shm=arena),
-        )
+        actor = _build_actor(cls, config, args, init, wire, keys, log)
         if init.trace:
-            label = f"{cls.role}-{args.rank}"  # as its log file is named
-            actor.spans = SpanRecorder(
-                span_path(Path(args.run_dir), label), actor=label, role=cls.role, rank=args.rank
-            )
-            # Same host (ipc://): one CLOCK_MONOTONIC, offset 0 exactly; an estimate would only add the
-            # asymmetry of the two legs' delays (docs/benchmarks.md). Across hosts, NTP-style:
-            # ((t1 - t0) + (t2 - t3)) / 2, the supervisor's clock minus ours.
-            if init.sent_ns and args.control.startswith("tcp://"):
-                actor.spans.set_clock_offset(
-                    ((init.hello_recv_ns - hello.clock_ns) + (init.sent_ns - init_recv_ns)) // 2
-                )
-        io.progress = actor
-        io.start()
-        signal.signal(signal.SIGTERM, lambda *_: inbox.put_control((COORDINATOR, Shutdown(reason="SIGTERM"))))
-        try:
-            actor.on_start()
-        except Exception as e:
-            log.exception("on_start_failed")
-            report_dead(f"on_start failed: {type(e).__name__}: {e}", 1)
-            return 1
-        actor.send(COORDINATOR, Ready(role=cls.role, rank=args.rank))
-        log.info("ready", pid=os.getpid(), data=data_endpoint, threads=init.threads, rss_mb=_rss_mb())
-        try:
-            actor.serve()
-        except Exception as e:  # Fatal, or a bug in the loop itself
-            log.exception("serve_failed")
-            # Out of device memory is an event with a recovery (a smaller batch cap), not a bug: its own
-            # code. By name: this module never imports torch (reward workers run without it).
-            exit_code = EXIT_OUT_OF_MEMORY if type(e).__name__ == "OutOfMemoryError" else 1
-            report_dead(f"{type(e).__name__}: {e}", exit_code)
-        finally:
-            try:
-                actor.on_stop()
-            except Exception:
-                log.exception("on_stop_failed")
-            actor.spans.close()
-        # Peak resident memory: what a co-located actor really costs its host (the drafter's budget).
-        gpu = {} if (mb := peak_gpu_mb()) is None else {"peak_gpu_mb": mb}
-        log.info(
-            "stopped", handled=actor.handled, dropped=io.dropped, peak_rss_mb=round(peak_rss_mb(), 1), **gpu
-        )
-        return exit_code
+            _record_spans(actor, args, clock_offset_ns)
+        return _serve(actor, wire, init.threads, report_dead, log)
     except Exception as e:  # anything before serving: the coordinator must hear why
         log.exception("start_failed")
         report_dead(f"start-up failed: {type(e).__name__}: {e}", 1)
         return 1
     finally:
-        if io is not None and io.is_alive():
-            outbox.close()
-            io.stop()  # closes the sockets it owns
-        else:
-            control.close(linger=500)
-            data.close(linger=0)
-        if arena is not None:
-            arena.close()
-        if auth is not None:
-            auth.stop()
+        wire.close()
         logs.close()
-        ctx.term()
+        wire.ctx.term()
+
+
+@dataclass
+class _Wire:
+    """The process's sockets, and the IO thread that takes them over once the actor is built."""
+
+    ctx: zmq.Context
+    control: zmq.Socket
+    data: zmq.Socket
+    data_endpoint: str  # what peers are told: tcp:// on a multi-node run
+    local_endpoint: str  # beside a tcp:// data endpoint, the ipc:// one for peers on this node
+    auth: Any = None
+    io: ActorIO | None = None
+    outbox: PushOutbox | None = None
+    arena: ShmArena | None = None
+
+    def send(self, frames: list[Any]) -> None:
+        """Sends to the coordinator: through the IO thread while it runs (it owns the socket), else directly."""
+        if self.io is not None and self.io.is_alive() and self.outbox is not None:
+            self.outbox.send(COORDINATOR, frames)
+        else:
+            self.control.send_multipart(frames)
+
+    def close(self) -> None:
+        """Stops the IO thread (which closes the sockets it owns) or closes them here; then the arena and auth."""
+        if self.io is not None and self.io.is_alive():
+            if self.outbox is not None:
+                self.outbox.close()
+            self.io.stop()
+        else:
+            self.control.close(linger=500)
+            self.data.close(linger=0)
+        if self.arena is not None:
+            self.arena.close()
+        if self.auth is not None:
+            self.auth.stop()
+
+
+def _open_wire(args: argparse.Namespace, role: str, keys: CurveKeys | None, log: Any) -> _Wire:
+    """Connects the control DEALER and binds the data ROUTER (ipc://, and tcp:// with --data-host)."""
+    ctx = zmq.Context()
+    # With the run's key every socket is CURVE (a multi-node run); a refused peer is logged, nothing more.
+    refused = (lambda key: log.warning("peer_refused", client_key=key[:8])) if keys is not None else None
+    auth = start_authenticator(ctx, keys, refused) if keys is not None else None
+    name = actor_name(role, args.rank)
+    control = make_socket(ctx, zmq.DEALER, identity=name, connect=args.control, curve=keys)
+    local = ipc_endpoint(args.run_dir, f"data-{role}-{args.rank}", args.node)
+    data = make_socket(ctx, zmq.ROUTER, bind=local, curve=keys)
+    data_endpoint, local_endpoint = local, ""
+    if args.data_host:  # peers on other nodes reach it here; those on its own node at `local`
+        data.bind(f"tcp://{args.data_host}:{args.data_port or '*'}")
+        data_endpoint, local_endpoint = data.getsockopt(zmq.LAST_ENDPOINT).decode(), local
+    return _Wire(ctx, control, data, data_endpoint, local_endpoint, auth=auth)
+
+
+def _handshake(
+    wire: _Wire, codec: Codec, role: str, args: argparse.Namespace, log: Any
+) -> tuple[Init, int | None] | None:
+    """Sends Hello and waits for Init: Init and the supervisor's clock minus ours (None: not estimated)."""
+    hello = Hello(
+        role=role,
+        rank=args.rank,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        data_endpoint=wire.data_endpoint,
+        protocol_version=PROTOCOL_VERSION,
+        clock_ns=time.monotonic_ns(),
+        local_endpoint=wire.local_endpoint,
+    )
+    wire.control.send_multipart(codec.encode(hello))
+    init = _await_init(wire.control, codec, args.handshake_timeout, log)
+    init_recv_ns = time.monotonic_ns()
+    if init is None:
+        return None
+    # Same host (ipc://): one CLOCK_MONOTONIC, offset 0 exactly; an estimate would only add the
+    # asymmetry of the two legs' delays (docs/benchmarks.md). Across hosts, NTP-style:
+    # ((t1 - t0) + (t2 - t3)) / 2, the supervisor's clock minus ours.
+    offset = None
+    if init.sent_ns and args.control.startswith("tcp://"):
+        offset = ((init.hello_recv_ns - hello.clock_ns) + (init.sent_ns - init_recv_ns)) // 2
+    return init, offset
+
+
+def _apply_budget(threads: int) -> str | None:
+    """Applies the thread budget and any GPU memory share: why that failed, or None."""
+    apply_threads(threads)
+    if os.environ.get("SLIPSTREAM_GPU_MEMORY"):  # placement.GPU_MEMORY_ENV; that module imports torch
+        from slipstream.runtime.placement import apply_gpu_memory
+
+        try:
+            apply_gpu_memory()  # before the actor allocates anything on its GPU
+        except (ValueError, RuntimeError) as e:
+            return f"gpu memory share: {e}"
+    return None
+
+
+def _build_actor(
+    cls: type[Actor],
+    config: Any,
+    args: argparse.Namespace,
+    init: Init,
+    wire: _Wire,
+    keys: CurveKeys | None,
+    log: Any,
+) -> Actor:
+    """Builds the IO thread (not yet started), the shared-memory lane, and the actor on them."""
+    inbox = Inbox(capacity=256)
+    wire.io = ActorIO(
+        ctx=wire.ctx, name=actor_name(cls.role, args.rank), control=wire.control, data=wire.data,
+        inbox=inbox, log=log, heartbeat_s=init.heartbeat_s,
+        supervisor_timeout_s=max(10 * init.heartbeat_s, 5.0), peers=init.peers, curve=keys,
+    )  # fmt: skip
+    wire.outbox = wire.io.outbox()
+    wire.arena = ShmArena(
+        run_tag(args.run_dir, args.node), slot_bytes_max=SHM_SLOT_MAX, capacity_bytes=SHM_CAPACITY
+    )
+    return cls(
+        config,
+        rank=args.rank,
+        outbox=wire.outbox,
+        inbox=inbox,
+        run_dir=args.run_dir,
+        peers=init.peers,
+        log=log,
+        local_codec=Codec(shm=wire.arena),
+    )
+
+
+def _record_spans(actor: Actor, args: argparse.Namespace, clock_offset_ns: int | None) -> None:
+    """Gives the actor a span recorder beside its log, on the supervisor's clock where that is known."""
+    label = f"{actor.role}-{args.rank}"  # as its log file is named
+    actor.spans = SpanRecorder(
+        span_path(Path(args.run_dir), label), actor=label, role=actor.role, rank=args.rank
+    )
+    if clock_offset_ns is not None:
+        actor.spans.set_clock_offset(clock_offset_ns)
+
+
+def _serve(actor: Actor, wire: _Wire, threads: int, report_dead: Callable[[str, int], None], log: Any) -> int:
+    """Starts the IO thread, runs on_start, says Ready, serves until shut down, then stops: the exit code."""
+    assert wire.io is not None  # _build_actor made it
+    wire.io.progress = actor
+    wire.io.start()
+    signal.signal(
+        signal.SIGTERM, lambda *_: actor.inbox.put_control((COORDINATOR, Shutdown(reason="SIGTERM")))
+    )
+    try:
+        actor.on_start()
+    except Exception as e:
+        log.exception("on_start_failed")
+        report_dead(f"on_start failed: {type(e).__name__}: {e}", 1)
+        return 1
+    actor.send(COORDINATOR, Ready(role=actor.role, rank=actor.rank))
+    log.info("ready", pid=os.getpid(), data=wire.data_endpoint, threads=threads, rss_mb=_rss_mb())
+    exit_code = 0
+    try:
+        actor.serve()
+    except Exception as e:  # Fatal, or a bug in the loop itself
+        log.exception("serve_failed")
+        # Out of device memory is an event with a recovery (a smaller batch cap), not a bug: its own
+        # code. By name: this module never imports torch (reward workers run without it).
+        exit_code = EXIT_OUT_OF_MEMORY if type(e).__name__ == "OutOfMemoryError" else 1
+        report_dead(f"{type(e).__name__}: {e}", exit_code)
+    finally:
+        try:
+            actor.on_stop()
+        except Exception:
+            log.exception("on_stop_failed")
+        actor.spans.close()
+    # Peak resident memory: what a co-located actor really costs its host (the drafter's budget).
+    gpu = {} if (mb := peak_gpu_mb()) is None else {"peak_gpu_mb": mb}
+    log.info(
+        "stopped", handled=actor.handled, dropped=wire.io.dropped, peak_rss_mb=round(peak_rss_mb(), 1), **gpu
+    )
+    return exit_code
 
 
 def _await_init(control: zmq.Socket, codec: Codec, timeout_s: float, log: Any) -> Init | None:
