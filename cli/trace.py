@@ -19,6 +19,7 @@ import argparse
 import heapq
 import json
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,121 +66,126 @@ def _lanes(spans: list[Span]) -> list[int]:
 
 def chrome_trace(spans: list[Span]) -> dict[str, Any]:
     """The trace event JSON object (`traceEvents` plus `displayTimeUnit`) for `spans`."""
-    events: list[dict[str, Any]] = []
     if not spans:
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
-    t0 = min(s.start_ns for s in spans)
-
-    def us(ns: int) -> float:
-        return round((ns - t0) / 1e3, 3)
-
-    actors = sorted(
-        {(s.role, s.rank, s.actor) for s in spans}, key=lambda k: (_ROLE_ORDER.get(k[0], 9), k[1] or 0)
-    )
-    pid_of = {actor: i + 1 for i, (_, _, actor) in enumerate(actors)}
-    for (_, _, actor), pid in zip(actors, pid_of.values(), strict=True):
-        events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": actor}})
-        events.append(
-            {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}}
-        )
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "work"}})
-
+        return {"traceEvents": [], "displayTimeUnit": "ms"}
+    trace = _Trace(t0=min(s.start_ns for s in spans))
+    pid_of = trace.add_processes(spans)
     by_actor: dict[str, list[Span]] = defaultdict(list)
     for s in spans:
         by_actor[s.actor].append(s)
-    devices: dict[str, int] = {}
-    pushes: dict[int, tuple[int, Span]] = {}  # version -> (pid, push span)
-    applies: list[tuple[int, int, Span]] = []  # (pid, tid, apply span)
     for actor, mine in by_actor.items():
-        pid = pid_of[actor]
-        tid_of_sample: dict[int, int] = {}  # id(span) -> its lane, for the kinds in _PACKED
-        for kind, label in _PACKED.items():
-            packed = [s for s in mine if s.name == kind]
-            first = len(set(tid_of_sample.values())) + 1  # after the lanes of the kinds before it
-            lanes = _lanes(packed)
-            tid_of_sample.update({id(s): first + lane for s, lane in zip(packed, lanes, strict=True)})
-            for lane in sorted(set(lanes)):
-                events.append(
-                    {
-                        "ph": "M",
-                        "name": "thread_name",
-                        "pid": pid,
-                        "tid": first + lane,
-                        "args": {"name": f"{label} {lane + 1}"},
-                    }
-                )
+        trace.add_actor(pid_of[actor], mine)
+    trace.add_devices()
+    trace.add_weight_flows()
+    return {"traceEvents": trace.events, "displayTimeUnit": "ms"}
+
+
+def _meta(pid: int, tid: int, name: str, args: dict[str, Any]) -> dict[str, Any]:
+    """A metadata event: a process's or a lane's name, or a process's sort index."""
+    return {"ph": "M", "name": name, "pid": pid, "tid": tid, "args": args}
+
+
+@dataclass
+class _Trace:
+    """The events of one trace as they are built, and what later parts need from earlier ones."""
+
+    t0: int  # the first span's start: time zero
+    events: list[dict[str, Any]] = field(default_factory=list)
+    devices: dict[str, int] = field(default_factory=dict)  # device -> its index on the devices track
+    pushes: dict[int, tuple[int, Span]] = field(default_factory=dict)  # version -> (pid, push span)
+    applies: list[tuple[int, int, Span]] = field(default_factory=list)  # (pid, tid, apply span)
+
+    def us(self, ns: int) -> float:
+        """Microseconds since the first span."""
+        return round((ns - self.t0) / 1e3, 3)
+
+    def add_processes(self, spans: list[Span]) -> dict[str, int]:
+        """Names a process track per actor, ordered by role then rank: each actor's pid."""
+        actors = sorted(
+            {(s.role, s.rank, s.actor) for s in spans}, key=lambda k: (_ROLE_ORDER.get(k[0], 9), k[1] or 0)
+        )
+        pid_of = {actor: i + 1 for i, (_, _, actor) in enumerate(actors)}
+        for (_, _, actor), pid in zip(actors, pid_of.values(), strict=True):
+            self.events.append(_meta(pid, 0, "process_name", {"name": actor}))
+            self.events.append(_meta(pid, 0, "process_sort_index", {"sort_index": pid}))
+            self.events.append(_meta(pid, 0, "thread_name", {"name": "work"}))
+        return pid_of
+
+    def add_actor(self, pid: int, mine: list[Span]) -> None:
+        """One actor's spans on its lanes, its device windows on the devices track; notes pushes and applies."""
+        tid_of_span = self._pack(pid, mine)
         for s in mine:
             if s.name in ("device_idle", "lease") and s.args.get("device"):
                 device = str(s.args["device"])
-                devices.setdefault(device, len(devices))
-                tid = 2 * devices[device] + (0 if s.name == "device_idle" else 1)
-                events.append(_event(s, _DEVICES_PID, tid, us))
+                self.devices.setdefault(device, len(self.devices))
+                tid = 2 * self.devices[device] + (0 if s.name == "device_idle" else 1)
+                self.events.append(_event(s, _DEVICES_PID, tid, self.us))
                 if s.name == "device_idle":
                     continue  # the coordinator's own track needs no copy of the device windows
-            tid = tid_of_sample.get(id(s), 0)
-            events.append(_event(s, pid, tid, us))
+            tid = tid_of_span.get(id(s), 0)
+            self.events.append(_event(s, pid, tid, self.us))
             if s.name == "push" and "version" in s.args:
-                pushes[int(s.args["version"])] = (pid, s)
+                self.pushes[int(s.args["version"])] = (pid, s)
             elif s.name == "apply_weights" and "version" in s.args:
-                applies.append((pid, tid, s))
-    if devices:
-        events.append(
-            {"ph": "M", "name": "process_name", "pid": _DEVICES_PID, "tid": 0, "args": {"name": "devices"}}
-        )
-        events.append(
-            {
-                "ph": "M",
-                "name": "process_sort_index",
-                "pid": _DEVICES_PID,
-                "tid": 0,
-                "args": {"sort_index": 0},
-            }
-        )
-        for device, i in devices.items():
+                self.applies.append((pid, tid, s))
+
+    def _pack(self, pid: int, mine: list[Span]) -> dict[int, int]:
+        """Names the lanes of the kinds in _PACKED after lane 0, kind after kind: id(span) -> its lane."""
+        tid_of_span: dict[int, int] = {}
+        for kind, label in _PACKED.items():
+            packed = [s for s in mine if s.name == kind]
+            first = len(set(tid_of_span.values())) + 1  # after the lanes of the kinds before it
+            lanes = _lanes(packed)
+            tid_of_span.update({id(s): first + lane for s, lane in zip(packed, lanes, strict=True)})
+            for lane in sorted(set(lanes)):
+                self.events.append(_meta(pid, first + lane, "thread_name", {"name": f"{label} {lane + 1}"}))
+        return tid_of_span
+
+    def add_devices(self) -> None:
+        """Names the devices track and its two lanes per device (idle, leased), where any device was seen."""
+        if not self.devices:
+            return
+        self.events.append(_meta(_DEVICES_PID, 0, "process_name", {"name": "devices"}))
+        self.events.append(_meta(_DEVICES_PID, 0, "process_sort_index", {"sort_index": 0}))
+        for device, i in self.devices.items():
             for tid, what in ((2 * i, "idle"), (2 * i + 1, "leased to a drafter")):
-                events.append(
-                    {
-                        "ph": "M",
-                        "name": "thread_name",
-                        "pid": _DEVICES_PID,
-                        "tid": tid,
-                        "args": {"name": f"{device} {what}"},
-                    }
-                )
-    flow = 0
-    for pid, tid, apply in applies:
-        push = pushes.get(int(apply.args["version"]))
-        if push is None:
-            continue
-        flow += 1
-        ppid, pspan = push
-        name = f"weights v{apply.args['version']}"
-        events.append(
-            {
-                "ph": "s",
-                "id": flow,
-                "name": name,
-                "cat": "sync",
-                "pid": ppid,
-                "tid": 0,
-                "ts": us(pspan.start_ns),
-            }
-        )
-        # Ends inside the apply span ("bp": "e" binds it to the enclosing slice).
-        end = max(apply.start_ns, pspan.start_ns)
-        events.append(
-            {
-                "ph": "f",
-                "bp": "e",
-                "id": flow,
-                "name": name,
-                "cat": "sync",
-                "pid": pid,
-                "tid": tid,
-                "ts": us(end),
-            }
-        )
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+                self.events.append(_meta(_DEVICES_PID, tid, "thread_name", {"name": f"{device} {what}"}))
+
+    def add_weight_flows(self) -> None:
+        """A flow arrow from each push to every apply of the same version."""
+        flow = 0
+        for pid, tid, apply in self.applies:
+            push = self.pushes.get(int(apply.args["version"]))
+            if push is None:
+                continue
+            flow += 1
+            ppid, pspan = push
+            name = f"weights v{apply.args['version']}"
+            self.events.append(
+                {
+                    "ph": "s",
+                    "id": flow,
+                    "name": name,
+                    "cat": "sync",
+                    "pid": ppid,
+                    "tid": 0,
+                    "ts": self.us(pspan.start_ns),
+                }
+            )
+            # Ends inside the apply span ("bp": "e" binds it to the enclosing slice).
+            end = max(apply.start_ns, pspan.start_ns)
+            self.events.append(
+                {
+                    "ph": "f",
+                    "bp": "e",
+                    "id": flow,
+                    "name": name,
+                    "cat": "sync",
+                    "pid": pid,
+                    "tid": tid,
+                    "ts": self.us(end),
+                }
+            )
 
 
 def _event(s: Span, pid: int, tid: int, us: Any) -> dict[str, Any]:
