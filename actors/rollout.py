@@ -472,10 +472,7 @@ class RolloutActor(Actor):
             if generator.num_decoding == 0 and generator.num_prefilling == 0:
                 return False  # every live request waits for its environment: sleep until an answer comes
         clean = generator.num_decoding > 0 and generator.num_prefilling == 0
-        methods = self.methods  # after an environment's answer no EAGLE drafts (engine/episodes.py: why)
-        if self.episodes is not None and self.episodes.past_an_answer:
-            methods = methods - {"eagle", "hybrid"}
-        decision = self.tuner.choose(max(generator.num_decoding, 1), methods)
+        decision = self.tuner.choose(max(generator.num_decoding, 1), self.methods)
         if decision.arm != self._arm:
             arm = self.tuner.arm(decision.arm)
             self.generator.set_spec(None if arm.method == "off" else arm.spec(self.config.spec_mode))

@@ -121,14 +121,6 @@ class Episodes:
         """Episodes waiting for their environment (opening or answer): nothing to decode for them now."""
         return sum(ep.state != "decoding" for ep in self.live.values())
 
-    @property
-    def past_an_answer(self) -> bool:
-        """An episode decodes after an environment's answer. The EAGLE head is not fed the hidden states of
-        the answer's tokens (their prefill keeps only its last row's: feeding the rest, and truncating the
-        head's window where a turn's end drops tokens, is not built), so after an answer it would draft from
-        a fresh window without the conversation; the rollout offers n-gram drafts (or none) meanwhile."""
-        return any(ep.state == "decoding" and ep.turns > 0 for ep in self.live.values())
-
     def begin(self, request_id: str, params: SamplingParams, group_id: str | None, row_json: str) -> str:
         """A sample's episode, waiting for its opening; its episode id."""
         if request_id in self.live:

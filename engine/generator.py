@@ -38,7 +38,7 @@ from slipstream.engine.kv_cache import KVCache
 from slipstream.engine.model import Transformer
 from slipstream.engine.request import Completion, Request, StepOutput, run_requests
 from slipstream.engine.sampling import params_tensors, sample
-from slipstream.engine.scheduler import Running, Scheduler
+from slipstream.engine.scheduler import Running, Scheduler, keep_answer_states
 from slipstream.engine.speculator import SpecConfig, Speculator, verify_drafts
 from slipstream.engine.static_step import BATCH_BUCKETS, NODE_BUCKETS, PAGE_SIZE, StaticStep, StepRow
 from slipstream.engine.tree import tree_attention_mask
@@ -109,16 +109,10 @@ class Generator:
             page_size=PAGE_SIZE if static else 1,
             dummy_slot=static,
         )
-        self._static = (
-            StaticStep(
-                model,
-                self.cache,
-                max_batch=min(num_slots, BATCH_BUCKETS[-1]),
-                max_nodes=min(1 + max_draft, NODE_BUCKETS[-1]),
-            )
-            if static
-            else None
-        )
+        self._static: StaticStep | None = None
+        if static:
+            batch, nodes = min(num_slots, BATCH_BUCKETS[-1]), min(1 + max_draft, NODE_BUCKETS[-1])
+            self._static = StaticStep(model, self.cache, max_batch=batch, max_nodes=nodes)
         self.token_budget = token_budget
         self.eos_token_ids = frozenset(model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.return_hidden = return_hidden
@@ -267,6 +261,8 @@ class Generator:
         logits, hidden = self._forward(input_ids, layout)
         for seq, n in plan:
             seq.num_cached += n
+        if self.speculator.needs_hidden:
+            keep_answer_states(plan, hidden)
         if not sampled:
             return []
         device = logits.device
@@ -357,6 +353,8 @@ class Generator:
         logits, hidden = self._forward(input_ids, layout)
         for seq, n in plan:
             seq.num_cached += n
+        if self.speculator.needs_hidden:
+            keep_answer_states(plan, hidden, sum(sizes[: len(decodes)]))
         results = verify_drafts(logits, entries, self.speculator.config.mode)
         rows_hidden = self._logit_hidden(hidden, layout)
         outputs = []
@@ -565,7 +563,9 @@ class Generator:
         self._stats["committed"] += taken
         if self.speculator.drafters:
             state = seq.draft_state
-            self.speculator.observe(replace(state, hidden=hidden) if self.speculator.needs_hidden else state)
+            if self.speculator.needs_hidden:  # after an answer, its tokens' states too
+                state = replace(state, hidden=seq.take_answer_states(hidden))
+            self.speculator.observe(state)
         request_id = seq.request.request_id
         if reason == "stop" and seq.request.pause_on_stop:
             seq.parked = True  # a turn ended: its caller asks the environment (`resume` or `finish`)

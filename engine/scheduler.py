@@ -17,13 +17,14 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from slipstream.engine.drafters.base import DraftState
 from slipstream.engine.kv_cache import KVCache
 from slipstream.engine.request import Request
 
-__all__ = ["Running", "Scheduler", "group_key"]
+__all__ = ["Running", "Scheduler", "group_key", "keep_answer_states"]
 
 
 @dataclass(eq=False)
@@ -52,6 +53,18 @@ class Running:
     policy: list[bool] | None = None
     """Per token after the prompt: sampled by the policy (True) or appended by `unpark` (False); None while
     every one is the policy's (a single turn)."""
+    answer_states: list[Tensor] | None = None
+    """While an environment's answer prefills (`unpark`): its chunks' last-layer states, for the drafters
+    (`keep_answer_states`): EAGLE pairs each token with the state before it, the answer's tokens too."""
+
+    def take_answer_states(self, last: Tensor | None) -> Tensor | None:
+        """The states of the tokens committed since the drafters last saw this sequence: the answer's
+        prefill rows (their last is `last`, the row that sampled the new token) once it is done, else
+        `last`."""
+        if not self.answer_states:
+            return last
+        states, self.answer_states = torch.cat(self.answer_states), None
+        return states
 
     @property
     def num_generated(self) -> int:
@@ -212,6 +225,7 @@ class Scheduler:
         seq.logprobs.extend([0.0] * len(tokens))
         seq.policy.extend([False] * len(tokens))
         seq.parked = False
+        seq.answer_states = []
 
     def split(self) -> tuple[list[Running], list[Running]]:
         """Sequences with a pending token (in slot order) and sequences still prefilling (FIFO); parked ones
@@ -261,3 +275,13 @@ class Scheduler:
 def group_key(request: Request) -> Hashable:
     """Drafters share state per prompt group; a request without a group is its own."""
     return request.group_id if request.group_id is not None else ("request", request.request_id)
+
+
+def keep_answer_states(plan: Sequence[tuple[Running, int]], hidden: Tensor, first_row: int = 0) -> None:
+    """Keep the states of every chunk of `plan` that prefills an environment's answer (`unpark`): the pass's
+    rows from `first_row` on, in `plan` order, as `hidden` [rows, d] holds them."""
+    row = first_row
+    for seq, n in plan:
+        if seq.answer_states is not None:
+            seq.answer_states.append(hidden[row : row + n].clone())  # a clone: a view pins the whole pass
+        row += n

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from slipstream.engine.drafters import NGramDrafter
+from slipstream.engine.drafters.eagle import EagleDrafter
 from slipstream.engine.generator import Completion, Generator, Request
 from slipstream.engine.model import Transformer
 from slipstream.engine.sampling import SamplingParams
@@ -167,3 +168,40 @@ def test_misuse_is_refused_naming_the_request(model: Transformer) -> None:
     until(gen, "ep", 1 + len(OBSERVATION) + 1)
     with pytest.raises(ValueError, match=r"keep must lie in \[9, "):  # not into the observation
         gen.pause("ep", keep=5)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "fixed-shape"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_the_eagle_head_sees_the_answer_and_drafts_across_turns(
+    model: Transformer, static: bool, temperature: float
+) -> None:
+    """EAGLE across turns (issue 42): the answer's prefill states reach the head, so its window runs on
+    over the answer (no gap, no fresh window) and it drafts in the next turn; the tokens stay plain
+    decoding's. Without the answer's states the head saw a gap and restarted after it."""
+    from tests.engine.test_eagle_rounds import head_for
+
+    params = SamplingParams(temperature=temperature, seed=3, max_tokens=40)
+    want = two_turns(generator(model, static=static, spec=False), params, first=9).token_ids
+    drafter = EagleDrafter(head_for(model), model, num_slots=3, max_len=128, static=static)
+    gen = Generator(
+        model, num_slots=3, max_len=128, token_budget=64, eos_token_ids=(), static=static,
+        spec=SpecConfig(method="eagle", depth=3, mode="reproducible"), drafters={"eagle": drafter},
+    )  # fmt: skip
+    gen.add(Request(request_id="ep", prompt_ids=PROMPT, params=params))
+    until(gen, "ep", 9)
+    gen.pause("ep", keep=9)
+    window = drafter._requests.get("ep")
+    gen.resume("ep", OBSERVATION)
+    drafted = gen.stats["drafted"]
+    done = []
+    while gen.has_unfinished():
+        seq = gen.scheduler.running["ep"]
+        if window is None:  # speculation dropped tokens past the turn's end: the head starts over there
+            window = drafter._requests.get("ep")
+        else:
+            assert drafter._requests.get("ep") is window and window.start < len(PROMPT) + 9
+            assert window.start + window.num_features <= len(seq.tokens)
+        done += [o.completion for o in gen.step() if o.completion is not None]
+    assert done[0].token_ids == want
+    assert window is not None and window.start < len(PROMPT) + 9  # its window holds the answer
+    assert gen.stats["drafted"] > drafted  # it drafted after the answer
