@@ -380,17 +380,28 @@ def actor_specs(
     """Every process of the run, placed by runtime/placement.py (`lease_plan`: which drafter trains on which
     idle rollout device); `hosts` and `rendezvous` (the learner ranks' tcp:// meeting point at the head) for
     a run across nodes."""
-    devices = cfg.rollout.devices
     where = placement(cfg, hosts)
     rollouts, drafters = actor_names(cfg, baseline=baseline, hosts=hosts)[:2]
-    train_drafter = bool(drafters)
+    return [
+        *_rollout_specs(cfg, where, drafters, baseline=baseline),
+        *_drafter_specs(cfg, where, rollouts, drafters),
+        *_verifier_specs(cfg, where),
+        *_environment_specs(cfg, where, rollouts),
+        *_learner_specs(cfg, where, resume_from=resume_from, rendezvous=rendezvous),
+    ]
+
+
+def _rollout_specs(
+    cfg: TrainConfig, where: Placement, drafters: list[str], *, baseline: bool
+) -> list[ActorSpec]:
+    """A rollout per rollout slot: speculation off for --baseline, its hidden states to the drafters."""
+    devices = cfg.rollout.devices
     tuner = TunerConfig(buckets=cfg.rollout.tuner.buckets, arms=["off"]) if baseline else cfg.rollout.tuner
-    max_len = 1024 + episode_tokens(
-        cfg
-    )  # prompts of reasoning tasks are short; a longer one is refused, named
+    # Prompts of reasoning tasks are short; a longer one is refused, named.
+    max_len = 1024 + episode_tokens(cfg)
     environments = environment_names(cfg)
     dtype = rollout_dtype(cfg)
-    specs = [
+    return [
         ActorSpec.of(
             RolloutActor,
             rank=r,
@@ -402,7 +413,7 @@ def actor_specs(
                 max_len=max_len,
                 spec_mode=cfg.rollout.spec_mode,
                 tuner=msgspec.structs.replace(tuner, seed=cfg.seed + r),
-                drafter=cfg.drafter.init_from if train_drafter else "",
+                drafter=cfg.drafter.init_from if drafters else "",
                 hidden_to=drafters,
                 verify_applied_weights=cfg.rollout.verify_weights,
                 environments=environments,
@@ -416,34 +427,45 @@ def actor_specs(
         )
         for r, slot in enumerate(where.rollouts)
     ]
-    if train_drafter:
-        specs += [
-            ActorSpec.of(
-                DrafterActor,
-                rank=r,
-                config=DrafterActor.Config(
-                    model=cfg.model,
-                    device=slot.device,
-                    batch_tokens=cfg.drafter.batch_tokens,
-                    lr=cfg.drafter.lr,
-                    warmup_steps=cfg.drafter.warmup_steps,
-                    unroll_steps=cfg.drafter.unroll_steps,
-                    publish_to=rollouts,
-                    publish_every_steps=cfg.drafter.publish_every_steps,
-                    world_size=len(drafters),
-                    init_from=cfg.drafter.init_from,
-                    seed=cfg.seed,
-                    verify_applied_head=cfg.rollout.verify_weights,
-                ),
-                threads=slot.threads,
-                hang_s=cfg.faults.hang_s,
-                cpus=slot.cpus,
-                node=slot.node,
-                env=slot.env(),
-            )
-            for r, slot in enumerate(where.drafters)
-        ]
-    specs += [
+
+
+def _drafter_specs(
+    cfg: TrainConfig, where: Placement, rollouts: list[str], drafters: list[str]
+) -> list[ActorSpec]:
+    """A drafter per drafter slot, publishing its head to every rollout (none when `drafters` is empty)."""
+    if not drafters:
+        return []
+    return [
+        ActorSpec.of(
+            DrafterActor,
+            rank=r,
+            config=DrafterActor.Config(
+                model=cfg.model,
+                device=slot.device,
+                batch_tokens=cfg.drafter.batch_tokens,
+                lr=cfg.drafter.lr,
+                warmup_steps=cfg.drafter.warmup_steps,
+                unroll_steps=cfg.drafter.unroll_steps,
+                publish_to=rollouts,
+                publish_every_steps=cfg.drafter.publish_every_steps,
+                world_size=len(drafters),
+                init_from=cfg.drafter.init_from,
+                seed=cfg.seed,
+                verify_applied_head=cfg.rollout.verify_weights,
+            ),
+            threads=slot.threads,
+            hang_s=cfg.faults.hang_s,
+            cpus=slot.cpus,
+            node=slot.node,
+            env=slot.env(),
+        )
+        for r, slot in enumerate(where.drafters)
+    ]
+
+
+def _verifier_specs(cfg: TrainConfig, where: Placement) -> list[ActorSpec]:
+    """The verifier actors, each scoring with the run's reward, on the nodes placement gave them."""
+    return [
         ActorSpec.of(
             VerifierActor,
             rank=r,
@@ -461,8 +483,13 @@ def actor_specs(
         )
         for r in range(cfg.verifier.actors)
     ]
+
+
+def _environment_specs(cfg: TrainConfig, where: Placement, rollouts: list[str]) -> list[ActorSpec]:
+    """The environment actors of a multi-turn run: rollout r talks to actor r % environments, on its node."""
+    environments = environment_names(cfg)
     rollout_nodes = [slot.node for slot in where.rollouts]
-    specs += [
+    return [
         ActorSpec.of(
             EnvironmentActor,
             rank=e,
@@ -477,14 +504,20 @@ def actor_specs(
         )
         for e, node in enumerate(environment_nodes(len(environments), rollout_nodes))
     ]
-    specs += [
+
+
+def _learner_specs(
+    cfg: TrainConfig, where: Placement, *, resume_from: str, rendezvous: str
+) -> list[ActorSpec]:
+    """A learner rank per learner slot, pushing weights in the rollouts' dtype."""
+    return [
         ActorSpec.of(
             LearnerActor,
             rank=r,
             config=LearnerActor.Config(
                 model=cfg.model,
                 device=slot.device,
-                push_dtype=dtype,
+                push_dtype=rollout_dtype(cfg),
                 optim=cfg.learner.optim,
                 loss=cfg.learner.loss,
                 world_size=cfg.learner.ranks,
@@ -503,4 +536,3 @@ def actor_specs(
         )
         for r, slot in enumerate(where.learners)
     ]
-    return specs
