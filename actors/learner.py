@@ -91,6 +91,11 @@ class LearnerActor(Actor):
         # Weights on a GPU go to destinations on the same node as CUDA IPC refs (runtime/cuda_ipc.py):
         # no host copy; False: through host memory as on a CPU.
         push_ipc: bool = True
+        # `bench scale` only (benchmarks/scale.py): receive, check and hold each step's groups as a training
+        # learner does, then answer StepStats at once (no model, no optimizer, no push, no checkpoint), its
+        # `metrics` saying when every group was held ("held_at", time.monotonic()) and what (groups,
+        # samples, tokens). A CPU cannot train on the step sizes that bench streams through the head.
+        hold_only: bool = False
 
         def __post_init__(self) -> None:
             parse_device(self.device)
@@ -102,6 +107,11 @@ class LearnerActor(Actor):
         if self.rank >= cfg.world_size:
             raise ValueError(f"world_size: {cfg.world_size} ranks, but this is rank {self.rank}")
         torch.manual_seed(cfg.seed)
+        self.version = 0
+        self._groups: dict[int, list[ScoredGroup]] = {}  # step -> groups received
+        self._pending: TrainStep | None = None
+        if cfg.hold_only:
+            return  # no rank group, no model: what it skips is said at `hold_only`
         device = require_device(cfg.device)
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)  # NCCL binds each rank to the current device
@@ -125,13 +135,10 @@ class LearnerActor(Actor):
         self.trainer = PolicyTrainer(
             self.model, optim=cfg.optim, loss=cfg.loss, ref_model=ref, precision=cfg.precision
         )
-        self.version = 0
         if cfg.resume_from:
             self._load(cfg.resume_from)
         if cfg.warm_up:
             self.trainer.warm_up()  # step 0 then costs what every step does, and an OOM shows at start
-        self._groups: dict[int, list[ScoredGroup]] = {}  # step -> groups received
-        self._pending: TrainStep | None = None
         # name -> (version, tensor) as last pushed to a cross-host destination: the base of its next delta.
         # Memory: one model copy in the push dtype on the CPU (the cast copies a push makes anyway, kept),
         # held only once a push has had a tcp:// destination, so never in a one-host run.
@@ -179,6 +186,8 @@ class LearnerActor(Actor):
             return
         error = ""
         try:
+            if self.config.hold_only:
+                raise RuntimeError("a hold_only learner (bench scale) holds no policy to save")
             self._save(msg.path)
         except (OSError, RuntimeError) as exc:  # a full disk reaches torch.save as a RuntimeError
             # Said, not only logged: the coordinator waits for this answer and ends the run with it.
@@ -195,8 +204,10 @@ class LearnerActor(Actor):
         if self.rank != 0:
             self.log.warning("push_ignored", version=msg.version, why="only rank 0 pushes")
             return
-        if msg.version != self.version:
+        if msg.version != self.version or self.config.hold_only:
             error = f"asked to push v{msg.version}, the learner holds v{self.version}"
+            if self.config.hold_only:
+                error = "a hold_only learner (bench scale) holds no weights to push"
             self.log.error("push_refused", error=error)
             self.send(
                 COORDINATOR,
@@ -212,6 +223,9 @@ class LearnerActor(Actor):
             return False
         self._pending = None
         groups = sorted(self._groups.pop(msg.step, []), key=lambda g: g.group_id)
+        if self.config.hold_only:
+            self._report_held(msg, groups)
+            return True
         started = time.perf_counter()
         samples, counts = policy_samples(groups, self.config.loss)
         # Alone, a step without groups trains nothing. With peers, a rank dealt nothing still steps: the
@@ -257,6 +271,25 @@ class LearnerActor(Actor):
             **memory_now(),
         )
         return True
+
+    def _report_held(self, msg: TrainStep, groups: list[ScoredGroup]) -> None:
+        """`hold_only`: every group of the step is held; says when, and what, in place of training on it."""
+        held_at = time.monotonic()
+        self.version = msg.version
+        samples = sum(len(g.rewards) for g in groups)
+        tokens = sum(t.numel() for g in groups for t in g.response_ids)
+        invalid = sum(r is None for g in groups for r in g.rewards)
+        self.send(
+            COORDINATOR,
+            StepStats(
+                step=msg.step, version=msg.version, loss=0.0, grad_norm=0.0, tokens=tokens, elapsed_s=0.0,
+                metrics={"held_at": held_at, "groups": float(len(groups)), "samples": float(samples),
+                         "invalid_samples": float(invalid)},
+            ),
+        )  # fmt: skip
+        self.log.info(
+            "held", step=msg.step, groups=len(groups), samples=samples, tokens=tokens, **memory_now()
+        )
 
     def push(
         self,

@@ -8,6 +8,7 @@
     slipstream bench sync [--dtype bfloat16] --json             # a cross-host push: full vs XOR delta
     slipstream bench gpu --json [--quick] [--shapes S]          # the GPU runbook (docs/gpu.md)
     slipstream bench reward --json                              # rewards/s: per completion vs batched; judge
+    slipstream bench scale [--fractions 1/8,1] --json           # a users'-size step through the head's paths
 
 Only this module parses a bench's command line (`slipstream bench NAME --help` lists NAME's flags); it
 calls the typed `run` of benchmarks/NAME.py. Each bench prints one JSON object with --json (fields:
@@ -236,6 +237,24 @@ def _reward(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scale(args: argparse.Namespace) -> int:
+    from slipstream.benchmarks import scale
+
+    result = scale.run(
+        prompts=args.prompts,
+        samples=args.samples,
+        tokens=args.tokens,
+        fractions=scale.parse_fractions(args.fractions),
+        steps=args.steps,
+        rollouts=args.rollouts,
+        verifier_workers=args.verifier_workers,
+        step_timeout_s=args.step_timeout,
+        run_dir=args.run_dir,
+    )
+    _print(result, args.json, scale.render)
+    return 0 if all(r.complete or r.skipped for r in result.rows) else 1
+
+
 def _gpu(args: argparse.Namespace) -> int:
     import msgspec
 
@@ -273,6 +292,7 @@ BENCHES = {
     "gpu": _gpu,
     "sync": _sync,
     "reward": _reward,
+    "scale": _scale,
 }
 
 
@@ -320,7 +340,7 @@ def add_parser(sub: Any) -> None:
     """The `bench` subcommand on `sub` (the `slipstream` command's subparsers), a subcommand per bench."""
     bench = sub.add_parser(
         "bench",
-        help="benchmarks printing JSON: transport, decode, rollout, e2e, soak, sync, gpu, reward",
+        help="benchmarks printing JSON: transport, decode, rollout, e2e, soak, sync, gpu, reward, scale",
         description="Benchmarks; each prints one JSON object with --json (fields: docs/benchmarks.md). "
         "`slipstream bench NAME --help` lists a bench's flags.",
     )
@@ -462,6 +482,27 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--judge-completions", type=int, default=32, help="completions the judge scores a round")
     p.add_argument("--judge-batch", type=int, default=16, help="completions per judge call (vs 1)")
     p.add_argument("--judge-threads", type=int, default=0, help="judge torch threads (0: its default)")
+
+    p = names.add_parser(
+        "scale",
+        help="a step of the size users run through the real coordinator, verifier and learner paths",
+        description="Streams steps of --prompts x --samples x --tokens (at each of --fractions of the prompts) "
+        "from stand-in rollout processes replaying recorded text through the real coordinator, verifier "
+        "and a learner that holds its groups without training: the coordinator's CPU seconds, bytes and "
+        "messages in and out per step, and the seconds from the last completion to the learner holding "
+        "every group (benchmarks/scale.py). Exit 1 if a group did not reach the learner or a step failed.",
+    )
+    _json(p, "ScaleResult")
+    p.add_argument("--prompts", type=int, default=512, help="prompts (GRPO groups) per step at fraction 1")
+    p.add_argument("--samples", type=int, default=16, help="responses per prompt (G)")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens of every response")
+    p.add_argument("--fractions", default="1/8,1/4,1/2,1", help="fractions of --prompts, one run each")
+    p.add_argument("--steps", type=int, default=2, help="steps per size; the row holds the last")
+    p.add_argument("--rollouts", type=int, default=2, help="stand-in rollout processes")
+    p.add_argument("--verifier-workers", type=int, default=1, help="reward worker processes")
+    p.add_argument("--step-timeout", type=float, default=600.0,
+                   help="seconds a step may take before its size is reported failed")  # fmt: skip
+    p.add_argument("--run-dir", type=Path, default=None, help="keep the runs here (default: a temp dir)")
 
     for name, p in names.choices.items():
         if name not in CONFIGURED:  # KEY=VALUE left over by the parser lands here, and is refused

@@ -54,7 +54,7 @@ from slipstream.runtime.cluster import RENDEZVOUS, Cluster, run_keys
 from slipstream.runtime.placement import Host
 from slipstream.runtime.sinks import open_sinks
 from slipstream.runtime.spans import SpanRecorder, span_path
-from slipstream.runtime.supervisor import Supervisor
+from slipstream.runtime.supervisor import ActorSpec, Supervisor
 from slipstream.runtime.turns import Turns
 from slipstream.tasks.datasets import Row, chat_prompt_ids
 
@@ -88,6 +88,12 @@ class StepWork:
 
 class Run:
     """See the module docstring. `open`, then the verbs, then `close` (in a `finally`)."""
+
+    # The supervisor's liveness: its heartbeat interval, and the beats an actor may miss before it is taken
+    # as dead (an actor takes a head silent for 10 intervals as gone). `bench scale` raises both: at the
+    # step sizes it streams, this loop stalls for seconds and every actor would be taken as dead.
+    heartbeat_s: float = 1.0
+    missed_beats: int = 3
 
     def __init__(
         self,
@@ -143,10 +149,9 @@ class Run:
         hands its weights to the fresh rollouts and drafters."""
         cfg, run_dir = self.cfg, self.run_dir
         hosts, key_file = await self._join(cluster, keys_dir, join_timeout_s)
-        self.specs = actor_specs(
-            cfg, run_dir, baseline=self.baseline, resume_from=str(self.state["checkpoint"]), hosts=hosts,
-            rendezvous=cluster.head_endpoint(RENDEZVOUS) if cluster.multi and cfg.learner.ranks > 1 else "",
-        )  # fmt: skip
+        self.specs = self.plan_actors(
+            hosts, cluster.head_endpoint(RENDEZVOUS) if cluster.multi and cfg.learner.ranks > 1 else ""
+        )
         self.rollouts, self.drafters, verifiers, learners = actor_names(
             cfg, baseline=self.baseline, hosts=hosts
         )
@@ -154,6 +159,7 @@ class Run:
         self.sup = Supervisor(
             run_dir, max_restarts=cfg.faults.max_restarts, restart_backoff_s=cfg.faults.restart_backoff_s,
             log=self.log, trace=cfg.trace, cluster=cluster, curve_key=key_file, remote=self.agents,
+            heartbeat_s=self.heartbeat_s, missed_beats=self.missed_beats,
         )  # fmt: skip
         await self.take_turn()
         await self.sup.start(self.specs)
@@ -170,6 +176,14 @@ class Run:
         if self.start > 0:  # the resumed learner hands its weights to the fresh rollouts first
             await self.coord.push_weights(self.start, to=self.rollouts, head_to=self.drafters)
             await self.coord.heads_applied(self.start, self.drafters)
+
+    def plan_actors(self, hosts: list[Host] | None, rendezvous: str) -> list[ActorSpec]:
+        """Every process of the run (rl/run_config.py `actor_specs`). `bench scale` overrides it: stand-in
+        rollouts and a learner that only holds its groups, in the run's places and under its names."""
+        return actor_specs(
+            self.cfg, self.run_dir, baseline=self.baseline, resume_from=str(self.state["checkpoint"]),
+            hosts=hosts, rendezvous=rendezvous,
+        )  # fmt: skip
 
     async def _join(
         self, cluster: Cluster, keys_dir: Path | None, join_timeout_s: float

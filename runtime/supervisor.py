@@ -140,6 +140,7 @@ class Supervisor:
         self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._codec = Codec()
         self.traffic = Traffic()  # what the receive loop decoded, by kind (runtime/traffic.py)
+        self.outbound = Traffic()  # what `send` handed to the control socket, by kind (bench scale reads it)
         self._procs: dict[str, _Proc] = {}
         self.inbox: asyncio.Queue[tuple[str, Message]] = asyncio.Queue(maxsize=inbox_size)
         self._backpressure = False  # the receive loop waits for inbox room (liveness is not judged then)
@@ -295,6 +296,7 @@ class Supervisor:
     async def send(self, name: str, msg: Message) -> None:
         """Sends a control message to actor `name`."""
         frames = self._codec.encode(msg)
+        self.outbound.add(msg.kind, sum(_nbytes(f) for f in frames))
         try:
             await self._router.send_multipart([name.encode(), *frames], copy=len(frames) <= 2)
         except zmq.ZMQError as e:  # EHOSTUNREACH from ROUTER_MANDATORY: not connected (any more)
@@ -597,3 +599,8 @@ async def _wait_all(procs: list[ProcessHandle], timeout: float) -> bool:
     for fut in not_done:
         fut.cancel()
     return not not_done
+
+
+def _nbytes(frame: Any) -> int:
+    """A frame's length in bytes: bytes, or a tensor's zero-copy buffer (any buffer-protocol object)."""
+    return memoryview(frame).nbytes

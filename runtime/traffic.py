@@ -1,9 +1,10 @@
-"""What a process's control socket received: messages and bytes by message kind.
+"""What a process's control socket received or sent: messages and bytes by message kind.
 
 The supervisor counts every frame its receive loop decodes (heartbeats and hand-shakes included, malformed
 ones not), so the coordinator can say how much crossed it per step (`Coordinator.begin` logs an `inbound`
 event a step): the figure behind moving bulk data off the head (issue 39). Counting costs a dict update
 a message; bytes are the frames' lengths after the sender's identity, as they arrived (compressed or not).
+A second counter holds what the supervisor sent (`Supervisor.outbound`, read by `bench scale`).
 """
 
 from __future__ import annotations
