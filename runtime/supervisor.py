@@ -6,13 +6,12 @@ peers) and must answer Ready within the handshake timeout, else every process is
 `SupervisorError` names the actor and why. A multi-node run (runtime/cluster.py) also listens on the
 head's TCP port, CURVE on every socket; the other nodes' actors start through `remote` (node agents).
 
-Death is a process exit (awaited: SIGKILL is seen at once), `missed_beats` silent heartbeat intervals, or,
-with a spec's `hang_s`, ticks that froze while the IO thread still beats (a hang, killed). The owner gets
-an `ActorDied` on `deaths` and decides: `await restart(name)` respawns the actor from its `ActorSpec`
-after a backoff (`restart_backoff_s * 2**(k-1)`, at most `MAX_BACKOFF_S`), at the same data endpoints, so
-peers reconnect by themselves; past `max_restarts`, `SupervisorError` quotes the death and its log's tail.
-Shutdown: Shutdown to everyone, a grace period, SIGTERM, SIGKILL. Also runs the live event proxy
-(actors' log PUBs → XSUB → XPUB, for `slipstream logs --follow`).
+Death is a process exit (SIGKILL is seen at once), `missed_beats` silent heartbeat intervals, or, with a
+spec's `hang_s`, ticks that froze while the IO thread still beats (killed). The owner gets an `ActorDied`
+on `deaths` and decides: `await restart(name)` respawns it after a backoff, at the same data endpoints
+(peers reconnect by themselves); past `max_restarts`, `SupervisorError` quotes its last log lines. Sends
+wait for a full peer, never drop (`send_waiting`). Shutdown: Shutdown, a grace period, SIGTERM, SIGKILL.
+Also runs the live event proxy (actors' log PUBs → XSUB → XPUB, for `slipstream logs --follow`).
 """
 
 from __future__ import annotations
@@ -44,11 +43,13 @@ from slipstream.runtime.shm import cleanup as cleanup_shm
 from slipstream.runtime.spec import ActorDied, ActorSpec
 from slipstream.runtime.traffic import Traffic
 from slipstream.runtime.transport import (
+    PEER_FULL,
     CurveKeys,
     actor_name,
     ipc_endpoint,
     make_socket,
     run_tag,
+    send_waiting,
     start_authenticator,
     watch_handshakes,
 )
@@ -106,10 +107,9 @@ class Supervisor:
         cluster: Cluster | None = None,
         remote: Launcher | None = None,
     ) -> None:
-        if max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
-        if restart_backoff_s < 0:
-            raise ValueError(f"restart_backoff_s must be >= 0, got {restart_backoff_s}")
+        for field_name, value in (("max_restarts", max_restarts), ("restart_backoff_s", restart_backoff_s)):
+            if value < 0:
+                raise ValueError(f"{field_name} must be >= 0, got {value}")
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.heartbeat_s, self.missed_beats = heartbeat_s, missed_beats
@@ -125,9 +125,7 @@ class Supervisor:
         if self.cluster.multi and remote is None:
             raise ValueError("a multi-node supervisor needs a launcher for the other nodes (remote=)")
         self.ctx = zmq.asyncio.Context()
-        self._auth = None
-        if self.curve is not None:
-            self._auth = start_authenticator(self.ctx, self.curve, self._refused)
+        self._auth = start_authenticator(self.ctx, self.curve, self._refused) if self.curve else None
         self.control_endpoint = ipc_endpoint(self.run_dir, "control")
         self.events_in = ipc_endpoint(self.run_dir, "events-in")
         self.events_out = ipc_endpoint(self.run_dir, "events")
@@ -151,6 +149,8 @@ class Supervisor:
         self._restarting: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
+        # Per actor: a send that waits for a full queue keeps the order of the sends after it.
+        self._send_locks: dict[str, asyncio.Lock] = {}
         events_tcp = f"tcp://{self.cluster.address}:{self.cluster.port(EVENTS)}" if self.cluster.multi else ""
         self._proxy = logs.EventProxy(self.events_in, self.events_out, tcp=events_tcp, curve=self.curve)
         (self.run_dir / "endpoints.json").write_bytes(
@@ -212,11 +212,8 @@ class Supervisor:
         return {*self.launcher.nodes, *(self.remote.nodes if self.remote is not None else ())}
 
     def _launcher_of(self, node: int) -> Launcher | None:
-        if node in self.launcher.nodes:
-            return self.launcher
-        if self.remote is not None and node in self.remote.nodes:
-            return self.remote
-        return None
+        remote = self.remote if self.remote is not None and node in self.remote.nodes else None
+        return self.launcher if node in self.launcher.nodes else remote
 
     def _refused(self, client_key: str) -> None:
         self._emit("peer_refused", client_key=client_key[:8], level="warning")
@@ -293,15 +290,20 @@ class Supervisor:
 
     # -- messaging ----------------------------------------------------------------------------------
 
-    async def send(self, name: str, msg: Message) -> None:
-        """Sends a control message to actor `name`."""
+    async def send(self, name: str, msg: Message, *, wait: bool = True) -> None:
+        """Sends a message to actor `name`. While its queue is full it waits (`send_waiting`; in call order
+        per actor), or, with `wait` False, skips it: heartbeats (an actor that full hears from the head
+        anyway; a heartbeat loop stuck behind one would starve the others). Failures are logged."""
+        lock = self._send_locks.setdefault(name, asyncio.Lock())
+        if not wait and lock.locked():
+            return
         frames = self._codec.encode(msg)
-        self.outbound.add(msg.kind, sum(_nbytes(f) for f in frames))
-        try:
-            await self._router.send_multipart([name.encode(), *frames], copy=len(frames) <= 2)
-        except zmq.ZMQError as e:  # EHOSTUNREACH from ROUTER_MANDATORY: not connected (any more)
-            if not self._closing:
-                self._emit("send_failed", actor=name, kind=msg.kind, error=str(e), level="warning")
+        self.outbound.add(msg.kind, sum(memoryview(f).nbytes for f in frames))  # bytes or tensor buffers
+        gone = lambda: not wait or self._closing or (p := self._procs.get(name)) is None or p.dead  # noqa: E731
+        async with lock:
+            error = await send_waiting(self._router, [name.encode(), *frames], gone, copy=len(frames) <= 2)
+        if error is not None and not self._closing and (wait or error != PEER_FULL):
+            self._emit("send_failed", actor=name, kind=msg.kind, error=error, level="warning")
 
     async def broadcast(self, msg: Message) -> None:
         for name, p in self._procs.items():
@@ -408,16 +410,14 @@ class Supervisor:
                     # interval late. Judged against hang_s alone, a hang deadline equal to the interval killed
                     # a ticking actor whose heartbeat came a little late (on a loaded CI host).
                     elif hang > 0 and now - p.moved_at > hang + self.heartbeat_s:
-                        reason = (
-                            f"hung: no progress for {now - p.moved_at:.1f}s (hang_s {hang:g}) while its "
-                            "heartbeats arrived"
-                        )
+                        still = f"{now - p.moved_at:.1f}s (hang_s {hang:g})"
+                        reason = f"hung: no progress for {still} while its heartbeats arrived"
                     if reason:
                         self._mark_dead(p, reason, None)
                         with contextlib.suppress(ProcessLookupError):
                             p.proc.kill()
                         continue
-                await self.send(name, beat)
+                await self.send(name, beat, wait=False)
             await asyncio.sleep(self.heartbeat_s)
 
     def _mark_dead(self, entry: _Proc, reason: str, code: int | None) -> None:
@@ -448,14 +448,12 @@ class Supervisor:
         return self._last_death.get(name)
 
     async def restart(self, name: str, *, config: msgspec.Struct | None = None) -> None:
-        """Respawns dead actor `name` from its spec and returns once it is Ready (and watched again).
-
-        The k-th restart waits `restart_backoff_s * 2**(k-1)` (at most MAX_BACKOFF_S) first. Raises
-        ValueError if `name` is unknown, alive or already restarting; SupervisorError if its restart
-        budget is spent (with its last words) or this restart fails (the process is then killed, the
-        actor stays dead, and the attempt counts). `config` replaces the actor's config from now on (a
-        learner restarted from the newest checkpoint); it is checked as at start.
-        """
+        """Respawns dead actor `name` from its spec and returns once it is Ready (and watched again). The
+        k-th restart waits `restart_backoff_s * 2**(k-1)` (at most MAX_BACKOFF_S) first. Raises ValueError
+        if `name` is unknown, alive or already restarting; SupervisorError if its restart budget is spent
+        (with its last words) or this restart fails (the process is then killed, the actor stays dead, and
+        the attempt counts). `config` replaces the actor's config from now on (a learner restarted from
+        the newest checkpoint); it is checked as at start."""
         old = self._procs.get(name)
         if old is None:
             raise ValueError(f"{name}: no such actor (known: {sorted(self._procs)})")
@@ -518,9 +516,8 @@ class Supervisor:
                 entry.proc.kill()
             await _wait_all([entry.proc], 5.0)
             entry.reason = reason
-            self._last_death[name] = ActorDied(
-                name, reason, entry.proc.returncode, time.monotonic() - entry.last_seen
-            )
+            after = time.monotonic() - entry.last_seen
+            self._last_death[name] = ActorDied(name, reason, entry.proc.returncode, after)
             self._emit("restart_failed", actor=name, attempt=attempt, error=why, level="error")
             if not isinstance(e, SupervisorError):
                 raise
@@ -599,8 +596,3 @@ async def _wait_all(procs: list[ProcessHandle], timeout: float) -> bool:
     for fut in not_done:
         fut.cancel()
     return not not_done
-
-
-def _nbytes(frame: Any) -> int:
-    """A frame's length in bytes: bytes, or a tensor's zero-copy buffer (any buffer-protocol object)."""
-    return memoryview(frame).nbytes
