@@ -79,7 +79,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Charts of a `slipstream train` run directory (docs/report.md): reward, response "
         "lengths, accept length and tuner arms per batch size, idle/reclaimed device time, step-time "
         "split, reward time and batch sizes per term, weight sync, log-prob mismatch, drafter loss and acceptance per draft position when "
-        "recorded, and one step's long tail from the rollout's spans. Exit 2 on a missing or empty "
+        "recorded, turns per sample and environment wait in a multi-turn run, and one step's long tail "
+        "from the rollout's spans. Exit 2 on a missing or empty "
         "metrics.jsonl.",
     )
     p.add_argument("run", type=Path, help="run directory (holds metrics.jsonl)")
@@ -256,14 +257,19 @@ def header_rows(data: RunData) -> list[tuple[str, str]]:
     return rows + turns_rows(data)
 
 
+def multi_turn(data: RunData) -> bool:
+    """The run played episodes: its config names an environment, or a step recorded turns."""
+    env = (data.config.get("environment") or {}).get("env")
+    return bool(env) or any(r.get("turns_max") for r in data.records)
+
+
 def turns_rows(data: RunData) -> list[tuple[str, str]]:
     """Multi-turn episodes (issue 42): turns per sample with the long tail in turns (samples by their turns,
     every step), and the environment wait: seconds a step summed over samples, its share of the samples' time
     in the rollout (their `sample` spans; traced runs), the most one sample waited. One row saying so for a
     single-turn run."""
     recs = data.records
-    env = (data.config.get("environment") or {}).get("env")
-    if not env and not any(r.get("turns_max") for r in recs):
+    if not multi_turn(data):
         return [("turns per sample", "single-turn run: no environment, no episodes")]
     counts: dict[int, int] = {}
     for r in recs:

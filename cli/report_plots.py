@@ -23,6 +23,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from slipstream.cli.report_tail import long_tail
+from slipstream.cli.report_turns import multi_turn, turns
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -43,6 +44,9 @@ class ChartSpec:
     title: str
     caption: str
     draw: Callable[[RunData], Figure | str]
+    # Whether the chart belongs to this run at all (None: every run). One that does not is left off the page,
+    # not listed as "not recorded": a single-turn run has no turns to record.
+    applies: Callable[[RunData], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ def draw_all(run: RunData) -> list[Chart]:
     """Every chart of `CHARTS` for `run`, in order."""
     charts = []
     for spec in CHARTS:
+        if spec.applies is not None and not spec.applies(run):
+            continue
         drawn = spec.draw(run)
         if isinstance(drawn, str):
             charts.append(Chart(spec.name, spec.title, spec.caption, missing=drawn))
@@ -467,6 +473,15 @@ CHARTS: tuple[ChartSpec, ...] = (
         "Response length in tokens of every sample of a step (boxes: quartiles, whiskers: 1.5 IQR); "
         "points coloured by correctness; the dashed line is max_tokens, where responses are cut off.",
         lengths,
+    ),
+    ChartSpec(
+        "turns",
+        "Turns per sample and environment wait",
+        "Multi-turn runs only. Top: policy turns per sample each step, mean and most, over the samples by "
+        "their turns (the long tail in turns). Bottom: the wait for the environment's answers, a sample's "
+        "mean and the most one sample waited, under the rollout's wall time.",
+        turns,
+        applies=multi_turn,
     ),
     ChartSpec(
         "speculation",

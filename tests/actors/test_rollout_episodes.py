@@ -7,6 +7,9 @@
   sample's environment wait (`Completion.env_wait_s`) is the longest.
 - An environment restart (EnvironmentUp with a new incarnation) replays lost episodes from their start:
   the same tokens, each sample completed once; a raising environment makes only its sample invalid.
+
+The acceptance versions of the second and third, through real processes (`train`, an environment actor):
+tests/cli/test_multiturn_processes.py.
 """
 
 from __future__ import annotations

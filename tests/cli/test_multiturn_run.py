@@ -6,8 +6,8 @@ restart it, its rollouts replay the lost episodes from their start, and every sa
 none invalid; the record holds each sample's policy mask (two runs of policy tokens, the environment's
 answer between them at log-prob 0), the opening as the prompt, two turns a sample, and the environment's
 reward where it gave one, else the verifier's on the transcript; each turn's environment wait in the
-step record (summed, most, turns by count), as `env_wait` spans, and in `report` and `trace` of the same
-run. A bad `environment:` section fails at start, naming the field.
+step record (summed, most, turns by count), as `env_wait` spans, and in `report` (its rows and turns
+chart) and `trace` of the same run. A bad `environment:` section fails at start, naming the field.
 """
 
 from __future__ import annotations
@@ -128,6 +128,7 @@ def test_environment_waits_and_turns_are_in_the_record_the_report_and_the_trace(
     assert " s a step (summed over samples), " in wait and "% of the samples' time in the rollout" in wait
     assert cli_main.main(["report", str(run_dir), "-o", str(run_dir / "report")]) == 0
     assert "<th>environment wait</th>" in (run_dir / "report" / report.HTML_NAME).read_text()
+    assert (run_dir / "report" / "turns.png").is_file()  # the turns chart, from the real record
 
     assert cli_main.main(["trace", str(run_dir), "-o", str(run_dir / "trace.json")]) == 0
     events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]

@@ -236,6 +236,40 @@ def test_turns_rows_of_a_multi_turn_run_and_of_one_from_before_the_wait_fields(t
     }
 
 
+def test_the_turns_chart_is_drawn_for_a_multi_turn_run_and_left_out_of_a_single_turn_one(
+    tmp_path: Path,
+) -> None:
+    single = report.build_report(make_run(tmp_path / "single"))
+    assert "turns" not in [c.name for c in single.charts]  # not even as "not recorded": nothing to record
+    assert not (single.html.parent / "turns.png").exists() and 'id="turns"' not in single.html.read_text()
+
+    run = make_run(tmp_path / "multi")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for rec, by_count in zip(records, ({"1": 5, "2": 3}, {"2": 6, "4": 2}, {"2": 7, "6": 1}), strict=True):
+        samples = sum(by_count.values())
+        turns = sum(int(k) * n for k, n in by_count.items())
+        rec.update(turns_mean=turns / samples, turns_max=max(map(int, by_count)), turns_by_count=by_count,
+                   env_wait_s=0.4 * turns, env_wait_max_s=0.5 * max(map(int, by_count)))  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, "environment": {"env": "pkg.envs:Env"}}))
+    result = report.build_report(run)
+    charts = {c.name: c for c in result.charts}
+    assert [c.name for c in result.charts] == [*ALL_CHARTS[:2], "turns", *ALL_CHARTS[2:]]
+    assert charts["turns"].missing is None and (run / "report" / "turns.png").read_bytes().startswith(
+        PNG_MAGIC
+    )
+    page = result.html.read_text()
+    assert 'id="turns"' in page and "turns.png" in _pngs_in(page)[0]
+    # A multi-turn run from before the turn fields: the chart is listed, and says what it lacks.
+    for rec in records:
+        for key in ("turns_mean", "turns_max", "turns_by_count", "env_wait_s", "env_wait_max_s"):
+            del rec[key]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    older = {c.name: c for c in report.build_report(run, tmp_path / "older").charts}
+    assert "no `turns_mean` field" in (older["turns"].missing or "")
+
+
 def test_a_baseline_run_has_no_speculation_chart(tmp_path: Path) -> None:
     run = make_run(tmp_path, baseline=True, spans=False)
     result = report.build_report(run)  # default output: RUN/report
