@@ -520,6 +520,9 @@ class RolloutActor(Actor):
             else:
                 self._finish(output.completion)
         for end in episodes.turn_ends(outputs) if episodes is not None else ():
+            if isinstance(end, Finished):  # its budget ran out before its turn ended
+                self._end_episode(end)
+                continue
             self.send(
                 self._env,
                 Turn(episode_id=end.episode_id, turn=end.turn, text=end.text, token_ids=end.token_ids),

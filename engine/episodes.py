@@ -155,10 +155,13 @@ class Episodes:
         self.generator.add(request)
         ep.state = "decoding"
 
-    def turn_ends(self, outputs: Sequence[StepOutput]) -> list[TurnEnd]:
+    def turn_ends(self, outputs: Sequence[StepOutput]) -> list[TurnEnd | Finished]:
         """The turns that ended in this iteration's `outputs`; each such request is paused at its turn's end
-        (tokens a speculative step emitted past it dropped)."""
-        ends = []
+        (tokens a speculative step emitted past it dropped). An episode whose budget ran out (`max_tokens`,
+        `max_len`) inside a turn that had not ended is finished (unscored by its environment, as
+        `finished`): where the turn's end came first, even in the same speculative step, the turn goes to
+        the environment, as in plain decoding."""
+        ends: list[TurnEnd | Finished] = []
         for out in outputs:
             ep = self.live.get(out.request_id)
             if ep is None or out.completion is not None or ep.state != "decoding":
@@ -171,6 +174,9 @@ class Episodes:
                 cuts.append(self.limits.max_turn_tokens)
             cut = min((c for c in cuts if c is not None), default=None)
             if cut is None and not out.paused:
+                continue
+            if cut is None and out.finish_reason == "length":
+                ends.append(self.finished(self.generator.finish(out.request_id, "length")))
                 continue
             if cut is not None and cut < len(turn):
                 self.generator.pause(out.request_id, keep=ep.turn_start + cut)

@@ -445,14 +445,12 @@ class Generator:
         return outputs
 
     def _count_positions(self, depth: int, accepted: int) -> None:
-        if depth > len(self._offered_at):
-            grow = depth - len(self._offered_at)
-            self._offered_at.extend([0] * grow)
-            self._accepted_at.extend([0] * grow)
+        grow = max(0, depth - len(self._offered_at))
+        self._offered_at.extend([0] * grow)
+        self._accepted_at.extend([0] * grow)
         for d in range(depth):
             self._offered_at[d] += 1
-        for d in range(min(accepted, depth)):
-            self._accepted_at[d] += 1
+            self._accepted_at[d] += d < accepted
 
     def capture_graphs(self, plans: Sequence[tuple[SpecConfig | None, int]]) -> int:
         """Capture now every fixed-shape step decoding under each plan (a speculation config or None, and
@@ -567,9 +565,12 @@ class Generator:
                 state = replace(state, hidden=seq.take_answer_states(hidden))
             self.speculator.observe(state)
         request_id = seq.request.request_id
-        if reason == "stop" and seq.request.pause_on_stop:
-            seq.parked = True  # a turn ended: its caller asks the environment (`resume` or `finish`)
-            return StepOutput(request_id=request_id, token_ids=tokens, logprobs=logprobs, paused=True)
+        if reason is not None and seq.request.pause_on_stop:
+            # A stop id, or the budget ran out: paused either way, so the caller cuts at the turn's own end
+            # (a stop sequence, its cap) where one came first, as plain decoding does, even in one step.
+            seq.parked = True
+            return StepOutput(request_id=request_id, token_ids=tokens, logprobs=logprobs, paused=True,
+                              finish_reason=reason)  # fmt: skip
         if reason is None:
             return StepOutput(request_id=request_id, token_ids=tokens, logprobs=logprobs)
         completion = self._complete(seq, reason)

@@ -31,8 +31,8 @@ class Request:
     group_id: str | None = None
     """GRPO group (siblings sampled from the same prompt); carried through to the completion."""
     pause_on_stop: bool = False
-    """A multi-turn episode's: a stop id ends the turn, not the request (it pauses, as `Generator.pause`
-    does: the environment answers, then `resume` or `finish`)."""
+    """A multi-turn episode's: a stop id ends the turn, not the request, and so does its budget (it pauses,
+    as `Generator.pause` does: the environment answers, then `resume` or `finish`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,7 +72,8 @@ class StepOutput:
     completion: Completion | None = None
     """Set when the request finished in this iteration."""
     paused: bool = False
-    """A `pause_on_stop` request's turn ended at a stop id (its last token): it is paused."""
+    """A `pause_on_stop` request stopped (`finish_reason`: "stop", a stop id, its last token; "length", its
+    max_tokens or max_len): it is paused, for its caller to end the turn or the request (`finish`)."""
 
 
 def run_requests(

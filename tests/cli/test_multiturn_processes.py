@@ -15,10 +15,10 @@ rollout processes, or the test environment edited): a turn's end that keeps what
 emitted past it (greedy), verification by rejection sampling instead of keyed (sampled), a rollout that
 decodes nothing while an episode waits, an environment whose slow reply blocks its loop.
 
-Found here, not fixed (actors/rollout.py belongs to another change): when one speculative step reaches a
-turn's cut and the request's max_tokens at once, the engine ends the sample at max_tokens and the rollout
-takes that completion whole (`Episodes.finished`), so the sample keeps tokens past the turn's cut that
-plain decoding never decodes, and its environment never sees the turn.
+Found here and fixed (2026-11-28): when one speculative step reached a turn's cut and the request's
+max_tokens at once, the engine ended the sample at max_tokens and the rollout took that completion whole,
+keeping tokens past the cut that plain decoding never decodes; the speculation test runs at the
+max_tokens (48) where that happened.
 """
 
 from __future__ import annotations
@@ -67,11 +67,11 @@ def spans_named(spans: list[Span], name: str) -> list[Span]:
 def test_speculation_on_and_off_give_the_same_tokens_across_turns(
     tiny_chat: Path, tmp_path: Path, temperature: float, top_k: int
 ) -> None:
-    # max_tokens 64: three 6-token turns and two answers (46 tokens) never reach it. At 48 the last turn's
-    # cut and max_tokens fall in one speculative step, and the engine ends the sample at 48 where plain
-    # decoding ends its turn at 46 (the bug in the module docstring).
+    # max_tokens 48: three 6-token turns and two answers take 46, so the last turn's cut and max_tokens can
+    # fall in one speculative step, which ended the sample at 48 where plain decoding ends its turn at 46
+    # (fixed 2026-11-28: docs/environments.md).
     cfg = config(
-        tiny_chat, steps=1, prompts_per_step=PROMPTS, group_size=GROUP, max_tokens=64, temperature=temperature,
+        tiny_chat, steps=1, prompts_per_step=PROMPTS, group_size=GROUP, max_tokens=48, temperature=temperature,
         top_k=top_k, checkpoint_every=0, checkpoint_hf=False, drafter={"enabled": False},
         # n-gram drafts or none, chosen often (hold 1, epsilon 0.5). One slot a rollout: a group's samples
         # decode one after another, and each drafts from its siblings' documents (the n-gram tables are

@@ -5,10 +5,10 @@ test as the environment: a tiny random model with SmolLM2's chat template, n-gra
 Two greedy samples of one group, one slot: the second decodes after the first and drafts its sibling's
 tokens, all accepted, 4 a step. Plain decoding ends its turn at `max_turn_tokens` (6), the environment
 ends the episode with its reward, and the sample holds 6 tokens. With speculation the step from 5 to 9
-tokens reaches the turn's cut and `max_tokens` (7) at once; the engine ends the request at 7 and the
-episode takes that completion whole: 7 tokens, no turn sent, no reward. Known bug (docs/environments.md):
-strict xfail, so the fix turns it into a failure that says to drop the mark. Found by
-tests/cli/test_multiturn_processes.py through real processes.
+tokens reaches the turn's cut and `max_tokens` (7) at once. The engine ended the request at 7 and the
+episode took that completion whole (7 tokens, no turn sent, no reward: found by
+tests/cli/test_multiturn_processes.py through real processes); now a `pause_on_stop` request whose budget
+runs out pauses, and `turn_ends` cuts at the turn's end first, as plain decoding does.
 """
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ def play(chat_model: Path, *, spec: bool) -> dict[str, Finished]:
             if out.completion is not None:  # what the rollout does: the engine ended it
                 done[out.request_id] = eps.finished(out.completion)
         for end in eps.turn_ends(outputs):
+            if isinstance(end, Finished):  # its budget ran out inside a turn
+                done[end.request_id] = end
+                continue
             finished = eps.answer(end.request_id, "result", "tool", True, 1.0)
             assert finished is not None
             done[end.request_id] = finished
@@ -66,9 +69,6 @@ def play(chat_model: Path, *, spec: bool) -> dict[str, Finished]:
     return done
 
 
-@pytest.mark.xfail(
-    strict=True, reason="known bug: max_tokens in the step that passes a turn's cut (issue 42)"
-)
 def test_a_speculative_step_past_a_turns_cut_and_max_tokens_ends_as_plain_decoding(chat_model: Path) -> None:
     plain, spec = play(chat_model, spec=False), play(chat_model, spec=True)
     assert [len(f.completion.token_ids) for f in plain.values() if f.completion] == [6, 6]
