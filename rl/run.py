@@ -15,6 +15,7 @@ Non-obvious choices:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
@@ -276,9 +277,10 @@ class Run:
         self._mark(work, "reward", tail)
         work.groups = self._groups(work)
         # Before the learner trains on them: a learner that dies once the rollouts hold this step's version
-        # is rebuilt from them (`recover_learners`).
+        # is rebuilt from them (`recover_learners`). In a thread: detokenising a users'-size step held the
+        # loop for seconds (`bench scale`'s loop_stall_max_s), with heartbeats and results waiting.
         path = self.run_dir / "samples" / f"step-{work.step}.jsonl"
-        run_dir_files.write_samples(path, work.groups, self.tokenizer)
+        await asyncio.to_thread(run_dir_files.write_samples, path, work.groups, self.tokenizer)
         if checkpoint_due(self.cfg, work.step, time.monotonic() - self.last_checkpoint):
             work.checkpoint = f"checkpoints/step-{work.step + 1}/{run_dir_files.CHECKPOINT_FILE}"
 
