@@ -187,13 +187,28 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `slipstream` command's parser: one subcommand each, in the order `--help` lists them."""
     p = argparse.ArgumentParser(
         prog="slipstream",
         description="GRPO for reasoning LLMs that turns the rollout long tail into drafter training "
         "and lossless speculative decoding.",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_train(sub)
+    _add_generate(sub)
+    _add_models(sub)
+    bench_cli.add_parser(sub)
+    _add_logs(sub)
+    trace_cli.add_parser(sub)
+    report_cli.add_parser(sub)
+    export_cli.add_parser(sub)
+    _add_drafter(sub)
+    _add_smoke(sub)
+    return p
 
+
+def _add_train(sub: Any) -> None:
+    """`slipstream train`: a config and its overrides, resume and baseline, and the flags of a run across nodes."""
     s = sub.add_parser(
         "train",
         help="GRPO training: the demo (deploy/configs/demo.yaml) or a config file, with key.sub=value overrides",
@@ -227,6 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--keys", type=Path, default=None, help="a directory with the run's run.key on every node "
                    "(default: node 0 makes one in RUN/keys)")  # fmt: skip
     g.add_argument("--join-timeout", type=float, default=300.0, help="seconds to wait for the other nodes")
+
+
+def _add_generate(sub: Any) -> None:
+    """`slipstream generate`: complete a JSONL of prompts with the engine."""
     s = sub.add_parser(
         "generate",
         help="complete a JSONL of prompts with the engine, speculation on or off",
@@ -235,14 +254,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _generate_arguments(s)
 
+
+def _add_models(sub: Any) -> None:
+    """`slipstream models pull|list`: the embedded models."""
     s = sub.add_parser("models", help="embedded models: pull (convert offline) and list")
     msub = s.add_subparsers(dest="action", required=True)
     pull = msub.add_parser("pull", help="convert a named model once, print its directory")
     pull.add_argument("name")
     msub.add_parser("list", help="known model names and where they live")
 
-    bench_cli.add_parser(sub)
 
+def _add_logs(sub: Any) -> None:
+    """`slipstream logs`: a run's logs merged by time, filtered, or followed live."""
     s = sub.add_parser("logs", help="print a run's logs, merged by time; --follow streams live events")
     s.add_argument("run", help="run directory")
     s.add_argument("--follow", "-f", action="store_true")
@@ -250,9 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--level", default=None)
     s.add_argument("--event", default=None)
 
-    trace_cli.add_parser(sub)
-    report_cli.add_parser(sub)
-    export_cli.add_parser(sub)
+
+def _add_drafter(sub: Any) -> None:
+    """`slipstream drafter warmup|export`: train a drafter offline, or export a run's."""
     s = sub.add_parser("drafter", help="train a drafter offline (warmup) or export a run's drafter")
     dsub = s.add_subparsers(dest="action", required=True)
     w = dsub.add_parser("warmup", help="train an EAGLE head on the model's own sampled outputs, export it")
@@ -300,12 +323,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", required=True)
     e.add_argument("--out", type=Path, required=True)
     e.add_argument("--server", choices=["vllm", "sglang"], default="vllm")
+
+
+def _add_smoke(sub: Any) -> None:
+    """`slipstream smoke`: the actor runtime with real processes and sockets."""
     s = sub.add_parser("smoke", help="smoke-test the actor runtime with real processes and sockets")
     s.add_argument("--sinks", type=int, default=2)
     s.add_argument("--messages", type=int, default=64, help="tensor messages per sink")
     s.add_argument("--run-dir", default=None)
     s.add_argument("--verbose", "-v", action="store_true", help="echo the coordinator's log to stderr")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
