@@ -247,115 +247,149 @@ async def run_agent(
     """Serves this node's part of a run until the head stops it (0) or is lost (1)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     cleanup_shm(run_tag(run_dir, cluster.node_rank))  # what a crashed earlier attempt on this node left
-    ctx = zmq.asyncio.Context()
-
-    def connect() -> tuple[zmq.asyncio.Socket, float]:
-        # The key as it is now: node 0 makes a new one for every start of a run, and a node that started
-        # first may have read the last attempt's (it reconnects when the file changes, until it has joined).
-        keys = CurveKeys.load(key_file) if key_file is not None else None
-        mtime = key_file.stat().st_mtime if key_file is not None else 0.0
-        identity = f"agent:{cluster.node_rank}"
-        return make_socket(
-            ctx, zmq.DEALER, identity=identity, connect=cluster.head_endpoint(AGENTS), curve=keys
-        ), mtime
-
-    sock, key_mtime = connect()
-    codec = Codec()
-    children: dict[str, asyncio.subprocess.Process] = {}
-    watchers: list[asyncio.Task[None]] = []
-    hello = AgentHello(
-        node=cluster.node_rank, host=socket.gethostname(), address=cluster.address, pid=os.getpid(),
-        cores=len(os.sched_getaffinity(0)), gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        protocol_version=PROTOCOL_VERSION,
-    )  # fmt: skip
-
-    async def send(msg: Message) -> None:
-        await sock.send_multipart(codec.encode(msg))
-
-    async def watch(name: str, proc: asyncio.subprocess.Process) -> None:
-        code = await proc.wait()
-        log.info("actor_exited", actor=name, pid=proc.pid, code=code)
-        with contextlib.suppress(zmq.ZMQError):
-            await send(Exited(name=name, pid=proc.pid, code=code))
-
-    async def start(msg: Launch) -> None:
-        launch = ActorLaunch(
-            name=msg.name, actor=msg.actor, rank=msg.rank, node=cluster.node_rank, run_dir=str(run_dir),
-            env=msg.env, cpus=msg.cpus, handshake_timeout_s=msg.handshake_timeout_s, data_port=msg.data_port,
-        )  # fmt: skip
-        cmd = actor_command(
-            launch, control=cluster.head_endpoint(CONTROL), events=cluster.head_endpoint(EVENTS),
-            curve_key=str(key_file or ""), data_host=cluster.address, parent_pid=os.getpid(),
-        )  # fmt: skip
-        try:
-            env = {**node_env(cluster.address), **msg.env}
-            proc = await spawn(cmd, env=env, cpus=[c for c in msg.cpus if c in os.sched_getaffinity(0)])
-        except OSError as e:
-            await send(Launched(name=msg.name, pid=0, error=str(e)))
-            return
-        children[msg.name] = proc
-        log.info("actor_started", actor=msg.name, pid=proc.pid)
-        watchers.append(asyncio.create_task(watch(msg.name, proc)))
-        await send(Launched(name=msg.name, pid=proc.pid))
-
-    async def stop_all(grace_s: float) -> None:
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            alive = [p for p in children.values() if p.returncode is None]
-            for p in alive:
-                with contextlib.suppress(ProcessLookupError):
-                    p.send_signal(sig)
-            if alive:
-                await asyncio.wait([asyncio.ensure_future(p.wait()) for p in alive], timeout=wait)
-
+    agent = _NodeAgent(cluster, run_dir, key_file=key_file, log=log)
     log.info(
         "agent_started", node=cluster.node_rank, head=cluster.head_endpoint(AGENTS), address=cluster.address
     )
     code = 1
     try:
+        code = await agent.serve(join_timeout_s=join_timeout_s, head_timeout_s=head_timeout_s)
+        return code
+    finally:
+        await agent.close(stopped=code == 0)
+
+
+class _NodeAgent:
+    """One node's agent: its socket to the head, and the actor processes it started for the head."""
+
+    def __init__(self, cluster: Cluster, run_dir: Path, *, key_file: Path | None, log: Any) -> None:
+        self.cluster, self.run_dir, self.key_file, self.log = cluster, run_dir, key_file, log
+        self.ctx = zmq.asyncio.Context()
+        self.sock, self.key_mtime = self._connect()
+        self.codec = Codec()
+        self.children: dict[str, asyncio.subprocess.Process] = {}
+        self.watchers: list[asyncio.Task[None]] = []
+        self.hello = AgentHello(
+            node=cluster.node_rank, host=socket.gethostname(), address=cluster.address, pid=os.getpid(),
+            cores=len(os.sched_getaffinity(0)),
+            gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+            protocol_version=PROTOCOL_VERSION,
+        )  # fmt: skip
+
+    def _connect(self) -> tuple[zmq.asyncio.Socket, float]:
+        """A DEALER to the head's agents port, with the run's key as it is now; and the key file's mtime."""
+        # The key as it is now: node 0 makes a new one for every start of a run, and a node that started
+        # first may have read the last attempt's (it reconnects when the file changes, until it has joined).
+        keys = CurveKeys.load(self.key_file) if self.key_file is not None else None
+        mtime = self.key_file.stat().st_mtime if self.key_file is not None else 0.0
+        identity = f"agent:{self.cluster.node_rank}"
+        return make_socket(
+            self.ctx, zmq.DEALER, identity=identity, connect=self.cluster.head_endpoint(AGENTS), curve=keys
+        ), mtime
+
+    async def send(self, msg: Message) -> None:
+        """Sends one message to the head."""
+        await self.sock.send_multipart(self.codec.encode(msg))
+
+    async def serve(self, *, join_timeout_s: float, head_timeout_s: float) -> int:
+        """Says hello until the head answers, then heartbeats and does what it asks: 0 stopped, 1 lost."""
         joined, last_heard, next_hello, next_beat = False, time.monotonic(), 0.0, 0.0
         join_deadline = time.monotonic() + join_timeout_s
         while True:
             now = time.monotonic()
             if not joined and now >= next_hello:
                 if now > join_deadline:
-                    log.error("join_timeout", seconds=join_timeout_s, head=cluster.head_endpoint(AGENTS))
+                    self.log.error(
+                        "join_timeout", seconds=join_timeout_s, head=self.cluster.head_endpoint(AGENTS)
+                    )
                     return 1
-                if key_file is not None and key_file.stat().st_mtime != key_mtime:
-                    sock.close(linger=0)
-                    sock, key_mtime = connect()
-                await send(hello)  # again until answered: the head may not be up yet
+                if self.key_file is not None and self.key_file.stat().st_mtime != self.key_mtime:
+                    self.sock.close(linger=0)
+                    self.sock, self.key_mtime = self._connect()
+                await self.send(self.hello)  # again until answered: the head may not be up yet
                 next_hello = now + HEARTBEAT_S
             if joined and now - last_heard > head_timeout_s:
-                log.error("head_lost", silent_s=round(now - last_heard, 1))
-                await stop_all(grace_s=2.0)
+                self.log.error("head_lost", silent_s=round(now - last_heard, 1))
+                await self.stop_all(grace_s=2.0)
                 return 1
             if joined and now >= next_beat:
-                await send(Heartbeat(seq=0, sent_ns=time.time_ns()))
+                await self.send(Heartbeat(seq=0, sent_ns=time.time_ns()))
                 next_beat = now + HEARTBEAT_S
-            if not await sock.poll(int(HEARTBEAT_S * 1000)):
-                continue
-            try:
-                msg = codec.decode(await sock.recv_multipart(copy=False))
-            except ProtocolError as e:
-                log.warning("dropped_malformed", error=str(e))
+            if (msg := await self._receive()) is None:
                 continue
             last_heard, joined = time.monotonic(), True
-            if isinstance(msg, Launch):
-                await start(msg)
-            elif isinstance(msg, Kill):
-                if (proc := children.get(msg.name)) is not None and proc.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.send_signal(msg.signal)
-            elif isinstance(msg, StopAgent):
-                log.info("stop", reason=msg.reason)
-                await stop_all(grace_s=5.0)
-                code = 0
+            if await self._handle(msg):
                 return 0
-    finally:
-        if code != 0:
-            await stop_all(grace_s=0.5)
-        for task in watchers:
+
+    async def _receive(self) -> Message | None:
+        """The head's next message within a heartbeat interval; None if none came or it was malformed."""
+        if not await self.sock.poll(int(HEARTBEAT_S * 1000)):
+            return None
+        try:
+            return self.codec.decode(await self.sock.recv_multipart(copy=False))
+        except ProtocolError as e:
+            self.log.warning("dropped_malformed", error=str(e))
+            return None
+
+    async def _handle(self, msg: Message) -> bool:
+        """Starts, signals or stops actors as the head asks: True once it said the run is over."""
+        if isinstance(msg, Launch):
+            await self._start(msg)
+        elif isinstance(msg, Kill):
+            if (proc := self.children.get(msg.name)) is not None and proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(msg.signal)
+        elif isinstance(msg, StopAgent):
+            self.log.info("stop", reason=msg.reason)
+            await self.stop_all(grace_s=5.0)
+            return True
+        return False
+
+    async def _start(self, msg: Launch) -> None:
+        """Spawns the actor the head asked for, tells the head its pid (or why not), and watches its exit."""
+        cluster = self.cluster
+        launch = ActorLaunch(
+            name=msg.name, actor=msg.actor, rank=msg.rank, node=cluster.node_rank, run_dir=str(self.run_dir),
+            env=msg.env, cpus=msg.cpus, handshake_timeout_s=msg.handshake_timeout_s, data_port=msg.data_port,
+        )  # fmt: skip
+        cmd = actor_command(
+            launch, control=cluster.head_endpoint(CONTROL), events=cluster.head_endpoint(EVENTS),
+            curve_key=str(self.key_file or ""), data_host=cluster.address, parent_pid=os.getpid(),
+        )  # fmt: skip
+        try:
+            env = {**node_env(cluster.address), **msg.env}
+            proc = await spawn(cmd, env=env, cpus=[c for c in msg.cpus if c in os.sched_getaffinity(0)])
+        except OSError as e:
+            await self.send(Launched(name=msg.name, pid=0, error=str(e)))
+            return
+        self.children[msg.name] = proc
+        self.log.info("actor_started", actor=msg.name, pid=proc.pid)
+        self.watchers.append(asyncio.create_task(self._watch(msg.name, proc)))
+        await self.send(Launched(name=msg.name, pid=proc.pid))
+
+    async def _watch(self, name: str, proc: asyncio.subprocess.Process) -> None:
+        """Tells the head when an actor exits, and with what code."""
+        code = await proc.wait()
+        self.log.info("actor_exited", actor=name, pid=proc.pid, code=code)
+        with contextlib.suppress(zmq.ZMQError):
+            await self.send(Exited(name=name, pid=proc.pid, code=code))
+
+    async def stop_all(self, grace_s: float) -> None:
+        """SIGTERM to every live actor, SIGKILL to those still alive after `grace_s`."""
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            alive = [p for p in self.children.values() if p.returncode is None]
+            for p in alive:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(sig)
+            if alive:
+                await asyncio.wait([asyncio.ensure_future(p.wait()) for p in alive], timeout=wait)
+
+    async def close(self, *, stopped: bool) -> None:
+        """Stops the actors (unless the head's stop already did: `stopped`), ends the watchers, closes the socket."""
+        if not stopped:
+            await self.stop_all(grace_s=0.5)
+        for task in self.watchers:
             task.cancel()
-        await asyncio.gather(*watchers, return_exceptions=True)
-        sock.close(linger=0)
-        ctx.term()
+        await asyncio.gather(*self.watchers, return_exceptions=True)
+        self.sock.close(linger=0)
+        self.ctx.term()
