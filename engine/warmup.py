@@ -16,6 +16,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,16 +88,91 @@ def warmup(
     progress: a bar factory (`runtime.progress.bar` in the CLI), None for silence."""
     started = time.perf_counter()
     target.requires_grad_(False)
-    samples = len(train_prompts)
-
     t0 = time.perf_counter()
-    gen = Generator(target, num_slots=min(32, samples), return_hidden=True, eos_token_ids=eos)
-    params = [
-        SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i) for i in range(samples)
-    ]
-    completions = _generate(gen, train_prompts, params, "sampling the model's own outputs", progress)
+    completions = _sample_own_outputs(
+        target, train_prompts, eos=eos, max_tokens=max_tokens, temperature=temperature, seed=seed,
+        progress=progress,
+    )  # fmt: skip
     gen_s = time.perf_counter() - t0
+    trained = _train_head(
+        target, completions, steps=steps, batch_tokens=batch_tokens, lr=lr, unroll=unroll, seed=seed,
+        init_from=init_from, progress=progress,
+    )  # fmt: skip
+    eagle_export.export(
+        trained.head, target.config, out, server=server, version=trained.version, dtype=export_dtype,
+        token_counts=trained.counts,
+    )  # fmt: skip
+    head, _ = eagle_export.load_head(out, target)  # what a user loads: bf16-rounded when exported so
+    head.eval()
+    evals = _accept_lengths(
+        target, head, trained.counts, eval_prompts, eos=eos, max_tokens=max_tokens, temperature=temperature,
+        progress=progress,
+    )  # fmt: skip
+    losses = trained.losses
+    summary = {
+        "out": str(out),
+        "samples": len(train_prompts),
+        "sampled_tokens": sum(len(c.token_ids) for c in completions),
+        "sample_s": round(gen_s, 1),
+        "steps": steps,
+        "init_from": None if init_from is None else str(init_from),
+        "version": trained.version,
+        "unroll": unroll,
+        "dtype": dtype_name(export_dtype or torch.float32),
+        "train_s": round(trained.train_s, 1),
+        "loss_first": round(losses[0], 4),
+        "loss_last": round(sum(losses[-10:]) / len(losses[-10:]), 4),
+        "accept_length": evals,
+        "eval_samples": len(eval_prompts),
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    (Path(out) / "warmup.json").write_text(json.dumps(summary, indent=2))
+    return summary
 
+
+def _sample_own_outputs(
+    target: Transformer,
+    prompts: list[list[int]],
+    *,
+    eos: list[int],
+    max_tokens: int,
+    temperature: float,
+    seed: int,
+    progress: ProgressFactory | None,
+) -> list[Completion]:
+    """The target's own responses to `prompts`, hidden states kept: the head's training data."""
+    gen = Generator(target, num_slots=min(32, len(prompts)), return_hidden=True, eos_token_ids=eos)
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i)
+        for i in range(len(prompts))
+    ]
+    return _generate(gen, prompts, params, "sampling the model's own outputs", progress)
+
+
+@dataclass
+class _Trained:
+    """A trained head, its export version, the token counts it carries, and how its training went."""
+
+    head: EagleHead
+    version: int
+    counts: Counter[int]
+    losses: list[float]
+    train_s: float
+
+
+def _train_head(
+    target: Transformer,
+    completions: list[Completion],
+    *,
+    steps: int,
+    batch_tokens: int,
+    lr: float,
+    unroll: int,
+    seed: int,
+    init_from: Path | None,
+    progress: ProgressFactory | None,
+) -> _Trained:
+    """Trains a head (new, or continuing the export `init_from`) for `steps` optimizer steps on `completions`."""
     buffer = OnlineBuffer(4 << 30, dtype=torch.float32)
     for c in completions:
         buffer.add_completion(c, policy_version=0)
@@ -126,13 +202,21 @@ def warmup(
     train_s = time.perf_counter() - t0
     # The training data's token counts travel with the head: a rollout's draft vocabulary starts from them.
     counts = prior + Counter(t for c in completions for t in [*c.prompt_ids, *c.token_ids])
-    version = start_version + steps
-    eagle_export.export(
-        head, target.config, out, server=server, version=version, dtype=export_dtype, token_counts=counts
-    )
-    head, _ = eagle_export.load_head(out, target)  # what a user loads: bf16-rounded when exported so
-    head.eval()
+    return _Trained(head, start_version + steps, counts, losses, train_s)
 
+
+def _accept_lengths(
+    target: Transformer,
+    head: EagleHead,
+    counts: Counter[int],
+    eval_prompts: list[list[int]],
+    *,
+    eos: list[int],
+    max_tokens: int,
+    temperature: float,
+    progress: ProgressFactory | None,
+) -> dict[str, float]:
+    """Held-out accept lengths of `head` on `eval_prompts`: greedy chains and a tree, sampled, keyed sampled."""
     evals: dict[str, float] = {}
     greedy = [SamplingParams(temperature=0.0, max_tokens=max_tokens) for _ in eval_prompts]
     sampled = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=10_000 + i) for i in range(len(eval_prompts))]  # fmt: skip
@@ -159,25 +243,7 @@ def warmup(
     for depth in (3, 5, 7):
         spec = SpecConfig(method="eagle", depth=depth, mode="reproducible")
         evals[f"t{temperature:g}_chain{depth}_keyed"] = evaluate(spec, sampled, f"eval sampled keyed {depth}")
-    summary = {
-        "out": str(out),
-        "samples": samples,
-        "sampled_tokens": sum(len(c.token_ids) for c in completions),
-        "sample_s": round(gen_s, 1),
-        "steps": steps,
-        "init_from": None if init_from is None else str(init_from),
-        "version": version,
-        "unroll": unroll,
-        "dtype": dtype_name(export_dtype or torch.float32),
-        "train_s": round(train_s, 1),
-        "loss_first": round(losses[0], 4),
-        "loss_last": round(sum(losses[-10:]) / len(losses[-10:]), 4),
-        "accept_length": evals,
-        "eval_samples": len(eval_prompts),
-        "wall_s": round(time.perf_counter() - started, 1),
-    }
-    (Path(out) / "warmup.json").write_text(json.dumps(summary, indent=2))
-    return summary
+    return evals
 
 
 __all__ = ["EVAL_STRATEGIES", "accept_length", "warmup"]
