@@ -104,6 +104,12 @@ class Tokenizer:
         """Text of `ids`; special tokens are dropped unless `skip_special_tokens` is False."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_batch(self, seqs: Sequence[Sequence[int]], *, skip_special_tokens: bool = True) -> list[str]:
+        """`decode` for many sequences, parallel inside the Rust library (which lets go of the GIL)."""
+        return self._backend.decode_batch(
+            [list(ids) for ids in seqs], skip_special_tokens=skip_special_tokens
+        )
+
     def render_chat(
         self,
         messages: Sequence[Mapping[str, Any]],

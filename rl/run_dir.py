@@ -100,20 +100,24 @@ def write_samples(path: Path, groups: list[ScoredGroup], tokenizer: Tokenizer) -
     """Every response of the step with its reward, for reading what the policy does and replaying the
     learner on it (`bench e2e`), as JSON lines."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as out:
+    # msgspec's encoder and a group's texts decoded in one batch: json.dumps and a decode a sample took
+    # 1.3 s for 1024 samples of 2048 tokens, on the coordinator's clock (`bench scale`, 2026-11-28).
+    encode = msgspec.json.Encoder().encode
+    with path.open("wb") as out:
         for group in groups:
             prompt = group.prompt_ids.tolist()
-            for i, (ids, reward) in enumerate(zip(group.response_ids, group.rewards, strict=True)):
-                tokens = ids.tolist()
+            responses = [ids.tolist() for ids in group.response_ids]
+            texts = tokenizer.decode_batch(responses)
+            for i, (tokens, text, reward) in enumerate(zip(responses, texts, group.rewards, strict=True)):
                 row = {
                     "group_id": group.group_id, "sample_index": i, "reward": reward,
-                    "text": tokenizer.decode(tokens), "token_ids": tokens, "prompt_ids": prompt,
+                    "text": text, "token_ids": tokens, "prompt_ids": prompt,
                     # The behaviour log-probs: what a replay of this step by a restarted learner needs.
                     "logprobs": group.behaviour_logprobs[i].tolist(),
                 }  # fmt: skip
                 if group.policy_masks and group.policy_masks[i].numel():  # a multi-turn episode's
                     row["policy_mask"] = [int(x) for x in group.policy_masks[i].tolist()]
-                out.write(json.dumps(row) + "\n")
+                out.write(encode(row) + b"\n")
 
 
 def recorded_groups(run_dir: Path, step: int, sampling: dict[str, Any]) -> list[ScoredGroup]:

@@ -79,6 +79,19 @@ def test_decode_keeps_special_tokens_on_request(tok: Tokenizer) -> None:
     assert tok.decode(ids, skip_special_tokens=False) == "ok<|im_end|>"
 
 
+def test_decode_batch_is_decode_of_each(tok: Tokenizer) -> None:
+    seqs = [
+        tok.encode("Hello, world!"),
+        tok.encode("<|im_start|>user 12 + 7<|im_end|>"),
+        [],
+        tok.encode("é ∑ 😀"),
+    ]
+    for skip in (True, False):
+        assert tok.decode_batch(seqs, skip_special_tokens=skip) == [
+            tok.decode(s, skip_special_tokens=skip) for s in seqs
+        ]
+
+
 @pytest.mark.parametrize("chat", CHATS, ids=["user", "system", "multi-turn"])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_matches_transformers(
