@@ -41,8 +41,8 @@ def test_masks_cross_the_wire_and_the_samples_file(tmp_path: Path) -> None:
     assert [s.num_policy_tokens for s in samples] == [5, 4]
 
     class Tok:
-        def decode(self, ids: list[int]) -> str:
-            return " ".join(map(str, ids))
+        def decode_batch(self, seqs: list[list[int]]) -> list[str]:
+            return [" ".join(map(str, ids)) for ids in seqs]
 
     run_dir_files.write_samples(tmp_path / "samples" / "step-0.jsonl", [got], Tok())  # type: ignore[arg-type]
     (back,) = run_dir_files.recorded_groups(tmp_path, 0, {"temperature": 1.0, "top_p": 1.0, "top_k": 0})
