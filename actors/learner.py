@@ -204,10 +204,12 @@ class LearnerActor(Actor):
         if self.rank != 0:
             self.log.warning("push_ignored", version=msg.version, why="only rank 0 pushes")
             return
-        if msg.version != self.version or self.config.hold_only:
+        error = ""
+        if self.config.hold_only:
+            error = "a hold_only learner (bench scale) holds no weights to push"
+        elif msg.version != self.version:
             error = f"asked to push v{msg.version}, the learner holds v{self.version}"
-            if self.config.hold_only:
-                error = "a hold_only learner (bench scale) holds no weights to push"
+        if error:
             self.log.error("push_refused", error=error)
             self.send(
                 COORDINATOR,

@@ -45,6 +45,7 @@ from slipstream.rl.run_config import TrainConfig
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.cluster import Cluster
 from slipstream.runtime.host import actor_path
+from slipstream.runtime.process import parent_pid
 from slipstream.runtime.spec import ActorSpec
 
 __all__ = [
@@ -459,13 +460,7 @@ def _peak_mb(pid: int, *, children: bool) -> float:
 
 def _children(pid: int) -> list[int]:
     """Every descendant of `pid` (from /proc/*/stat's parent ids)."""
-    parent: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
+    parent = {int(e.name): parent_pid(int(e.name)) for e in Path("/proc").iterdir() if e.name.isdigit()}
     found, frontier = [], [pid]
     while frontier:
         kids = [p for p, pp in parent.items() if pp in frontier]

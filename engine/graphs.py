@@ -57,7 +57,8 @@ class GraphRunner:
             return
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(key)
+            with _no_collection():
+                graph = self._capture(key)
         graph.replay()
 
     def capture(self, keys: Iterable[Hashable], size: Callable[[Hashable], int] | None = None) -> int:
@@ -70,10 +71,11 @@ class GraphRunner:
         if new:
             with _no_collection():
                 for key in new:
-                    self._capture(key, collect=False)
+                    self._capture(key)
         return len(new)
 
-    def _capture(self, key: Hashable, *, collect: bool = True) -> torch.cuda.CUDAGraph:
+    def _capture(self, key: Hashable) -> torch.cuda.CUDAGraph:
+        """Warm `key` up on a side stream, then capture it (callers hold `_no_collection`)."""
         started = time.perf_counter()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -82,9 +84,8 @@ class GraphRunner:
                 self.fn(key)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with _no_collection() if collect else contextlib.nullcontext():
-            with torch.cuda.graph(graph, pool=self._pool):
-                self.fn(key)
+        with torch.cuda.graph(graph, pool=self._pool):
+            self.fn(key)
         torch.cuda.synchronize(self.device)
         self._graphs[key] = graph
         self.capture_s += time.perf_counter() - started
