@@ -1,10 +1,13 @@
 """The learner actor: GRPO steps on scored groups, then versioned, exact weight pushes to the rollouts.
 
-The coordinator streams `ScoredGroup`s (one prompt's G responses, the rollout's log-probs, the rewards
-with None for a failed reward) and then sends `TrainStep`. When every group of that step has arrived, the
-learner turns rewards into group advantages (`engine.grpo`), takes one `PolicyTrainer` step and reports
-`StepStats`. `PushWeights` then has rank 0 send the new weights to `to` and the drafter's head parts to
-`head_to` as `WeightUpdate` buckets (checksummed, zero-copy frames); `SaveCheckpoint` has it save them.
+Each sample of a group this rank trains comes straight from its rollout (`Completion`: tokens, log-probs,
+text); the learner holds it and answers the coordinator a `SampleReceipt` (a later copy of a held or
+trained sample is dropped and counted). `TrainStep` names the rank's groups with their prompts and rewards
+(None: invalid); once it holds them all it assembles the `ScoredGroup`s, writes its share of the samples
+record (protocols/samples_record.py; a replay reads it back instead), turns rewards into group advantages
+(`engine.grpo`), takes one `PolicyTrainer` step and reports `StepStats`. `PushWeights` then has rank 0
+send the new weights to `to` and the drafter's head parts to `head_to` as `WeightUpdate` buckets
+(checksummed, zero-copy frames); `SaveCheckpoint` has it save them.
 
 Non-obvious choices:
 - fp32 masters whatever the checkpoint's dtype; pushes are cast to `push_dtype` (default: the checkpoint's,
@@ -41,6 +44,7 @@ from slipstream.engine.grpo import LossConfig, group_advantages
 from slipstream.engine.policy_train import OptimConfig, PolicySample, PolicyTrainer
 from slipstream.engine.weight_delta import blob_tensor, xor_delta
 from slipstream.engine.weights import HEAD_PARTS, load_model
+from slipstream.protocols import samples_record
 from slipstream.protocols.control import CheckpointSaved, SaveCheckpoint
 from slipstream.protocols.learner import (
     CUDA_IPC,
@@ -53,6 +57,7 @@ from slipstream.protocols.learner import (
     WeightsPushed,
     WeightUpdate,
 )
+from slipstream.protocols.rollout import Completion
 from slipstream.runtime import cuda_ipc
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
@@ -108,7 +113,9 @@ class LearnerActor(Actor):
             raise ValueError(f"world_size: {cfg.world_size} ranks, but this is rank {self.rank}")
         torch.manual_seed(cfg.seed)
         self.version = 0
-        self._groups: dict[int, list[ScoredGroup]] = {}  # step -> groups received
+        self._held: dict[tuple[int, int], Completion] = {}  # (group, sample) -> the sample, until trained on
+        self._duplicates = 0  # samples dropped: a copy of one held or trained on already
+        self._held_at = 0.0  # when the newest sample came (time.monotonic())
         self._pending: TrainStep | None = None
         if cfg.hold_only:
             return  # no rank group, no model: what it skips is said at `hold_only`
@@ -151,28 +158,24 @@ class LearnerActor(Actor):
             dist.destroy_process_group()
 
     @handler
-    def on_group(self, msg: ScoredGroup, sender: str) -> None:
-        problem = _check_group(msg)
-        if problem is not None:
-            # The coordinator counts groups per step: a refused group is reported, never silently lost.
-            self.log.error("group_refused", step=msg.step, group_id=msg.group_id, why=problem)
-            msg = _without_samples(msg)
-        # Clone: received tensors alias frames that are recycled after this handler.
-        self._groups.setdefault(msg.step, []).append(
-            ScoredGroup(
-                step=msg.step,
-                group_id=msg.group_id,
-                prompt_ids=msg.prompt_ids.clone(),
-                response_ids=[t.clone() for t in msg.response_ids],
-                behaviour_logprobs=[t.clone() for t in msg.behaviour_logprobs],
-                rewards=list(msg.rewards),
-                temperature=msg.temperature,
-                top_p=msg.top_p,
-                top_k=msg.top_k,
-                policy_version=msg.policy_version,
-                policy_masks=[t.clone() for t in msg.policy_masks],
-            )
-        )
+    def on_completion(self, msg: Completion, sender: str) -> None:
+        """A sample of a group this rank trains, straight from its rollout: held (cloned: received tensors
+        alias frames that are recycled), and the coordinator told (`SampleReceipt`). A second copy (a
+        requeue's, its first rollout presumed dead) is dropped and counted: the first one is the sample."""
+        key = (msg.group_id, msg.sample_index)
+        # A copy of one held of the same or a newer try, or older than the policy this rank holds (a copy of
+        # a sample whose step it trained on already). A newer try's copy replaces the older's.
+        held = self._held.get(key)
+        if (held is not None and held.attempt >= msg.attempt) or msg.policy_version < self.version:
+            self._duplicates += 1
+            self.log.warning("duplicate_dropped", group_id=key[0], sample_index=key[1], sender=sender)
+            return
+        self._held[key] = msgspec.structs.replace(
+            msg, token_ids=msg.token_ids.clone(), logprobs=msg.logprobs.clone(),
+            policy_mask=msg.policy_mask.clone(), prompt_ids=msg.prompt_ids.clone(),
+        )  # fmt: skip
+        self._held_at = time.monotonic()
+        self.send(COORDINATOR, samples_record.receipt_of(msg))
 
     @handler
     def on_train(self, msg: TrainStep, sender: str) -> None:
@@ -221,10 +224,9 @@ class LearnerActor(Actor):
 
     def step(self) -> bool:
         msg = self._pending
-        if msg is None or len(self._groups.get(msg.step, [])) < msg.num_groups:
+        if msg is None or (groups := self._groups_of(msg)) is None:
             return False
         self._pending = None
-        groups = sorted(self._groups.pop(msg.step, []), key=lambda g: g.group_id)
         if self.config.hold_only:
             self._report_held(msg, groups)
             return True
@@ -232,7 +234,7 @@ class LearnerActor(Actor):
         samples, counts = policy_samples(groups, self.config.loss)
         # Alone, a step without groups trains nothing. With peers, a rank dealt nothing still steps: the
         # others wait for it in their all-reduces.
-        if self.config.world_size == 1 and msg.num_groups == 0:
+        if self.config.world_size == 1 and not groups:
             stats = {"loss": 0.0, "grad_norm": 0.0, "tokens": 0}
         else:
             marks = [time.monotonic_ns()]
@@ -261,9 +263,10 @@ class LearnerActor(Actor):
                 grad_norm=float(stats["grad_norm"]),
                 tokens=int(stats["tokens"]),
                 elapsed_s=elapsed,
-                metrics={**metrics, **counts},
+                metrics={**metrics, **counts, "duplicates": float(self._duplicates)},  # since the last step
             ),
         )
+        self._duplicates = 0
         self.log.info(
             "trained",
             step=msg.step,
@@ -274,9 +277,32 @@ class LearnerActor(Actor):
         )
         return True
 
+    def _groups_of(self, msg: TrainStep) -> list[ScoredGroup] | None:
+        """The step's groups once every sample of its plans is held (None before), assembled and recorded
+        first; a replay's, read back from its record."""
+        sampling = {"temperature": msg.temperature, "top_p": msg.top_p, "top_k": msg.top_k}
+        if msg.replay:
+            return samples_record.read_groups([Path(msg.samples_path)], msg.step, sampling)
+        if any((plan.group_id, i) not in self._held for plan in msg.groups for i in range(len(plan.rewards))):
+            return None
+        groups, texts = [], []
+        for plan in msg.groups:
+            held = [self._held.pop((plan.group_id, i)) for i in range(len(plan.rewards))]
+            group = samples_record.assemble(plan, held, msg.step, sampling)
+            if (problem := _check_group(group)) is not None:
+                # The coordinator counts groups per step: a refused group is reported, never silently lost.
+                self.log.error("group_refused", step=msg.step, group_id=plan.group_id, why=problem)
+                group = _without_samples(group)
+            groups.append(group)
+            texts.append([c.text for c in held] if group.response_ids else [])
+        if msg.samples_path:  # before training on it: a learner that dies now replays the step from it
+            samples_record.write_samples(Path(msg.samples_path), groups, texts)
+        return groups
+
     def _report_held(self, msg: TrainStep, groups: list[ScoredGroup]) -> None:
-        """`hold_only`: every group of the step is held; says when, and what, in place of training on it."""
-        held_at = time.monotonic()
+        """`hold_only`: every group of the step is held; says when (its last sample's arrival), and what, in
+        place of training on it."""
+        held_at = self._held_at
         self.version = msg.version
         samples = sum(len(g.rewards) for g in groups)
         tokens = sum(t.numel() for g in groups for t in g.response_ids)

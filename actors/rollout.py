@@ -1,17 +1,16 @@
 """The rollout actor: decodes GRPO groups with continuous batching and tuned, lossless speculation.
 
 One per device. A `GenerateRequest` (one prompt, G samples, a policy version) joins the continuous batch;
-each `Completion` streams out the moment it finishes (tokens, behaviour log-probs, finish reason, policy
-version), its hidden states go to the drafter actors (`hidden_to`), and a drained queue reports `Idle`, so
-the coordinator can lease the device to drafter training. Per decode iteration the tuner picks the
-speculation arm for the live batch size and is rewarded with that iteration's committed tokens per
-second; arms change speed, never output (tested). A request with a dataset row (`row_json`) is a
-multi-turn episode: its environment actor opens it and answers each turn (engine/episodes.py).
-Between iterations it swaps in the newest `DrafterUpdate` and applies a complete `WeightUpdate` once no
-request is in flight (engine/weight_staging.py), so no response mixes two policies. Non-obvious: sample i
-of a group samples with `sample_seed(request.seed, i)`, so in reproducible mode its tokens depend on its
-seed alone; tuner rewards skip iterations with prefill in them; a request it cannot serve is answered with
-error completions naming the problem. The update rules and the other choices in full: docs/actors.md.
+each `Completion` streams out the moment it finishes (tokens, behaviour log-probs, its text, finish reason,
+version) to the learner rank that trains its group (`learn_at`; else to the coordinator), its hidden states
+to the drafters (`hidden_to`); a drained queue reports `Idle`, so the device can be leased to drafter
+training. Per decode iteration the tuner picks the speculation arm for the live batch size, rewarded with
+that iteration's committed tokens per second; arms change speed, never output (tested). A request with a
+dataset row (`row_json`) is a multi-turn episode its environment actor opens and answers. Between
+iterations it swaps in the newest `DrafterUpdate` and applies a complete `WeightUpdate` once no request is
+in flight (engine/weight_staging.py). Non-obvious: sample i of a group samples with `sample_seed(seed, i)`,
+so in reproducible mode its tokens depend on its seed alone; tuner rewards skip iterations with prefill; a
+request it cannot serve is answered with error completions naming the problem. More: docs/actors.md.
 """
 
 from __future__ import annotations
@@ -84,7 +83,6 @@ class RolloutActor(Actor):
         hidden_to: list[str] = []  # drafter actors that receive each response's hidden states
         hidden_dtype: Literal["bfloat16", "float32"] = "bfloat16"
         retune_drafter_versions: int = 100  # drafter versions (training steps) after which eagle is retried
-        completions_to: list[str] = msgspec.field(default_factory=lambda: [COORDINATOR])
         policy_version: int = 0  # version of the weights loaded from `model`
         # After applying an update, hash the live parameters bucket by bucket and compare with the learner's
         # checksums: proves the model now holds exactly the learner's weights (one hash pass per update).
@@ -146,7 +144,9 @@ class RolloutActor(Actor):
         # Arms whose drafters are held ("self" replays recordings, which a rollout has none of).
         self.methods = {"off", *drafters} | ({"hybrid"} if {"ngram", "eagle"} <= drafters.keys() else set())
         self.policy_version = cfg.policy_version
-        self._samples: dict[str, tuple[int, int]] = {}  # request id -> (group id, sample index)
+        self._samples: dict[
+            str, tuple[int, int, str, int]
+        ] = {}  # request id -> (group, sample, learner, try)
         self._queued_ns: dict[str, int] = {}  # request id -> arrival (monotonic ns), for its "sample" span
         self._arm = "off"
         self._iteration = 0
@@ -166,8 +166,8 @@ class RolloutActor(Actor):
         self._hidden_dtype = dtype_from_name(cfg.hidden_dtype)
         self.episodes: Episodes | None = None  # the loop over turns: engine/episodes.py
         self._env = cfg.environments[self.rank % len(cfg.environments)] if cfg.environments else ""
-        if cfg.environments:
-            tokenizer = Tokenizer.from_dir(hub.resolve(cfg.model))
+        self.tokenizer = Tokenizer.from_dir(hub.resolve(cfg.model)) if cfg.environments else None
+        if self.tokenizer is not None:
             # Episode ids name this process: a restarted rollout's never collide with its predecessor's,
             # which its environment drops on RolloutUp (the same samples are dealt to it again).
             incarnation = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -176,7 +176,7 @@ class RolloutActor(Actor):
                 self.spans.add("env_wait", start, dur, self.policy_version, **at)
 
             self.episodes = Episodes(
-                self.generator, tokenizer, cfg.episodes, f"{self.name}@{incarnation}", on_wait=wait
+                self.generator, self.tokenizer, cfg.episodes, f"{self.name}@{incarnation}", on_wait=wait
             )
             self.send(self._env, RolloutUp(owner=self.name, incarnation=incarnation))
         if cfg.warm_up:
@@ -223,12 +223,8 @@ class RolloutActor(Actor):
     @handler
     def on_generate(self, msg: GenerateRequest, sender: str) -> None:
         if msg.policy_version != self.policy_version:
-            self.log.warning(
-                "policy_version_mismatch",
-                group_id=msg.group_id,
-                asked=msg.policy_version,
-                have=self.policy_version,
-            )
+            self.log.warning("policy_version_mismatch", group_id=msg.group_id, asked=msg.policy_version,
+                             have=self.policy_version)  # fmt: skip
         sampling = msg.sampling
         # A requeue after another rollout died asks for the missing samples alone (same seeds, same tokens).
         samples = msg.sample_indices or range(msg.num_samples)
@@ -238,7 +234,7 @@ class RolloutActor(Actor):
             why = f"prompt_ids must be a 1-D int64 tensor, got {ids.dtype} of shape {tuple(ids.shape)}"
             self.log.error("bad_request", group_id=msg.group_id, error=why)
             for i in samples:
-                self._send_completion(msg.group_id, i, [], [], "error", 0.0)
+                self._send_completion((msg.group_id, i, msg.learn_at, msg.attempt), [], [], "error", 0.0)
             self._idle_sent = False
             return
         prompt = ids.tolist()
@@ -259,20 +255,16 @@ class RolloutActor(Actor):
                     episode_id = self.episodes.begin(request_id, params, str(msg.group_id), msg.row_json)
                     self.send(self._env, OpenEpisode(episode_id=episode_id, row_json=msg.row_json))
                 else:
-                    self.generator.add(
-                        Request(
-                            request_id=request_id,
-                            prompt_ids=prompt,
-                            params=params,
-                            group_id=str(msg.group_id),
-                        )
-                    )
+                    self.generator.add(Request(request_id=request_id, prompt_ids=prompt, params=params,
+                                               group_id=str(msg.group_id)))  # fmt: skip
             except ValueError as exc:
                 # The coordinator waits for every sample: answer with an error completion, never silence.
                 self.log.error("bad_request", group_id=msg.group_id, sample_index=i, error=str(exc))
-                self._send_completion(msg.group_id, i, [], [], "error", 0.0, error=str(exc))
+                self._send_completion(
+                    (msg.group_id, i, msg.learn_at, msg.attempt), [], [], "error", 0.0, error=str(exc)
+                )
                 continue
-            self._samples[request_id] = (msg.group_id, i)
+            self._samples[request_id] = (msg.group_id, i, msg.learn_at, msg.attempt)
             self._queued_ns[request_id] = time.monotonic_ns()
         self._idle_sent = False
 
@@ -330,12 +322,10 @@ class RolloutActor(Actor):
         if finished.completion is not None:
             self._finish(finished.completion, finished)
             return
-        group_id, index = self._samples.pop(finished.request_id)
+        sample = self._samples.pop(finished.request_id)
         self._queued_ns.pop(finished.request_id, None)
-        self.log.warning("episode_invalid", group_id=group_id, sample_index=index, error=finished.error)
-        self._send_completion(
-            group_id, index, [], [], "error", 0.0, error=finished.error, **finished.counts()
-        )
+        self.log.warning("episode_invalid", group_id=sample[0], sample_index=sample[1], error=finished.error)
+        self._send_completion(sample, [], [], "error", 0.0, error=finished.error, **finished.counts())
 
     # -- updates --------------------------------------------------------------------------------------
 
@@ -530,7 +520,8 @@ class RolloutActor(Actor):
         return True
 
     def _finish(self, completion: Completion, episode: Finished | None = None) -> None:
-        group_id, index = self._samples.pop(completion.request_id)
+        sample = self._samples.pop(completion.request_id)
+        group_id, index = sample[:2]
         queued = self._queued_ns.pop(completion.request_id, None)
         if queued is not None:  # from the request's arrival to its last token: the long-tail view's bar
             self.spans.add(
@@ -550,7 +541,7 @@ class RolloutActor(Actor):
         extra = {}
         if episode is not None:
             extra = {"prompt_ids": episode.prompt_ids, "env_reward": episode.reward, **episode.counts()}
-        self._send_completion(group_id, index, completion.token_ids, completion.logprobs,
+        self._send_completion(sample, completion.token_ids, completion.logprobs,
                               completion.finish_reason, accept, mask=mask, **extra)  # fmt: skip
         if not self.config.hidden_to:
             return
@@ -569,9 +560,12 @@ class RolloutActor(Actor):
                 self.send(dest, msg)
 
     def _send_completion(
-        self, group_id: int, index: int, tokens: list[int], logprobs: list[float], reason: str, accept: float,
-        *, mask: list[bool] | None = None, prompt_ids: list[int] | None = None, **episode: object,
+        self, sample: tuple[int, int, str, int], tokens: list[int], logprobs: list[float], reason: str,
+        accept: float, *, mask: list[bool] | None = None, prompt_ids: list[int] | None = None,
+        **episode: object,
     ) -> None:  # fmt: skip
+        """To the learner rank that trains the group (with its text), else to the coordinator."""
+        group_id, index, learner, attempt = sample
         msg = CompletionMsg(
             group_id=group_id,
             sample_index=index,
@@ -583,9 +577,15 @@ class RolloutActor(Actor):
             policy_mask=torch.tensor(mask or [], dtype=torch.bool),
             prompt_ids=torch.tensor(prompt_ids or [], dtype=torch.int64),
             **episode,  # type: ignore[arg-type]  # turns, env_reward, error
+            text=self._text(tokens) if learner else "",
+            attempt=attempt,
         )
-        for dest in self.config.completions_to:
-            self.send(dest, msg)
+        self.send(learner or COORDINATOR, msg)
+
+    def _text(self, tokens: list[int]) -> str:  # loads the tokenizer at the first text
+        if self.tokenizer is None:
+            self.tokenizer = Tokenizer.from_dir(hub.resolve(self.config.model))
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def _save_tuner(self) -> None:
         try:

@@ -36,6 +36,7 @@ from slipstream.engine import hub
 from slipstream.engine.grpo import LossConfig
 from slipstream.engine.policy_train import OptimConfig, PolicySample, PolicyTrainer
 from slipstream.engine.weights import load_model
+from slipstream.protocols import samples_record
 from slipstream.protocols.learner import ScoredGroup
 from slipstream.runtime.process import MemorySampler, parent_pid
 from slipstream.runtime.turns import Turns
@@ -404,9 +405,9 @@ def learner_cost(run_dir: Path, *, steps: int, threads: int) -> LearnerCost:
 
 
 def _rows(run_dir: Path, step: int) -> list[dict[str, Any]]:
-    """samples/step-N.jsonl, ordered by (group, sample)."""
-    path = run_dir / "samples" / f"step-{step}.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The step's samples record (every learner rank's share), ordered by (group, sample)."""
+    paths = samples_record.sample_files(run_dir, step)
+    rows = [json.loads(line) for path in paths for line in path.read_text().splitlines() if line.strip()]
     return sorted(rows, key=lambda r: (r["group_id"], r["sample_index"]))
 
 

@@ -10,8 +10,9 @@ loop takes is what is measured, now and after bulk data leaves the head. Two rol
 - rollouts (`ReplayRollout`): they answer each GenerateRequest at once with completions of exactly
   `tokens` tokens, windows of recorded text (this package's own source, tokenized), every other one
   ending in an <answer> tag, plus one IterationStats per decode iteration a real rollout would send;
-- the learner runs with `hold_only` (actors/learner.py): groups are received, checked and held, but no
-  model is loaded and nothing trains; it says when the step was complete.
+- the learner runs with `hold_only` (actors/learner.py): samples are received from the stand-ins, held,
+  receipted, assembled, checked and recorded, but no model is loaded and nothing trains; it says when it
+  held the step's last sample.
 The verifier is the real one with a real, cheap scorer (`answer_format`). Each row is the last step's:
 coordinator CPU (user+sys of this process, /proc), bytes and messages in and out of its socket, the step's
 wall time, and the seconds from the last completion leaving a stand-in to the learner holding every group.
@@ -35,6 +36,7 @@ import torch
 
 from slipstream.actors.learner import LearnerActor
 from slipstream.actors.rollout import RolloutActor
+from slipstream.engine import hub
 from slipstream.engine.sampling import sample_seed
 from slipstream.engine.tokenizer import Tokenizer
 from slipstream.protocols.control import Idle
@@ -82,6 +84,7 @@ class ReplayRollout(Actor):
         answer_ids: list[int] = []  # the tail of every even-numbered response (a tagged answer)
         max_batch: Positive = 1 << 30  # sequences decoded at once: a wave sends `tokens` IterationStats
         gather_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.05  # a wave waits this long for more requests
+        model: str = ""  # whose tokenizer decodes each response's text, as a rollout does for its learner
 
     def on_start(self) -> None:
         self._queue: deque[tuple[GenerateRequest, int]] = deque()  # (request, sample index) to answer
@@ -93,6 +96,7 @@ class ReplayRollout(Actor):
         self._wave: dict[str, Any] = {}  # this drain's record: step, completions, iterations, last_sent
         self._record = Path(self.run_dir or ".") / RECORD_DIR / f"rollout-{self.rank}.jsonl"
         self._record.parent.mkdir(parents=True, exist_ok=True)
+        self._tokenizer = Tokenizer.from_dir(hub.resolve(self.config.model)) if self.config.model else None
 
     @handler
     def on_generate(self, msg: GenerateRequest, sender: str) -> None:
@@ -122,8 +126,8 @@ class ReplayRollout(Actor):
                 accepted=0, committed=len(wave), iter_s=0.0,
             ))  # fmt: skip
             self._iteration += 1
-        for request, index in wave:
-            self.send(COORDINATOR, self._completion(request, index))
+        for request, index in wave:  # as a rollout sends them: to the group's learner rank, else the head
+            self.send(request.learn_at or COORDINATOR, self._completion(request, index))
         record = self._wave
         record["step"] = wave[-1][0].policy_version  # the loop's requests carry their step there
         record["completions"] = record.get("completions", 0) + len(wave)
@@ -140,9 +144,11 @@ class ReplayRollout(Actor):
         if index % 2 == 0 and cfg.answer_ids and length >= len(cfg.answer_ids):
             ids[-len(cfg.answer_ids) :] = torch.tensor(cfg.answer_ids, dtype=torch.int64)
         logprobs = -torch.rand(length, generator=gen) * 4.0  # float32, what a sampler reports
+        decode = request.learn_at and self._tokenizer is not None
         return Completion(
             group_id=request.group_id, sample_index=index, token_ids=ids, logprobs=logprobs,
             finish_reason="length", policy_version=request.policy_version,
+            text=self._tokenizer.decode(ids.tolist(), skip_special_tokens=True) if decode else "",
         )  # fmt: skip
 
 
@@ -167,7 +173,7 @@ class ScaleRun(Run):
                 assert isinstance(config, RolloutActor.Config)
                 stand_in = ReplayRollout.Config(
                     tokens=self.cfg.max_tokens, corpus=self.corpus, answer_ids=self.answer_ids,
-                    max_batch=config.max_batch,
+                    max_batch=config.max_batch, model=config.model,
                 )  # fmt: skip
                 spec = msgspec.structs.replace(spec, actor=actor_path(ReplayRollout), config=stand_in)
             elif spec.actor == actor_path(LearnerActor):
@@ -259,8 +265,6 @@ def run(
     say = say or (lambda message: print(message, file=sys.stderr, flush=True))
     if min(prompts, samples, tokens, steps, rollouts, verifier_workers) < 1 or samples < 2:
         raise ValueError("prompts, tokens, steps, rollouts and verifier_workers must be >= 1, samples >= 2")
-    from slipstream.engine import hub
-
     tokenizer = Tokenizer.from_dir(hub.resolve(TrainConfig().model))
     corpus = recorded_corpus(tokenizer)
     answer_ids = tokenizer.encode(ANSWER, add_special_tokens=False)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from slipstream.protocols import samples_record
 from slipstream.runtime.spans import SPANS_DIR, Span, read_spans
 
 if TYPE_CHECKING:
@@ -204,11 +205,10 @@ def _read_samples(data: RunData) -> None:
         return
     decode = msgspec.json.Decoder(_Sample).decode
     for rec in data.records:
-        path = folder / f"step-{rec['step']}.jsonl"
-        if not path.is_file():
-            continue
         lens, rewards = [], []
-        for line in path.read_bytes().splitlines():
+        lines = [line for path in samples_record.sample_files(data.run_dir, rec["step"]) for line in
+                 path.read_bytes().splitlines()]  # fmt: skip
+        for line in lines:
             if not line.strip():
                 continue
             try:

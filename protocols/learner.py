@@ -1,4 +1,10 @@
-"""Learner channel: scored GRPO groups in, versioned exact weight updates out.
+"""Learner channel: samples and a step's plan in, receipts, stats and versioned exact weight updates out.
+
+Bulk data never crosses the coordinator: a rollout sends each `Completion` (tokens, log-probs, its text) to
+the learner rank that trains its group (`GenerateRequest.learn_at`); the learner keeps it and answers the
+coordinator a `SampleReceipt` (lengths, finish reason, version, the text to score). `TrainStep` then names
+the rank's groups with their prompts and rewards (`GroupPlan`); the learner assembles the `ScoredGroup`s,
+writes the step's samples record and trains.
 
 A weight update is bucketed (a large model does not travel as one message) and every bucket carries
 a checksum of its raw tensor bytes, which the receiver checks before applying anything. Across hosts a
@@ -14,10 +20,11 @@ import msgspec
 import torch
 
 from slipstream.protocols.base import Message, NonNeg, NonNegF
+from slipstream.protocols.rollout import FinishReason, Finite
 
 
 class LearnerKind(StrEnum):
-    GROUP = "learner.group"
+    RECEIPT = "learner.receipt"
     WEIGHTS = "learner.weights"
     WEIGHTS_ACK = "learner.weights_ack"
     STEP = "learner.step"
@@ -26,10 +33,10 @@ class LearnerKind(StrEnum):
     PUSHED = "learner.pushed"
 
 
-class ScoredGroup(Message, frozen=True, kw_only=True):
-    """Coordinator → learner: one prompt's G responses with behaviour log-probs and rewards."""
+class ScoredGroup(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One prompt's G responses with behaviour log-probs and rewards, as the learner assembles them from the
+    samples it holds and a `GroupPlan`, and as the samples record keeps them (not a wire message)."""
 
-    kind = LearnerKind.GROUP
     step: NonNeg
     group_id: NonNeg
     prompt_ids: torch.Tensor  # [prompt_len] int64
@@ -55,14 +62,54 @@ class ScoredGroup(Message, frozen=True, kw_only=True):
                 )
 
 
+class SampleReceipt(Message, frozen=True, kw_only=True):
+    """Learner → coordinator: it holds sample (`group_id`, `sample_index`), the first copy of the newest try to
+    arrive (a later one is dropped there and counted). What the coordinator counts, deals, scores and
+    records by."""
+
+    kind = LearnerKind.RECEIPT
+    group_id: NonNeg
+    sample_index: NonNeg
+    tokens: NonNeg  # the response's length (an episode's: every token after its opening)
+    finish_reason: FinishReason
+    policy_version: NonNeg
+    accept_length: NonNegF = 0.0
+    text: str = ""  # the response as text (special tokens skipped): what the verifier scores
+    # An episode's: a digest of its opening (a group's must agree: the learner reads one prompt a group),
+    # its policy turns, seconds waiting for the environment, its reward and why it is invalid.
+    opening: str = ""
+    turns: NonNeg = 0
+    env_wait_s: NonNegF = 0.0
+    env_reward: Finite | None = None
+    error: str | None = None
+    attempt: NonNeg = 0  # the step's try that produced it (a newer try's copy replaces an older one's)
+
+
+class GroupPlan(msgspec.Struct, frozen=True, kw_only=True, array_like=True, forbid_unknown_fields=True):
+    """One group of a `TrainStep`: its prompt and its samples' rewards, as the coordinator settled them."""
+
+    group_id: NonNeg
+    # The request's prompt; [0]: episodes, whose opening the samples carry (the first one's is the group's).
+    prompt_ids: torch.Tensor
+    rewards: list[float | None]  # one per sample, in index order; None: invalid (masked, never scored 0)
+
+
 class TrainStep(Message, frozen=True, kw_only=True):
-    """Coordinator → learner: train on step `step`'s `num_groups` groups, producing policy `version`. Pushing
-    it is `PushWeights`', saving it `SaveCheckpoint`'s: each its own message, after the step."""
+    """Coordinator → each learner rank: train step `step` on `groups` (this rank's share, possibly none),
+    producing policy `version`, once it holds each group's samples; first write them, with their rewards,
+    to the samples record `samples_path` (if any). `replay`: the groups are the record at `samples_path`
+    (a restarted learner trains again a step it recorded). Pushing the result is `PushWeights`', saving
+    it `SaveCheckpoint`'s: each its own message, after the step."""
 
     kind = LearnerKind.TRAIN
     step: NonNeg
-    num_groups: NonNeg  # ScoredGroups this rank receives for the step (may be 0 on one of several ranks)
     version: NonNeg
+    groups: list[GroupPlan] = []
+    temperature: NonNegF = 1.0  # how the step was sampled: the learner scores under the same law
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: NonNeg = 0
+    samples_path: str = ""
+    replay: bool = False
 
 
 class PushWeights(Message, frozen=True, kw_only=True):
@@ -165,7 +212,7 @@ class StepStats(Message, frozen=True, kw_only=True):
 
 
 MESSAGES: tuple[type[Message], ...] = (
-    ScoredGroup,
+    SampleReceipt,
     TrainStep,
     PushWeights,
     WeightUpdate,
@@ -174,4 +221,6 @@ MESSAGES: tuple[type[Message], ...] = (
     StepStats,
 )
 
-__all__ = [m.__name__ for m in MESSAGES] + ["CUDA_IPC", "MESSAGES", "XOR_ZSTD", "CudaIpcRef", "LearnerKind"]
+__all__ = [m.__name__ for m in MESSAGES] + [
+    "CUDA_IPC", "MESSAGES", "XOR_ZSTD", "CudaIpcRef", "GroupPlan", "LearnerKind", "ScoredGroup",
+]  # fmt: skip

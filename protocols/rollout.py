@@ -65,6 +65,12 @@ class GenerateRequest(Message, frozen=True, kw_only=True):
     # The dataset row as one JSON object (question, answer, metadata): non-empty, each sample is an episode of
     # the rollout's environment, which opens it (its first messages are the prompt: `prompt_ids` is unused).
     row_json: str = ""
+    # The learner rank that trains this group: each Completion goes there, with its text (the learner
+    # answers the coordinator a receipt); "": the Completion to the coordinator (`bench rollout`).
+    learn_at: str = ""
+    # The step's try: 0, then 1, … each time the step is rolled out again (its learner died with its samples);
+    # a completion says its try, so a sample of an earlier one is told apart from the try's own.
+    attempt: NonNeg = 0
 
     def __post_init__(self) -> None:
         bad = [i for i in self.sample_indices if i >= self.num_samples]
@@ -75,7 +81,8 @@ class GenerateRequest(Message, frozen=True, kw_only=True):
 
 
 class Completion(Message, frozen=True, kw_only=True):
-    """Rollout → verifier/coordinator: one finished response, streamed the moment it finishes."""
+    """Rollout → its group's learner rank (or the coordinator): one finished response, streamed the moment
+    it finishes."""
 
     kind = RolloutKind.COMPLETION
     group_id: NonNeg
@@ -96,6 +103,8 @@ class Completion(Message, frozen=True, kw_only=True):
     env_wait_s: NonNegF = 0.0
     env_reward: Finite | None = None  # the environment's reward at the episode's end (None: the run's reward)
     error: str | None = None  # why the sample is invalid (finish_reason "error"): masked, never scored 0
+    text: str = ""  # the response decoded (special tokens skipped), when it goes to a learner: the reward's
+    attempt: NonNeg = 0  # its request's try
 
     def __post_init__(self) -> None:
         ids, logp, mask = self.token_ids, self.logprobs, self.policy_mask

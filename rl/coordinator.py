@@ -2,7 +2,8 @@
 
 One dispatcher task takes every message and death from the supervisor and hands each message to the
 handler its type names (`_handlers`): completions and reward calls' totals to the step that dealt them
-(`RolloutStep`, rl/step.py), rewards, acks, learner stats and checkpoint answers to their waiters,
+(`RolloutStep`, rl/step.py: the learners' `SampleReceipt`s, or whole completions where no learner takes
+them), rewards, acks, learner stats and checkpoint answers to their waiters,
 Idle/Released/DrafterStats to the `LeaseTable`. Verbs: `rollout` (returns the step's handle),
 `score`/`reward`, `train`, `push_weights`, `weights_applied`, `heads_applied`, `save_checkpoint`. Clients:
 rl/run.py and `bench rollout`.
@@ -31,7 +32,7 @@ from slipstream.protocols.control import CheckpointSaved, Failed, Idle, Released
 from slipstream.protocols.drafter import DrafterStats, HeadAck
 from slipstream.protocols.learner import (
     PushWeights,
-    ScoredGroup,
+    SampleReceipt,
     StepStats,
     TrainStep,
     WeightAck,
@@ -127,6 +128,7 @@ class Coordinator:
         self._task: asyncio.Task[None] | None = None
         self._handlers: dict[type[Message], Callable[[str, Any], None]] = {
             Completion: self._on_completion,
+            SampleReceipt: self._on_completion,
             Reward: self._on_reward,
             RewardCalls: self._on_reward_calls,
             WeightAck: self._on_weight_ack,
@@ -184,7 +186,7 @@ class Coordinator:
 
     # -- the handlers, one per message type --------------------------------------------------------------
 
-    def _on_completion(self, sender: str, msg: Completion) -> None:
+    def _on_completion(self, sender: str, msg: Completion | SampleReceipt) -> None:
         if self._step is not None:  # a stray before any step has nobody to go to
             self._step.completions.put_nowait(msg)
 
@@ -329,18 +331,14 @@ class Coordinator:
                 "duplicate_dropped", group_id=key[0], sample_index=key[1], what="reward", level="warning"
             )
 
-    async def train(self, step: int, groups: Sequence[ScoredGroup], *, version: int) -> list[StepStats]:
-        """Deals the groups over the learner ranks, asks each for one step producing policy `version`, and
-        waits for every rank's stats. Pushing the result is `push_weights`', saving it `save_checkpoint`'s."""
+    async def train(self, step: int, asks: dict[str, TrainStep]) -> list[StepStats]:
+        """Asks each learner rank for its `TrainStep` of `step` (its groups, which it holds: their samples
+        came to it from the rollouts) and waits for every rank's stats. Pushing the result is
+        `push_weights`', saving it `save_checkpoint`'s."""
         if not self.learners:
             raise ValueError("no learner actors to train with")
-        shares: dict[str, int] = dict.fromkeys(self.learners, 0)
-        for i, group in enumerate(groups):
-            rank = self.learners[i % len(self.learners)]
-            shares[rank] += 1
-            await self.sup.send(rank, group)
         for rank in self.learners:
-            await self.sup.send(rank, TrainStep(step=step, num_groups=shares[rank], version=version))
+            await self.sup.send(rank, asks[rank])
         # No fixed deadline: a step takes what its batch takes. A rank that stops making progress is killed
         # by its hang deadline (the supervisor) and this wait raises ActorDiedError naming it.
         await self.wait_until(
@@ -348,6 +346,15 @@ class Coordinator:
         )
         stats = self._stats.pop(step)
         return [stats[name] for name in self.learners]
+
+    async def settle_scores(self) -> list[Reward]:
+        """Waits for every reward still owed (a step given up after its learner died: its samples are
+        rolled out again, scored again), returns them, and starts the ledger afresh."""
+        owed = []
+        while self.scores.outstanding:
+            owed.append(await self.reward())
+        self.scores = Ledger()
+        return owed
 
     def forget_stats(self) -> None:
         """The learner ranks were restarted: the stats of a step in flight died with them."""

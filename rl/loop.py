@@ -4,11 +4,13 @@
 
 One step: deal the step's prompts to the rollout actors → stream each completion to a verifier the moment
 it arrives (rewards overlap the tail), while idle rollout devices are leased to drafter training → preempt
-when the last completion is in → build GRPO groups → one learner step → the learner pushes the weights and
+when the last completion is in → the groups' plans (prompts, rewards) → one learner step → the learner pushes the weights and
 every rollout acknowledges the new version → a checkpoint when due → the step's record (metrics.jsonl, the
 sinks of `metrics.sinks`, a line on `step_lines`), the run's in summary.json. The verbs are rl/run.py's;
-a dead actor is restarted and its work dealt again (rl/recovery.py). A dead learner restarts from its
-newest checkpoint and replays the steps after it from their samples files; then the step trains again.
+a dead actor is restarted and its work dealt again (rl/recovery.py). Samples go from the rollouts to the
+learner ranks, never through this loop. A dead learner restarts from its newest checkpoint and replays
+the steps after it from their samples records; then the step trains again (rolled out again first, if
+the samples died with the learner before it recorded them).
 Configuration: `TrainConfig` and the actors it makes, in rl/run_config.py.
 """
 
@@ -59,16 +61,17 @@ async def train(
             await run.take_turn()
             work = run.batch(step)  # the step's prompts, from the data stream
             with progress(f"step {step + 1}/{cfg.steps}", len(work.rows) * cfg.group_size) as bar:
-                # Deal → decode → score; an idle rollout device is leased to the drafter meanwhile.
-                await run.roll_out_and_score(work, bar.advance)
                 while True:
                     try:
+                        if not work.completions:  # deal → decode → score; idle devices train the drafter
+                            await run.roll_out_and_score(work, bar.advance)
                         await run.learn(work)  # one GRPO step: policy version step + 1
                         await run.push(work)  # the weights to every rollout, the head to the drafters
                         await run.checkpoint(work)  # when due: policy, optimizer, drafter
                         break
                     except ActorDiedError as died:  # a learner: its checkpoint, a replay, then again
                         await run.recover_learners(died)
+                        work = await run.lost(work)  # unless recorded, its samples died with it
             run.record(work)  # metrics, the run's state, the step line
             run.end_turn()
     finally:

@@ -13,7 +13,8 @@ handed what it lost; without, the wait raises `ActorDiedError` naming it.
 - drafter: restarted from its own checkpoint, its leases void, handed the policy's head (drafters change
   speed, never samples: the step goes on meanwhile).
 - learner: every rank restarted (one lost rank breaks the process group) from the newest checkpoint, then
-  the steps after it trained again from their samples files, without new rollouts (`replay_learner`).
+  the steps after it trained again from their samples records, without new rollouts (`replay_learner`);
+  the samples of a step it held but had not recorded died with it, and the step is rolled out again.
   A learner that dies while a restarted rollout waits for its weights is recovered first, then pushes.
 """
 
@@ -26,7 +27,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from slipstream.protocols.learner import PushWeights
+from slipstream.protocols import samples_record
+from slipstream.protocols.learner import PushWeights, TrainStep
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -170,7 +172,7 @@ async def replay_learner(
     coord: Coordinator, cfg: TrainConfig, run_dir: Path, specs: list[ActorSpec], version: int
 ) -> None:
     """Restarts the learner ranks from the newest checkpoint and trains again, without new rollouts, every
-    step between it and policy `version` from samples/step-N.jsonl (tokens, behaviour log-probs, rewards):
+    step between it and policy `version` from its samples record (tokens, behaviour log-probs, rewards):
     the learner then holds what the rollouts hold. Again if it dies meanwhile (within its budget)."""
     from slipstream.actors.learner import RENDEZVOUS_FILE, LearnerActor
     from slipstream.rl import run_dir as run_dir_files
@@ -192,9 +194,18 @@ async def replay_learner(
             names = {actor_name(LearnerActor.role, s.rank): s for s in specs if s.actor == learner}
             configs = {n: msgspec.structs.replace(s.config, resume_from=path) for n, s in names.items()}
             await restart_learners(coord, configs)
-            for replayed in range(done, version):
-                groups = run_dir_files.recorded_groups(run_dir, replayed, sampling_of(cfg))
-                await coord.train(replayed, groups, version=replayed + 1)
+            for replayed in range(done, version):  # each rank reads its share of the step's record
+                asks = {
+                    name: TrainStep(
+                        step=replayed,
+                        version=replayed + 1,
+                        replay=True,
+                        **sampling_of(cfg),
+                        samples_path=str(samples_record.share_path(run_dir, replayed, rank)),
+                    )
+                    for rank, name in enumerate(coord.learners)
+                }
+                await coord.train(replayed, asks)
             return
         except ActorDiedError:
             if not any(n in coord.dead for n in coord.learners):

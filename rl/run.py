@@ -15,7 +15,6 @@ Non-obvious choices:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import math
@@ -33,9 +32,10 @@ from slipstream.actors.learner import RENDEZVOUS_FILE
 from slipstream.engine import hub
 from slipstream.engine.sampling import group_seed
 from slipstream.engine.tokenizer import Tokenizer
-from slipstream.protocols.learner import ScoredGroup, StepStats
+from slipstream.protocols import samples_record
+from slipstream.protocols.learner import GroupPlan, StepStats, TrainStep
 from slipstream.protocols.reward import ScoreRequest
-from slipstream.protocols.rollout import Completion, GenerateRequest, SamplingSpec
+from slipstream.protocols.rollout import GenerateRequest, SamplingSpec
 from slipstream.rl import recovery
 from slipstream.rl import run_dir as run_dir_files
 from slipstream.rl.coordinator import Coordinator
@@ -47,9 +47,10 @@ from slipstream.rl.run_config import (
     environment_names,
     episode_tokens,
     lease_plan,
+    sampling_of,
 )
 from slipstream.rl.run_dir import StepRecord
-from slipstream.rl.step import StepMetrics, rollout_step
+from slipstream.rl.step import Arrival, StepMetrics, rollout_step
 from slipstream.runtime.agent import AgentLauncher
 from slipstream.runtime.cluster import RENDEZVOUS, Cluster, run_keys
 from slipstream.runtime.placement import Host
@@ -71,12 +72,14 @@ class StepWork:
     prompts: dict[int, list[int]]  # group id -> prompt token ids
     data_cursor: dict[str, Any]  # the stream after this step's rows: where a resume reads on
     restarts_before: int  # the run's restarts before this step (the step reports its own)
+    attempt: int = 0  # the step's try: rolled out again after a learner died holding its samples
     started: float = field(default_factory=time.monotonic)
-    completions: dict[tuple[int, int], Completion] = field(default_factory=dict)
+    # (group, sample) -> its receipt: the learner rank its group went to holds the sample itself
+    completions: dict[tuple[int, int], Arrival] = field(default_factory=dict)
     rewards: dict[tuple[int, int], float | None] = field(default_factory=dict)
     reward_errors: dict[str, int] = field(default_factory=dict)
     metrics: StepMetrics = field(default_factory=StepMetrics)
-    groups: list[ScoredGroup] = field(default_factory=list)
+    groups: list[GroupPlan] = field(default_factory=list)  # what the learner ranks are asked to train
     stats: list[StepStats] = field(default_factory=list)
     checkpoint: str = ""  # relative to the run directory; "" when none is due
     marks: dict[str, float] = field(default_factory=dict)  # phase -> seconds (its last try)
@@ -254,16 +257,16 @@ class Run:
         return StepWork(step, rows, prompts, self.stream.state(), len(self.coord.restarted))
 
     async def roll_out_and_score(self, work: StepWork, advance: Any) -> None:
-        """Deals the prompts to the rollouts and sends each completion to a verifier the moment it arrives
-        (rewards overlap the tail) while idle rollout devices are leased to drafter training; then the
-        rewards' tail, the GRPO groups and their samples file. `advance`: the progress bar, a completion at
-        a time."""
+        """Deals the prompts to the rollouts (each group's samples go to the learner rank that trains it)
+        and sends each receipt's text to a verifier the moment it arrives (rewards overlap the tail) while
+        idle rollout devices are leased to drafter training; then the rewards' tail and the step's plan for
+        the learners. `advance`: the progress bar, a sample at a time."""
         last_completion = [work.started]
 
-        async def score(completion: Completion) -> None:
+        async def score(receipt: Arrival) -> None:
             last_completion[0] = time.monotonic()
-            if not self._env_scored(work, completion):
-                await self.coord.score(self._score_request(work, completion))
+            if not self._env_scored(work, receipt):
+                await self.coord.score(self._score_request(work, receipt))
             advance()
 
         work.completions, work.metrics = await rollout_step(self.coord, self._requests(work), score)
@@ -275,20 +278,47 @@ class Run:
             if reward.error is not None:
                 work.reward_errors[reward.error] = work.reward_errors.get(reward.error, 0) + 1
         self._mark(work, "reward", tail)
-        work.groups = self._groups(work)
-        # Before the learner trains on them: a learner that dies once the rollouts hold this step's version
-        # is rebuilt from them (`recover_learners`). In a thread: detokenising a users'-size step held the
-        # loop for seconds (`bench scale`'s loop_stall_max_s), with heartbeats and results waiting.
-        path = self.run_dir / "samples" / f"step-{work.step}.jsonl"
-        await asyncio.to_thread(run_dir_files.write_samples, path, work.groups, self.tokenizer)
+        work.groups = self._plans(work)
         if checkpoint_due(self.cfg, work.step, time.monotonic() - self.last_checkpoint):
             work.checkpoint = f"checkpoints/step-{work.step + 1}/{run_dir_files.CHECKPOINT_FILE}"
 
     async def learn(self, work: StepWork) -> None:
-        """One GRPO step on the learner ranks: policy version `work.version`."""
+        """One GRPO step on the learner ranks: policy version `work.version`. Each rank first writes its
+        share of the samples record; a step recorded so already (its learner died after) is replayed from
+        it."""
         began = time.monotonic()
-        work.stats = await self.coord.train(work.step, work.groups, version=work.version)
+        recorded = self.recorded(work.step)
+        asks = {}
+        for rank, name in enumerate(self.coord.learners):
+            share = [plan for plan in work.groups if self._learner_of(plan.group_id, work) == name]
+            path = str(samples_record.share_path(self.run_dir, work.step, rank))
+            asks[name] = TrainStep(
+                step=work.step, version=work.version, groups=[] if recorded else share,
+                samples_path=path, replay=recorded, **sampling_of(self.cfg),
+            )  # fmt: skip
+        work.stats = await self.coord.train(work.step, asks)
         self._mark(work, "learn", began)
+
+    def recorded(self, step: int) -> bool:
+        """Whether every learner rank's share of step `step`'s samples record is on disk."""
+        shares = [samples_record.share_path(self.run_dir, step, r) for r in range(len(self.coord.learners))]
+        return all(path.is_file() for path in shares)
+
+    async def lost(self, work: StepWork) -> StepWork:
+        """After a learner's recovery: the step as it stands, if its samples record is on disk; else its
+        samples died with the learner, and the step starts again (its rewards still owed first: the same
+        samples are scored again when they come back)."""
+        if work.completions and self.recorded(work.step):
+            return work
+        await self.coord.settle_scores()
+        return StepWork(
+            work.step,
+            work.rows,
+            work.prompts,
+            work.data_cursor,
+            work.restarts_before,
+            attempt=work.attempt + 1,
+        )
 
     async def push(self, work: StepWork) -> None:
         """The line where weights are pushed: the learner sends `work.version` to every rollout (deltas
@@ -375,11 +405,18 @@ class Run:
                 policy_version=work.step,
                 # An episode: the environment opens it from the row (the prompt above is not used then).
                 row_json=_row_json(work.rows[g]) if cfg.environment.env else "",
+                learn_at=self._learner_of(g, work),
+                attempt=work.attempt,
             )
             for g in work.rows
         ]
 
-    def _env_scored(self, work: StepWork, completion: Completion) -> bool:
+    def _learner_of(self, group_id: int, work: StepWork) -> str:
+        """The learner rank that trains group `group_id` (and holds its samples): the step's groups in turn."""
+        learners = self.coord.learners
+        return learners[(group_id - work.step * self.cfg.prompts_per_step) % len(learners)]
+
+    def _env_scored(self, work: StepWork, completion: Arrival) -> bool:
         """An episode's reward where it needs no verifier: the environment's own, or None for an invalid
         episode (its error recorded: masked, never a silent 0). False: the verifier scores the transcript."""
         if not self.cfg.environment.env:
@@ -395,67 +432,43 @@ class Run:
             return True
         return False
 
-    def _score_request(self, work: StepWork, completion: Completion) -> ScoreRequest:
-        row = work.rows[completion.group_id]
+    def _score_request(self, work: StepWork, receipt: Arrival) -> ScoreRequest:
+        row = work.rows[receipt.group_id]
         return ScoreRequest(
-            group_id=completion.group_id,
-            sample_index=completion.sample_index,
+            group_id=receipt.group_id,
+            sample_index=receipt.sample_index,
             prompt=row.question,
-            completion=self.tokenizer.decode(completion.token_ids.tolist(), skip_special_tokens=True),
+            completion=receipt.text,  # decoded by the rollout
             row_json=_row_json(row),
-            policy_version=completion.policy_version,
+            policy_version=receipt.policy_version,
         )
 
-    def _groups(self, work: StepWork) -> list[ScoredGroup]:
-        cfg, groups = self.cfg, []
+    def _plans(self, work: StepWork) -> list[GroupPlan]:
+        """Each group's prompt and rewards for its learner rank. A request the rollout could not serve came
+        back as an "error" sample: invalid. So is an episode whose opening differs from its group's first
+        (an environment whose opening is not a function of the row): the learner reads one prompt a group."""
+        cfg, plans = self.cfg, []
         for g in work.rows:
             done = [work.completions[(g, i)] for i in range(cfg.group_size)]
-            prompt, differs = self._opening(work, g, done)
-            groups.append(
-                ScoredGroup(
-                    step=work.step,
-                    group_id=g,
-                    prompt_ids=prompt,
-                    response_ids=[c.token_ids for c in done],
-                    behaviour_logprobs=[c.logprobs for c in done],
-                    # A request the rollout could not serve comes back as an "error" completion: invalid.
-                    rewards=[
-                        None if c.finish_reason == "error" or i in differs else work.rewards[(g, i)]
-                        for i, c in enumerate(done)
-                    ],
-                    temperature=cfg.temperature,
-                    top_p=cfg.top_p,
-                    top_k=cfg.top_k,
-                    policy_version=work.step,
-                    # A multi-turn episode's: which tokens the policy sampled (the environment's are context).
-                    policy_masks=[c.policy_mask for c in done]
-                    if any(c.policy_mask.numel() for c in done)
-                    else [],
-                )
-            )
-        return groups
-
-    def _opening(self, work: StepWork, g: int, done: list[Completion]) -> tuple[torch.Tensor, set[int]]:
-        """Group `g`'s prompt: its episodes' opening where they are episodes (the environment's messages,
-        rendered), else the request's; and the samples whose opening differs from the group's (an
-        environment whose opening is not a function of the row): invalid, as the learner reads one prompt
-        a group."""
-        openings = [(i, c.prompt_ids) for i, c in enumerate(done) if c.prompt_ids.numel()]
-        if not openings:
-            return torch.tensor(work.prompts[g], dtype=torch.int64), set()
-        prompt = openings[0][1]
-        differs = {i for i, ids in openings if not torch.equal(ids, prompt)}
-        if differs:
-            why = "episode: its opening differs from its group's (the learner reads one prompt a group)"
-            work.reward_errors[why] = work.reward_errors.get(why, 0) + len(differs)
-        return prompt, differs
+            openings = [(i, c.opening) for i, c in enumerate(done) if c.opening]
+            differs = {i for i, digest in openings if digest != openings[0][1]}
+            if differs:
+                why = "episode: its opening differs from its group's (the learner reads one prompt a group)"
+                work.reward_errors[why] = work.reward_errors.get(why, 0) + len(differs)
+            rewards = [
+                None if c.finish_reason == "error" or i in differs else work.rewards[(g, i)]
+                for i, c in enumerate(done)
+            ]
+            prompt = torch.empty(0, dtype=torch.int64) if openings else torch.tensor(work.prompts[g])
+            plans.append(GroupPlan(group_id=g, prompt_ids=prompt, rewards=rewards))
+        return plans
 
     def _record(self, work: StepWork) -> StepRecord:
         """The step's metrics.jsonl record (fields: rl/run_dir.py)."""
         groups, m, marks, lead = work.groups, work.metrics, work.marks, work.stats[0]
         valid = [r for grp in groups for r in grp.rewards if r is not None]
         mixed = sum(len({r for r in grp.rewards if r is not None}) > 1 for grp in groups)
-        tokens = sum(len(c.token_ids) for c in work.completions.values())
+        tokens = sum(c.tokens for c in work.completions.values())
         turns = [c.turns for c in work.completions.values() if c.turns]  # episodes' policy turns
         # A multi-turn run: every sample is an episode (an invalid one too, with the turns it reached).
         by_count = Counter(str(c.turns) for c in work.completions.values() if self.cfg.environment.env)
@@ -492,7 +505,8 @@ class Run:
             grad_norm=lead.grad_norm,
             reward_errors=work.reward_errors,
             requeued=m.requeued,
-            duplicates=m.duplicates,
+            # Copies dropped at the head (rewards, strays) and at the learner ranks (samples held already).
+            duplicates=m.duplicates + sum(int(s.metrics.get("duplicates", 0)) for s in work.stats),
             reward_call_s=round(m.reward_call_s, 3),
             reward_terms=m.reward_terms(),
             mismatch_logp_abs_max=lead.metrics.get("mismatch_logp_abs_max", 0.0),

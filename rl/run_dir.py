@@ -2,8 +2,8 @@
 
 `slipstream train` writes and reads them through these functions (layout: docs/training.md). What a resume
 or a restarted learner needs is here: state.json names the newest checkpoint relative to the directory and
-the data cursor; samples/step-N.jsonl holds every response with its behaviour log-probs, so a learner can
-replay a step without rolling it out again; metrics.jsonl holds each step's record once.
+the data cursor; metrics.jsonl holds each step's record once. The samples record (samples/step-N.jsonl,
+every response with its behaviour log-probs) is the learner's to write: protocols/samples_record.py.
 """
 
 from __future__ import annotations
@@ -15,10 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import torch
-
-from slipstream.engine.tokenizer import Tokenizer
-from slipstream.protocols.learner import ScoredGroup
 
 __all__ = [
     "CHECKPOINT_FILE",
@@ -27,11 +23,9 @@ __all__ = [
     "prune_checkpoints",
     "read_records",
     "read_state",
-    "recorded_groups",
     "render",
     "summary",
     "write_records",
-    "write_samples",
     "write_state",
 ]
 
@@ -94,57 +88,6 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     # step's samples (sample-seconds: samples wait at once), and the most one sample waited
     env_wait_s: float = 0.0
     env_wait_max_s: float = 0.0
-
-
-def write_samples(path: Path, groups: list[ScoredGroup], tokenizer: Tokenizer) -> None:
-    """Every response of the step with its reward, for reading what the policy does and replaying the
-    learner on it (`bench e2e`), as JSON lines."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # msgspec's encoder and a group's texts decoded in one batch: json.dumps and a decode a sample took
-    # 1.3 s for 1024 samples of 2048 tokens, on the coordinator's clock (`bench scale`, 2026-11-28).
-    encode = msgspec.json.Encoder().encode
-    with path.open("wb") as out:
-        for group in groups:
-            prompt = group.prompt_ids.tolist()
-            responses = [ids.tolist() for ids in group.response_ids]
-            texts = tokenizer.decode_batch(responses)
-            for i, (tokens, text, reward) in enumerate(zip(responses, texts, group.rewards, strict=True)):
-                row = {
-                    "group_id": group.group_id, "sample_index": i, "reward": reward,
-                    "text": text, "token_ids": tokens, "prompt_ids": prompt,
-                    # The behaviour log-probs: what a replay of this step by a restarted learner needs.
-                    "logprobs": group.behaviour_logprobs[i].tolist(),
-                }  # fmt: skip
-                if group.policy_masks and group.policy_masks[i].numel():  # a multi-turn episode's
-                    row["policy_mask"] = [int(x) for x in group.policy_masks[i].tolist()]
-                out.write(encode(row) + b"\n")
-
-
-def recorded_groups(run_dir: Path, step: int, sampling: dict[str, Any]) -> list[ScoredGroup]:
-    """A finished step's groups as the learner got them, read back from samples/step-N.jsonl."""
-    by_group: dict[int, list[dict[str, Any]]] = {}
-    for line in (run_dir / "samples" / f"step-{step}.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        by_group.setdefault(row["group_id"], []).append(row)
-    groups = []
-    for group_id, rows in sorted(by_group.items()):
-        rows.sort(key=lambda r: r["sample_index"])
-        groups.append(
-            ScoredGroup(
-                step=step,
-                group_id=group_id,
-                prompt_ids=torch.tensor(rows[0]["prompt_ids"], dtype=torch.int64),
-                response_ids=[torch.tensor(r["token_ids"], dtype=torch.int64) for r in rows],
-                behaviour_logprobs=[torch.tensor(r["logprobs"], dtype=torch.float32) for r in rows],
-                rewards=[r["reward"] for r in rows],
-                **sampling,  # temperature, top_p, top_k: how the step was sampled
-                policy_version=step,
-                policy_masks=[torch.tensor(r.get("policy_mask", []), dtype=torch.bool) for r in rows]
-                if any("policy_mask" in r for r in rows)
-                else [],
-            )
-        )
-    return groups
 
 
 CHECKPOINT_FILE = "learner.pt"

@@ -5,7 +5,8 @@ The handle owns the step's state: the requests, the ledger of what was dealt to 
 coordinator fills from IterationStats, leases and DrafterStats. Iterating it deals the groups (the least
 loaded rollout first, by expected work) and yields each completion as it arrives; `finish()` waits until
 every drafter lease is released and every rollout is idle. A rollout, drafter, verifier or environment
-actor that dies meanwhile is recovered (rl/recovery.py). `rollout_step` is the whole half-step, shared by
+actor that dies meanwhile is recovered (rl/recovery.py); a learner rank that holds the step's samples
+ends the step (ActorDiedError): the loop recovers it and rolls the step out again. `rollout_step` is the whole half-step, shared by
 `slipstream train` and `bench rollout`: train sends each completion to a verifier at once (rewards overlap
 the tail).
 """
@@ -19,17 +20,28 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from slipstream.protocols.learner import SampleReceipt
 from slipstream.protocols.reward import CallTotals
 from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats
 from slipstream.rl import recovery
 from slipstream.rl.ledger import Ledger
+from slipstream.rl.recovery import ActorDiedError
 
 if TYPE_CHECKING:
     from slipstream.rl.coordinator import Coordinator
 
-__all__ = ["BATCH_BUCKETS", "RolloutStep", "StepMetrics", "batch_bucket", "rollout_step"]
+__all__ = ["BATCH_BUCKETS", "Arrival", "RolloutStep", "StepMetrics", "batch_bucket", "rollout_step"]
 
 T = TypeVar("T")
+
+Arrival = Completion | SampleReceipt
+"""What comes back of a sample: the learner's receipt (it holds the sample), or where a request names no
+learner (`bench rollout`) the completion itself."""
+
+
+def length(arrival: Arrival) -> int:
+    """The response's tokens."""
+    return arrival.tokens if isinstance(arrival, SampleReceipt) else len(arrival.token_ids)
 
 
 @dataclass
@@ -194,15 +206,20 @@ class RolloutStep:
         self.cost = expected_tokens or (lambda r: float(r.num_samples * r.sampling.max_tokens))
         self.ledger = Ledger()
         self.metrics = StepMetrics()
-        self.completions: asyncio.Queue[Completion] = asyncio.Queue()  # bounded by what was dealt
+        self.completions: asyncio.Queue[Arrival] = asyncio.Queue()  # bounded by what was dealt
+        # The learner ranks that hold the step's samples: one that dies loses them, and the step with them.
+        self.learners = sorted({r.learn_at for r in requests if r.learn_at})
         self.started = 0.0
         self.decoding = False  # until the last completion is in: idle devices are lent meanwhile
-        self._stream_of: AsyncIterator[Completion] | None = None
+        # The step's try (its requests'): a step given up when its learner died is rolled out again as the
+        # next try, and a sample of an earlier try that comes back meanwhile is not this one's.
+        self.attempt = max((r.attempt for r in requests), default=0)
+        self._stream_of: AsyncIterator[Arrival] | None = None
 
     def __aiter__(self) -> RolloutStep:
         return self
 
-    async def __anext__(self) -> Completion:
+    async def __anext__(self) -> Arrival:
         if self._stream_of is None:  # the first call deals
             self._stream_of = self._stream()
         return await anext(self._stream_of)
@@ -220,7 +237,7 @@ class RolloutStep:
             # Dealt nothing (fewer groups than rollouts): idle from the start, and it never says Idle itself.
             coord.on_idle(name, self.started)
 
-    async def _stream(self) -> AsyncIterator[Completion]:
+    async def _stream(self) -> AsyncIterator[Arrival]:
         coord, ledger, m = self.coord, self.ledger, self.metrics
         self.started, self.decoding = time.monotonic(), True
         coord.begin(self)
@@ -230,6 +247,10 @@ class RolloutStep:
         try:
             while received < expected:
                 while self.completions.empty():
+                    if lost := [n for n in self.learners if n in coord.dead]:
+                        raise ActorDiedError(
+                            f"{lost[0]} died holding samples of the step: {coord.dead[lost[0]]}"
+                        )
                     for name in [r for r in coord.rollouts if r in coord.dead]:
                         await recovery.recover_rollout(coord, name, self)
                     for name in [e for e in coord.environments if e in coord.dead]:
@@ -237,12 +258,15 @@ class RolloutStep:
                     if self.completions.empty():
                         await coord.changed()
                 completion = self.completions.get_nowait()
+                if completion.attempt != self.attempt:  # an earlier try's (its learner died): not counted
+                    coord.emit("stale_dropped", group_id=completion.group_id, attempt=completion.attempt)
+                    continue
                 if not ledger.take((completion.group_id, completion.sample_index)):
                     coord.emit("duplicate_dropped", group_id=completion.group_id,
                                sample_index=completion.sample_index, what="completion", level="warning")  # fmt: skip
                     continue
                 received += 1
-                m.tokens += len(completion.token_ids)
+                m.tokens += length(completion)
                 reason = completion.finish_reason
                 m.finish_reasons[reason] = m.finish_reasons.get(reason, 0) + 1
                 if received == expected:
@@ -251,6 +275,8 @@ class RolloutStep:
                     coord.preempt_all("rollout done")  # every idle device goes back to the rollouts
                 yield completion
         finally:
+            if self.decoding:  # given up (its learner died): the devices lent meanwhile go back
+                coord.preempt_all("step given up")
             self.decoding = False
             m.requeued += ledger.requeued
             m.duplicates += ledger.duplicates
@@ -312,12 +338,12 @@ class RolloutStep:
 async def rollout_step(
     coord: Any,
     requests: Sequence[GenerateRequest],
-    on_completion: Callable[[Completion], Awaitable[None]] | None = None,
+    on_completion: Callable[[Arrival], Awaitable[None]] | None = None,
     *,
     on_iteration: Callable[[str, IterationStats], None] | None = None,
-) -> tuple[dict[tuple[int, int], Completion], StepMetrics]:
+) -> tuple[dict[tuple[int, int], Arrival], StepMetrics]:
     """Rolls `requests` out on `coord` (a `Coordinator`); see the module docstring."""
-    completions: dict[tuple[int, int], Completion] = {}
+    completions: dict[tuple[int, int], Arrival] = {}
     step = coord.rollout(requests, on_iteration=on_iteration)
     async for completion in step:
         completions[(completion.group_id, completion.sample_index)] = completion

@@ -3,6 +3,7 @@ invalid samples masked, malformed groups counted, checkpoint and resume."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,9 @@ import torch
 from slipstream.actors.learner import LearnerActor, policy_samples
 from slipstream.protocols.control import CheckpointSaved, SaveCheckpoint
 from slipstream.protocols.learner import (
+    GroupPlan,
     PushWeights,
+    SampleReceipt,
     ScoredGroup,
     StepStats,
     TrainStep,
@@ -70,6 +73,40 @@ def scored_groups(
     return groups
 
 
+def feed(learner: LearnerActor, groups: list[ScoredGroup], *, version: int, **step: Any) -> None:
+    """`groups` as a learner receives them: each sample straight from its rollout (a `Completion`, answered
+    with a receipt), then the coordinator's `TrainStep` (`step`) naming each group's prompt and rewards."""
+    for completion in as_completions(groups, step.get("step")):
+        learner.on_completion(completion, "rollout:0")
+    learner.on_train(train_step(groups, version=version, **step), "coordinator")
+
+
+def as_completions(groups: list[ScoredGroup], step: int | None = None) -> list[Completion]:
+    """Each sample of `groups` as its rollout sends it to the learner (policy version: the step's)."""
+    return [
+        Completion(
+            group_id=g.group_id, sample_index=i, token_ids=ids, logprobs=logp, finish_reason="stop",
+            policy_version=g.step if step is None else step, text=f"response {i}",
+            policy_mask=g.policy_masks[i] if g.policy_masks else torch.empty(0, dtype=torch.bool),
+        )
+        for g in groups
+        for i, (ids, logp) in enumerate(zip(g.response_ids, g.behaviour_logprobs, strict=True))
+    ]  # fmt: skip
+
+
+def train_step(groups: list[ScoredGroup], *, version: int, **step: Any) -> TrainStep:
+    """The coordinator's ask for `groups`: each one's prompt and rewards, and how they were sampled."""
+    plans = [GroupPlan(group_id=g.group_id, prompt_ids=g.prompt_ids, rewards=list(g.rewards)) for g in groups]
+    if groups:
+        step = {
+            "temperature": groups[0].temperature,
+            "top_p": groups[0].top_p,
+            "top_k": groups[0].top_k,
+            **step,
+        }
+    return TrainStep(version=version, groups=plans, **step)
+
+
 def train(
     learner: LearnerActor,
     groups: list[ScoredGroup],
@@ -81,12 +118,10 @@ def train(
     checkpoint: str = "",
     **step: Any,
 ) -> None:
-    """One step as the coordinator asks for it: the groups, `TrainStep`, then `SaveCheckpoint` (with
-    `checkpoint`) and `PushWeights` (with `push_to` or `push_head_to`), each its own message."""
-    for g in groups:
-        learner.on_group(g, "coordinator")
+    """One step as a run takes it: the groups' samples from their rollout, `TrainStep`, then `SaveCheckpoint`
+    (with `checkpoint`) and `PushWeights` (with `push_to` or `push_head_to`), each its own message."""
     step.setdefault("step", groups[0].step if groups else 0)
-    learner.on_train(TrainStep(num_groups=len(groups), version=version, **step), "coordinator")
+    feed(learner, groups, version=version, **step)
     assert learner.step()
     assert not learner.step()  # one TrainStep, one optimizer step
     if checkpoint:
@@ -234,3 +269,45 @@ def test_a_checkpoint_that_cannot_be_written_is_answered_as_failed(tiny: Path, t
     learner.on_checkpoint(SaveCheckpoint(step=4, path=str(good)), "coordinator")
     assert [bool(s.error) for s in out.of(CheckpointSaved)] == [True, False]
     assert good.is_file() and not good.with_suffix(".pt.tmp").exists()
+
+
+def test_samples_are_held_and_receipted_once_a_newer_try_replaces_and_duplicates_are_counted(
+    tiny: Path, tmp_path: Path
+) -> None:
+    (group,) = scored_groups(tiny, tmp_path, [[1.0, 0.0, 0.5, 1.0], [0.0, 1.0]])[:1]
+    learner, sent = make_learner(tiny, tmp_path)
+    first, second, *rest = as_completions([group], step=0)
+    learner.on_completion(first, "rollout:0")
+    learner.on_completion(first, "rollout:1")  # a requeue's copy of the same try: dropped
+    newer = msgspec.structs.replace(second, attempt=1, text="the newer try")
+    learner.on_completion(second, "rollout:0")
+    learner.on_completion(newer, "rollout:0")  # the step's next try: replaces the older copy
+    learner.on_completion(second, "rollout:0")  # the older try again: dropped
+    receipts = sent.of(SampleReceipt)
+    assert [(r.sample_index, r.attempt) for r in receipts] == [(0, 0), (1, 0), (1, 1)]
+    assert receipts[0].tokens == len(first.token_ids) and receipts[2].text == "the newer try"
+    assert not any(isinstance(m, torch.Tensor) for r in receipts for m in msgspec.structs.astuple(r))
+    for completion in rest:
+        learner.on_completion(completion, "rollout:0")
+    learner.on_train(
+        train_step([group], version=1, step=0, samples_path=str(tmp_path / "s.jsonl")), "coordinator"
+    )
+    assert learner.step()
+    (stats,) = sent.of(StepStats)
+    assert stats.metrics["duplicates"] == 2.0 and stats.metrics["groups"] == 1.0
+    texts = [json.loads(line)["text"] for line in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert texts == ["response 0", "the newer try", "response 2", "response 3"]
+    learner.on_completion(first, "rollout:0")  # a copy after its step trained (policy v0 < v1): dropped
+    assert len(sent.of(SampleReceipt)) == 3 + 2 and learner._duplicates == 1
+
+
+def test_a_step_waits_until_every_sample_of_its_groups_is_held(tiny: Path, tmp_path: Path) -> None:
+    groups = scored_groups(tiny, tmp_path, [[1.0, 0.0], [0.0, 1.0]])
+    learner, sent = make_learner(tiny, tmp_path)
+    *early, last = as_completions(groups, step=0)
+    for completion in early:
+        learner.on_completion(completion, "rollout:0")
+    learner.on_train(train_step(groups, version=1, step=0), "coordinator")
+    assert not learner.step() and not sent.of(StepStats)  # one sample still on its way
+    learner.on_completion(last, "rollout:1")
+    assert learner.step() and len(sent.of(StepStats)) == 1

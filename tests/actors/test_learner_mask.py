@@ -1,6 +1,6 @@
-"""The learner's side of a multi-turn record: a ScoredGroup's policy masks cross the wire (codec, and the
-samples file a restarted learner replays from) into `PolicySample.policy_mask`, so an environment's tokens
-stay out of the loss. A planted learner that drops the masks trains on them, and the update differs."""
+"""The learner's side of a multi-turn record: each Completion's policy mask crosses the wire (codec), into
+the group the learner assembles and the samples record a restarted learner replays from, and into
+`PolicySample.policy_mask`, so an environment's tokens stay out of the loss. A planted learner that drops the masks trains on them, and the update differs."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from slipstream.actors.learner import policy_samples
 from slipstream.engine.grpo import LossConfig
 from slipstream.engine.policy_train import OptimConfig, PolicyTrainer
 from slipstream.engine.weights import load_model
-from slipstream.protocols.learner import ScoredGroup
-from slipstream.rl import run_dir as run_dir_files
+from slipstream.protocols import samples_record
+from slipstream.protocols.learner import GroupPlan, ScoredGroup
+from slipstream.protocols.rollout import Completion
 from slipstream.runtime.codec import Codec, ProtocolError
 from tests.engine.conftest import build_checkpoint
 
@@ -33,19 +34,30 @@ def group(*, masks: bool = True) -> ScoredGroup:
     )  # fmt: skip
 
 
+def completions() -> list[Completion]:
+    g = group()
+    return [
+        Completion(
+            group_id=0, sample_index=i, token_ids=ids, logprobs=logp, finish_reason="stop", policy_version=0,
+            policy_mask=mask, prompt_ids=g.prompt_ids,
+        )
+        for i, (ids, logp, mask) in enumerate(zip(g.response_ids, g.behaviour_logprobs, g.policy_masks, strict=True))
+    ]  # fmt: skip
+
+
 def test_masks_cross_the_wire_and_the_samples_file(tmp_path: Path) -> None:
     codec = Codec()
-    got = codec.decode(codec.encode(group()))
+    held = [codec.decode(codec.encode(c)) for c in completions()]
+    plan = GroupPlan(group_id=0, prompt_ids=torch.empty(0, dtype=torch.int64), rewards=[1.0, 0.0])
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+    got = samples_record.assemble(plan, held, 0, sampling)  # an episode's: its opening is the prompt
+    assert got.prompt_ids.tolist() == PROMPT
     samples, _ = policy_samples([got], LossConfig())
     assert [list(s.policy_mask) for s in samples] == MASKS
     assert [s.num_policy_tokens for s in samples] == [5, 4]
-
-    class Tok:
-        def decode_batch(self, seqs: list[list[int]]) -> list[str]:
-            return [" ".join(map(str, ids)) for ids in seqs]
-
-    run_dir_files.write_samples(tmp_path / "samples" / "step-0.jsonl", [got], Tok())  # type: ignore[arg-type]
-    (back,) = run_dir_files.recorded_groups(tmp_path, 0, {"temperature": 1.0, "top_p": 1.0, "top_k": 0})
+    path = tmp_path / "samples" / "step-0.jsonl"
+    samples_record.write_samples(path, [got], [["a", "b"]])
+    (back,) = samples_record.read_groups([path], 0, sampling)
     assert [m.tolist() for m in back.policy_masks] == MASKS
     single, _ = policy_samples([group(masks=False)], LossConfig())
     assert all(s.policy_mask is None for s in single)
@@ -53,10 +65,10 @@ def test_masks_cross_the_wire_and_the_samples_file(tmp_path: Path) -> None:
 
 def test_a_malformed_mask_is_refused_at_decoding() -> None:
     codec = Codec()
-    kind, body, *tensors = codec.encode(group())
+    kind, body, *tensors = codec.encode(completions()[0])
     fields = msgspec.msgpack.decode(bytes(body))
-    fields[-1][0] = ["bool", [1], b"\x01"]  # a mask one entry long for an 8-token response
-    with pytest.raises(ProtocolError, match="policy mask"):
+    fields[list(Completion.__struct_fields__).index("policy_mask")] = ["bool", [1], b"\x01"]  # 1 of 8 tokens
+    with pytest.raises(ProtocolError, match="policy_mask"):
         codec.decode([kind, msgspec.msgpack.encode(fields), *tensors])
 
 

@@ -36,7 +36,7 @@ from slipstream.runtime.inbox import Inbox
 from slipstream.runtime.launcher import ActorLaunch, LocalLauncher, ProcessHandle
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
 from tests.actors.test_drafter_actor import Sent, drafter_config
-from tests.actors.test_learner import scored_groups, train
+from tests.actors.test_learner import as_completions, scored_groups, train, train_step
 from tests.actors.test_rollout_actor import Captured, make_actor
 from tests.engine.conftest import build_checkpoint
 
@@ -297,7 +297,12 @@ def test_real_processes_sync_by_deltas_across_hosts_and_recover_a_restarted_roll
             async with Coordinator(sup, rollouts=rollouts, learners=["learner:0"], restart=True) as coord:
 
                 async def sync(version: int) -> None:
-                    await coord.train(version, at_step(groups, version), version=version)
+                    share = at_step(groups, version)
+                    for completion in as_completions(share, version):  # as the rollouts send them
+                        await sup.send("learner:0", completion)
+                    await coord.train(
+                        version, {"learner:0": train_step(share, version=version, step=version)}
+                    )
                     push = coord.push_weights(version, to=rollouts, deltas=True)
                     await asyncio.wait_for(push, timeout=60)
                     await asyncio.wait_for(coord.weights_applied(version), timeout=60)

@@ -46,6 +46,8 @@ def samples() -> dict[str, Message]:
             sampling=sampling,
             policy_version=2,
             row_json='{"answer":"2"}',
+            learn_at="learner:0",
+            attempt=1,
         ),
         # A 2-turn episode's: the environment's token (mask False) has log-prob 0.
         rollout.Completion(
@@ -62,6 +64,8 @@ def samples() -> dict[str, Message]:
             env_wait_s=0.75,
             env_reward=1.0,
             error=None,
+            text="<answer>2</answer>",
+            attempt=1,
         ),
         rollout.IterationStats(
             rank=0,
@@ -93,18 +97,20 @@ def samples() -> dict[str, Message]:
         reward.RewardCalls(
             terms={"judge": reward.CallTotals(calls=2, samples=12, seconds=1.5, max_batch=8, invalid=1)}
         ),
-        learner.ScoredGroup(
-            step=1,
+        learner.SampleReceipt(
             group_id=3,
-            prompt_ids=torch.arange(4),
-            response_ids=[torch.tensor([1, 2]), torch.tensor([3])],
-            behaviour_logprobs=[torch.tensor([-0.5, -0.5]), torch.tensor([-1.0])],
-            rewards=[1.0, None],
-            temperature=0.7,
-            top_p=0.9,
-            top_k=20,
+            sample_index=1,
+            tokens=3,
+            finish_reason="stop",
             policy_version=2,
-            policy_masks=[torch.tensor([True, False]), torch.empty(0, dtype=torch.bool)],
+            accept_length=2.5,
+            text="<answer>2</answer>",
+            opening="00ff00ff00ff00ff",
+            turns=2,
+            env_wait_s=0.25,
+            env_reward=1.0,
+            error=None,
+            attempt=1,
         ),
         environment.OpenEpisode(episode_id="rollout:0/3:1/0", row_json='{"question":"1+1?"}'),
         environment.EpisodeOpened(
@@ -129,7 +135,16 @@ def samples() -> dict[str, Message]:
         environment.CloseEpisode(episode_id="rollout:0/3:1/0"),
         environment.EnvironmentUp(incarnation="41-ab"),
         environment.RolloutUp(owner="rollout:0", incarnation="42-cd"),
-        learner.TrainStep(step=1, num_groups=8, version=2),
+        learner.TrainStep(
+            step=1,
+            version=2,
+            groups=[learner.GroupPlan(group_id=3, prompt_ids=torch.arange(4), rewards=[1.0, None])],
+            temperature=0.7,
+            top_p=0.9,
+            top_k=20,
+            samples_path="run/samples/step-1.jsonl",
+            replay=False,
+        ),
         learner.PushWeights(version=3, to=["rollout:1"], head_to=["drafter:1"], delta_base={"rollout:1": 2}),
         learner.WeightUpdate(
             version=3,

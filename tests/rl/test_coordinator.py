@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -19,7 +20,14 @@ from slipstream.protocols.control import (
     SaveCheckpoint,
 )
 from slipstream.protocols.drafter import DrafterStats, HeadAck
-from slipstream.protocols.learner import PushWeights, ScoredGroup, StepStats, TrainStep, WeightAck
+from slipstream.protocols.learner import (
+    GroupPlan,
+    PushWeights,
+    SampleReceipt,
+    StepStats,
+    TrainStep,
+    WeightAck,
+)
 from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats, SamplingSpec
 from slipstream.rl.coordinator import ActorDiedError, Coordinator, RequestFailedError
 from slipstream.runtime.actor import Actor, handler
@@ -167,27 +175,20 @@ def test_weights_applied_waits_for_every_rollout_and_raises_on_a_refusal() -> No
     run(main())
 
 
-def test_train_deals_groups_over_learner_ranks_and_gathers_their_stats() -> None:
+def test_train_asks_each_learner_rank_and_gathers_their_stats() -> None:
     async def main() -> None:
         sup = FakeSupervisor()
         async with Coordinator(sup, rollouts=["rollout:0"], learners=["learner:0", "learner:1"]) as coord:
-            groups = [
-                ScoredGroup(
-                    step=4,
-                    group_id=g,
-                    prompt_ids=torch.tensor([1]),
-                    response_ids=[],
-                    behaviour_logprobs=[],
-                    rewards=[],
-                    policy_version=0,
-                )
-                for g in range(3)
-            ]
-            task = asyncio.ensure_future(coord.train(4, groups, version=5))
+            plan = GroupPlan(group_id=0, prompt_ids=torch.tensor([1]), rewards=[1.0, 0.0])
+            asks = {
+                "learner:0": TrainStep(step=4, version=5, groups=[plan]),
+                "learner:1": TrainStep(step=4, version=5),
+            }
+            task = asyncio.ensure_future(coord.train(4, asks))
             await asyncio.sleep(0)
             steps = {n: m for n, m in sup.sent if isinstance(m, TrainStep)}
-            assert steps["learner:0"].num_groups == 2 and steps["learner:1"].num_groups == 1
-            assert {m.version for m in steps.values()} == {5}  # training only: the push is push_weights'
+            assert steps == asks  # each rank its own ask, nothing else: samples never pass the coordinator
+            assert not [m for _, m in sup.sent if not isinstance(m, TrainStep)]
             for r in (1, 0):
                 sup.deliver(
                     f"learner:{r}",
@@ -648,3 +649,38 @@ def test_traffic_counts_by_kind_and_starts_afresh_after_a_take() -> None:
     traffic.add("a", 5)
     assert traffic.take() == {"a": [2, 8], "b": [1, 4]}
     assert traffic.take() == {}
+
+
+def test_a_step_whose_learner_dies_is_given_up_and_an_earlier_trys_receipts_are_not_its_own() -> None:
+    async def main() -> None:
+        sup = FakeSupervisor()
+        async with Coordinator(sup, rollouts=["rollout:0"], learners=["learner:0"]) as coord:
+            first = coord.rollout([msgspec.structs.replace(request(0, 2), learn_at="learner:0")])
+            sup.deliver("learner:0", receipt(0, 0))
+            assert (await first.__anext__()).sample_index == 0
+            sup.deaths.put_nowait(Died("learner:0", "SIGKILL"))  # it held sample 0: lost with it
+            with pytest.raises(ActorDiedError, match="learner:0 died holding samples of the step"):
+                await first.__anext__()
+            # The step again, as its next try: a receipt of the first try (a copy the restarted learner got
+            # before the new try's) is not this try's sample; the new try's are.
+            del coord.dead["learner:0"]
+            again = msgspec.structs.replace(request(0, 2), learn_at="learner:0", attempt=1)
+            second = coord.rollout([again])
+            sup.deliver("learner:0", receipt(0, 1, attempt=0))
+            sup.deliver("learner:0", receipt(0, 0, attempt=1))
+            sup.deliver("learner:0", receipt(0, 1, attempt=1))
+            got = [(r.sample_index, r.attempt) async for r in second]
+            assert got == [(0, 1), (1, 1)]
+            assert [(n, m.attempt) for n, m in sup.sent] == [
+                ("rollout:0", 0),
+                ("rollout:0", 1),
+            ]  # dealt again, try 1
+
+    run(main())
+
+
+def receipt(group: int, index: int, attempt: int = 0) -> SampleReceipt:
+    return SampleReceipt(
+        group_id=group, sample_index=index, tokens=2, finish_reason="stop", policy_version=0, text="x",
+        attempt=attempt,
+    )  # fmt: skip
