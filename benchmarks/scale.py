@@ -39,6 +39,7 @@ from slipstream.actors.rollout import RolloutActor
 from slipstream.engine import hub
 from slipstream.engine.sampling import sample_seed
 from slipstream.engine.tokenizer import Tokenizer
+from slipstream.protocols import samples_record
 from slipstream.protocols.control import Idle
 from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats
 from slipstream.rl.recovery import ActorDiedError
@@ -391,7 +392,8 @@ async def _steps(run: ScaleRun, row: ScaleRow, timeout_s: float) -> None:
                 want * cfg.max_tokens,
             )
             # Off the clock: the step's samples file (~0.5 GB at 512 x 16 x 2048) is not kept.
-            (run_dir / "samples" / f"step-{step}.jsonl").unlink(missing_ok=True)
+            for path in samples_record.sample_files(run_dir, step):
+                path.unlink()
         row.peak_rss_mb = {"coordinator": _peak_mb(os.getpid(), children=False)}
         row.peak_rss_mb |= {n: _peak_mb(sup.pid(n), children=True) for n in sup.alive()}
     finally:

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import msgspec
 
 from slipstream.engine import hub
+from slipstream.protocols import samples_record
 from slipstream.runtime.process import parent_pid
 from slipstream.runtime.transport import parse_actor_name
 
@@ -263,11 +264,15 @@ def near_tie(a: tuple[list[int], list[float]], b: tuple[list[int], list[float]])
 
 
 def _samples(run_dir: Path, steps: int) -> tuple[int, dict[Key, tuple[list[int], list[float]]]]:
-    """Rows in samples/step-N.jsonl, and each (step, group, sample)'s tokens and log-probs."""
+    """Rows in the samples records (every learner rank's share), and each (step, group, sample)'s tokens and
+    log-probs."""
     rows, out = 0, {}
     for step in range(steps):
-        path = run_dir / "samples" / f"step-{step}.jsonl"
-        lines = path.read_text().splitlines() if path.is_file() else []
+        lines = [
+            line
+            for path in samples_record.sample_files(run_dir, step)
+            for line in path.read_text().splitlines()
+        ]
         for r in (json.loads(line) for line in lines if line.strip()):
             rows += 1
             out[(step, r["group_id"], r["sample_index"])] = (r["token_ids"], r["logprobs"])
