@@ -166,26 +166,12 @@ def test_a_request_the_rollout_cannot_serve_is_recorded_invalid(tiny_chat: Path,
     assert differing([r for r in rewards if r not in refused]) == []
 
 
-def test_greedy_baseline_and_default_rollouts_are_token_identical(tiny_chat: Path, tmp_path: Path) -> None:
-    cfg = config(tiny_chat, steps=1, temperature=0.0)
-    runs, samples = {}, {}
-    for baseline in (True, False):
-        run_dir = tmp_path / ("baseline" if baseline else "default")
-        uvloop.run(train.train(cfg, run_dir, baseline=baseline))
-        runs[baseline] = json.loads((run_dir / "summary.json").read_text())["steps"][0]
-        lines = (run_dir / "samples" / "step-0.jsonl").read_text().splitlines()
-        samples[baseline] = sorted(
-            (r["group_id"], r["sample_index"], r["token_ids"]) for r in map(json.loads, lines)
-        )
-    assert samples[True] == samples[False] and len(samples[True]) == 12
-    assert set(runs[True]["arms"]) <= {"off"}  # the baseline never speculates
-    assert set(runs[False]["arms"]) - {"off"}  # the default run tried speculative arms
-
-
 def test_bench_e2e_runs_both_modes_and_times_the_learner(tiny_chat: Path, tmp_path: Path) -> None:
+    """Greedy, so that it also checks the baseline and the default rollouts (every arm, the drafter trained
+    online) token-identical: one pair of runs for both (it was a test of its own, and a second pair)."""
     from slipstream.benchmarks import e2e
 
-    cfg = config(tiny_chat, steps=2)
+    cfg = config(tiny_chat, steps=2, temperature=0.0)
 
     def run(run_dir: Path, baseline: bool, turns: str | None) -> dict[str, Any]:
         run_dir.mkdir(parents=True)
@@ -198,6 +184,21 @@ def test_bench_e2e_runs_both_modes_and_times_the_learner(tiny_chat: Path, tmp_pa
     assert result.baseline.accept_length == 1.0  # plain decoding: one token per target forward
     assert result.baseline.step0_accept_by_batch == {}  # it never speculated
     assert result.speedup_step > 0 and result.slipstream.tokens_per_s > 0
+    # Greedy: every response token-identical across the two modes, and the default run tried speculative
+    # arms where the baseline never did.
+    samples = {
+        mode: sorted(
+            (step, r["group_id"], r["sample_index"], r["token_ids"])
+            for step in range(2)
+            for r in map(
+                json.loads, (tmp_path / mode / "samples" / f"step-{step}.jsonl").read_text().splitlines()
+            )
+        )
+        for mode in ("baseline", "slipstream")
+    }
+    assert samples["baseline"] == samples["slipstream"] and len(samples["baseline"]) == 24
+    assert result.identical_sample_steps == 2
+    assert result.slipstream.step0_accept_by_batch  # it speculated
     # In-process runs write no coordinator log (the CLI configures it): no inbound figures, not zeros.
     assert result.slipstream.inbound_by_kind == {} and result.slipstream.inbound_messages == 0
     cost = result.learner
