@@ -240,6 +240,8 @@ class RolloutActor(Actor):
         prompt = ids.tolist()
         for i in samples:
             request_id = f"{msg.group_id}:{i}"
+            if (old := self._samples.get(request_id)) is not None and old[3] < msg.attempt:
+                self._supersede(request_id)
             try:
                 params = SamplingParams(
                     temperature=sampling.temperature,
@@ -267,6 +269,19 @@ class RolloutActor(Actor):
             self._samples[request_id] = (msg.group_id, i, msg.learn_at, msg.attempt)
             self._queued_ns[request_id] = time.monotonic_ns()
         self._idle_sent = False
+
+    def _supersede(self, request_id: str) -> None:
+        """The same sample of an older try (its step was given up when its learner died): dropped, with no
+        completion, for the newer try's request (the head and the learner take only the newer try's)."""
+        if self.episodes is not None and request_id in self.episodes:
+            self.send(
+                self._env, CloseEpisode(episode_id=self.episodes.fail(request_id, "superseded").episode_id)
+            )
+        else:
+            self.generator.abort(request_id)
+        self._samples.pop(request_id)
+        self._queued_ns.pop(request_id, None)
+        self.log.info("superseded", request=request_id)
 
     # -- episodes (engine/episodes.py drives the turns; the environment actor answers them) --------------
 
@@ -341,12 +356,8 @@ class RolloutActor(Actor):
         # Only the newest update is kept, and swapped in before the next iteration: a drafter that publishes
         # faster than this actor decodes costs a clone per update, never a swap per update.
         # Clone: received tensors alias a frame or shared-memory slot that is recycled after this handler.
-        self._pending_drafter = DrafterUpdate(
-            version=msg.version,
-            policy_version=msg.policy_version,
-            names=list(msg.names),
-            tensors=[t.clone() for t in msg.tensors],
-            checksum=msg.checksum,
+        self._pending_drafter = msgspec.structs.replace(
+            msg, names=list(msg.names), tensors=[t.clone() for t in msg.tensors]
         )
 
     def _swap_drafter(self) -> None:
@@ -370,13 +381,8 @@ class RolloutActor(Actor):
             self.tuner.forget("eagle")
             self.tuner.forget("hybrid")
             self._retuned_version = msg.version
-        self.log.info(
-            "drafter_swapped",
-            version=msg.version,
-            policy_version=msg.policy_version,
-            retuned=retune,
-            revived=revived,
-        )
+        self.log.info("drafter_swapped", version=msg.version, policy_version=msg.policy_version,
+                      retuned=retune, revived=revived)  # fmt: skip
 
     @handler
     def on_weights(self, msg: WeightUpdate, sender: str) -> None:
@@ -410,10 +416,8 @@ class RolloutActor(Actor):
     def _refuse(self, msg: WeightUpdate, error: str, *, want_full: bool = False) -> None:
         self.log.error("weights_refused", version=msg.version, bucket=msg.bucket, error=error)
         # Acks go to the coordinator, which waits for every rollout before the next step starts.
-        ack = WeightAck(
-            version=msg.version, role=self.role, rank=self.rank, ok=False, error=error, want_full=want_full
-        )
-        self.send(COORDINATOR, ack)
+        self.send(COORDINATOR, WeightAck(version=msg.version, role=self.role, rank=self.rank, ok=False,
+                                         error=error, want_full=want_full))  # fmt: skip
 
     def _apply_weights(self) -> None:
         applied = self.staging.apply(verify=self.config.verify_applied_weights)
@@ -428,10 +432,8 @@ class RolloutActor(Actor):
         self.log.info(
             "weights_applied", version=version, verified=self.config.verify_applied_weights, **memory_now()
         )
-        self.send(
-            COORDINATOR,
-            WeightAck(version=version, role=self.role, rank=self.rank, ok=error is None, error=error),
-        )
+        ack = WeightAck(version=version, role=self.role, rank=self.rank, ok=error is None, error=error)
+        self.send(COORDINATOR, ack)
 
     # -- decoding -------------------------------------------------------------------------------------
 
@@ -567,19 +569,14 @@ class RolloutActor(Actor):
         """To the learner rank that trains the group (with its text), else to the coordinator."""
         group_id, index, learner, attempt = sample
         msg = CompletionMsg(
-            group_id=group_id,
-            sample_index=index,
-            token_ids=torch.tensor(tokens, dtype=torch.int64),
-            logprobs=torch.tensor(logprobs, dtype=torch.float32),
-            finish_reason=reason,  # type: ignore[arg-type]
-            policy_version=self.policy_version,
-            accept_length=accept,
+            group_id=group_id, sample_index=index, token_ids=torch.tensor(tokens, dtype=torch.int64),
+            logprobs=torch.tensor(logprobs, dtype=torch.float32), finish_reason=reason,  # type: ignore[arg-type]
+            policy_version=self.policy_version, accept_length=accept,
             policy_mask=torch.tensor(mask or [], dtype=torch.bool),
             prompt_ids=torch.tensor(prompt_ids or [], dtype=torch.int64),
             **episode,  # type: ignore[arg-type]  # turns, env_reward, error
-            text=self._text(tokens) if learner else "",
-            attempt=attempt,
-        )
+            text=self._text(tokens) if learner else "", attempt=attempt,
+        )  # fmt: skip
         self.send(learner or COORDINATOR, msg)
 
     def _text(self, tokens: list[int]) -> str:  # loads the tokenizer at the first text

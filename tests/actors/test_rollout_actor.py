@@ -435,3 +435,25 @@ def test_a_request_it_cannot_serve_is_answered_with_errors(
     actor.on_generate(request(8, [1, 2, 3], 2, 1.0, max_tokens=4), "coordinator")  # and it keeps serving
     drain(actor)
     assert sum(c.group_id == 8 for c in out.of(Completion)) == 2
+
+
+def test_a_newer_try_of_a_request_in_flight_supersedes_it(tiny: Path, tmp_path: Path) -> None:
+    """A step given up (its learner died) is dealt again as its next try while the rollout may still decode
+    the older one: the older request is dropped, with no completion, not answered with an id-in-use error
+    (which would make the sample invalid), and the newer try decodes what a fresh rollout decodes."""
+    older = request(0, [5, 17, 33, 2], 3, 0.9, max_tokens=24)
+    newer = msgspec.structs.replace(older, attempt=1)
+    actor, out = make_actor(tiny, tmp_path / "a", max_batch=4)
+    actor.on_generate(older, "coordinator")
+    assert actor.step()  # the older try is decoding
+    actor.on_generate(newer, "coordinator")
+    drain(actor)
+    fresh, alone = make_actor(tiny, tmp_path / "b", max_batch=4)
+    fresh.on_generate(newer, "coordinator")
+    drain(fresh)
+    done = out.of(Completion)
+    assert sorted((c.sample_index, c.attempt, c.finish_reason != "error") for c in done) == [
+        (0, 1, True), (1, 1, True), (2, 1, True)
+    ]  # fmt: skip
+    want = {c.sample_index: c.token_ids.tolist() for c in alone.of(Completion)}
+    assert {c.sample_index: c.token_ids.tolist() for c in done} == want
