@@ -96,10 +96,10 @@ class LearnerActor(Actor):
         # Weights on a GPU go to destinations on the same node as CUDA IPC refs (runtime/cuda_ipc.py):
         # no host copy; False: through host memory as on a CPU.
         push_ipc: bool = True
-        # `bench scale` only (benchmarks/scale.py): receive, check and hold each step's groups as a training
-        # learner does, then answer StepStats at once (no model, no optimizer, no push, no checkpoint), its
-        # `metrics` saying when every group was held ("held_at", time.monotonic()) and what (groups,
-        # samples, tokens). A CPU cannot train on the step sizes that bench streams through the head.
+        # `bench scale` only (benchmarks/scale.py): hold, receipt, assemble, check and record each step's
+        # samples as a training learner does, then answer StepStats at once (no model, no optimizer, no
+        # push, no checkpoint), its `metrics` saying when its last sample came ("held_at",
+        # time.monotonic()) and what it held (groups, samples, tokens). A CPU cannot train on those sizes.
         hold_only: bool = False
 
         def __post_init__(self) -> None:

@@ -6,9 +6,11 @@ then `roll_out_and_score`, `learn`, `push`, `checkpoint` and `record`, each mark
 and its field of the step's record); `close` stops everything in order; `summary` writes the run's.
 
 Non-obvious choices:
-- What belongs to one step lives in its `StepWork` (prompts, groups, stats, marks, the record as it
-  fills), never in the run's fields: a step can be trained again after a learner death without
-  anything of the previous try leaking into it.
+- What belongs to one step lives in its `StepWork` (prompts, receipts, rewards, the groups' plans, stats,
+  marks), never in the run's fields: a step can be trained again, or rolled out again as its next try
+  (`lost`), after a learner death without anything of the previous try leaking into it.
+- No sample's tensors pass here: the rollouts send them to the learner ranks, which hold, record and train
+  on them; the loop keeps their receipts (lengths, texts to score, finish reasons) and the rewards.
 - The policy version has one owner, the coordinator (`policy_version`, moved only when every rollout
   acknowledged a push). The learner's version counts steps: step s trains version s + 1.
 """
