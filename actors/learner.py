@@ -16,14 +16,11 @@ Non-obvious choices:
 - Several ranks form one torch.distributed group (NCCL on CUDA, gloo on CPU) through a file store in the
   run directory; every rank trains on the groups dealt to it, the trainer all-reduces gradients, so all
   hold the same weights and only rank 0 pushes. A rank dealt no group still steps (the others wait for it
-  in their all-reduces); alone, a step without groups trains nothing. On stop the ranks meet
-  at a store barrier before destroying the group: none closes its connections while a peer is still in a
-  collective.
-- Across hosts (a destination whose endpoint is tcp://), a push sends each bucket as XOR deltas against
-  the version that destination acknowledged (`PushWeights.delta_base`), zstd-compressed
-  (engine/weight_delta.py), when it is the version rank 0 kept a copy of; anything else gets full buckets.
-  Each push reports `WeightsPushed` with the bytes that crossed hosts (`wire_bytes`) against what full
-  buckets would have been (`full_bytes`).
+  in their all-reduces); alone, a step without groups trains nothing. On stop the ranks meet at a store
+  barrier before destroying the group: none closes its connections while a peer is in a collective.
+- Across hosts (tcp:// destinations) a push sends XOR deltas, zstd-compressed (engine/weight_delta.py),
+  against the version a destination acknowledged (`PushWeights.delta_base`) when rank 0 kept a copy of it,
+  else full buckets; `WeightsPushed` reports the bytes that crossed hosts against full buckets'.
 """
 
 from __future__ import annotations

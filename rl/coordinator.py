@@ -347,14 +347,12 @@ class Coordinator:
         stats = self._stats.pop(step)
         return [stats[name] for name in self.learners]
 
-    async def settle_scores(self) -> list[Reward]:
-        """Waits for every reward still owed (a step given up after its learner died: its samples are
-        rolled out again, scored again), returns them, and starts the ledger afresh."""
-        owed = []
+    async def settle_scores(self) -> None:
+        """Waits for every reward still owed and drops them (a step given up after its learner died: its
+        samples are rolled out again, scored again), then starts the ledger afresh."""
         while self.scores.outstanding:
-            owed.append(await self.reward())
+            await self.reward()
         self.scores = Ledger()
-        return owed
 
     def forget_stats(self) -> None:
         """The learner ranks were restarted: the stats of a step in flight died with them."""
