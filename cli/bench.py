@@ -11,8 +11,10 @@
     slipstream bench scale [--fractions 1/8,1] --json           # a users'-size step through the head's paths
 
 Only this module parses a bench's command line (`slipstream bench NAME --help` lists NAME's flags); it
-calls the typed `run` of benchmarks/NAME.py. Each bench prints one JSON object with --json (fields:
-docs/benchmarks.md); rollout, e2e and soak also take a config and key=value overrides.
+calls the typed `run` of benchmarks/NAME.py. Each bench's flags are declared once, in the function beside
+the one that reads them (here, not in benchmarks/: those import torch, and the parser is built on every
+`slipstream` command). Each bench prints one JSON object with --json (fields: docs/benchmarks.md);
+rollout, e2e and soak also take a config and key=value overrides.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +56,21 @@ def _ints(text: str, flag: str) -> list[int]:
     return values
 
 
-# -- the benches -----------------------------------------------------------------------------------------
+def _json(p: argparse.ArgumentParser, result: str) -> None:
+    p.add_argument("--json", action="store_true", help=f"one JSON object ({result}) on stdout")
+
+
+def _configured(p: argparse.ArgumentParser, default: str) -> None:
+    """--config and KEY=VALUE overrides (rollout, e2e, soak)."""
+    p.add_argument("--config", type=Path, default=None, help=f"a YAML config (default: {default})")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. key.sub=value")
+
+
+# -- the benches: each one's flags, then the call that reads them ----------------------------------------
+
+
+def _transport_arguments(p: argparse.ArgumentParser) -> None:
+    _json(p, "TransportResult")
 
 
 def _transport(args: argparse.Namespace) -> int:
@@ -64,6 +82,19 @@ def _transport(args: argparse.Namespace) -> int:
     table = lambda f: "\n".join(f"{k:>16}  {v}" for k, v in msgspec.structs.asdict(f).items())  # noqa: E731
     _print(figures, args.json, table)
     return 0
+
+
+def _decode_arguments(p: argparse.ArgumentParser) -> None:
+    _json(p, "DecodeResult")
+    p.add_argument("--model", default=None, help="model directory or name (default smollm2-135m)")
+    p.add_argument("--batches", default="", help="comma-separated batch sizes (default 1,4,16,32)")
+    p.add_argument("--max-tokens", type=int, default=256, help="new tokens per request")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    p.add_argument("--repeats", type=int, default=1, help="interleaved rounds (median per config)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default OMP_NUM_THREADS)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--drafter", type=Path, default=None,
+                   help="an exported EAGLE head (a directory or a shipped name): adds eagle rows")  # fmt: skip
 
 
 def _decode(args: argparse.Namespace) -> int:
@@ -81,6 +112,26 @@ def _decode(args: argparse.Namespace) -> int:
     )
     _print(result, args.json, decode.render)
     return 0
+
+
+def rollout_arguments(p: argparse.ArgumentParser) -> None:
+    """`bench rollout`'s flags; each but --trace is a shorthand for a field of RolloutBenchConfig."""
+    _configured(p, "deploy/configs/bench-rollout.yaml")
+    _json(p, "RolloutBenchResult")
+    p.add_argument(
+        "--trace", type=Path, default=None, help="write every decode iteration's stats here (JSONL)"
+    )
+    p.add_argument("--model", default=None, help="model directory or name (model=)")
+    p.add_argument("--task", default=None, help="reasoning-gym task (task=)")
+    p.add_argument("--prompts", type=int, default=None, help="prompts (GRPO groups) per step (prompts=)")
+    p.add_argument("--samples", type=int, default=None, help="responses per prompt, G (samples=)")
+    p.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (max_tokens=)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (temperature=)")
+    p.add_argument("--seed", type=int, default=None, help="prompt and sampling seed (seed=)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="RL steps per mode; all but the first are measured (steps=)")  # fmt: skip
+    p.add_argument("--modes", default=None, help="comma-separated subset of plain,ngram,adaptive (modes=)")
+    p.add_argument("--drafter", type=Path, default=None, help="an exported EAGLE drafter (drafter=)")
 
 
 def rollout_config(args: argparse.Namespace) -> RolloutBenchConfig:
@@ -102,6 +153,23 @@ def _rollout(args: argparse.Namespace) -> int:
     config = rollout_config(args)  # before any process starts
     _print(rollout.run(config, trace=args.trace), args.json, rollout.render)
     return 0
+
+
+def _e2e_arguments(p: argparse.ArgumentParser) -> None:
+    _configured(p, "deploy/configs/demo.yaml")
+    _json(p, "E2EResult")
+    p.add_argument("--run-dir", type=Path, default=None, help="where both runs go (runs/bench-e2e-…)")
+    p.add_argument("--threads", type=int, default=None, help="learner-cost threads (learner.threads)")
+    p.add_argument("--cost-steps", type=int, default=3,
+                   help="batches the learner's cost is measured on, on the CPU (0: not measured)")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=2,
+                   help="2: runs Slipstream, baseline, baseline, Slipstream and pools them; 1: S, B only")  # fmt: skip
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="a round's two runs one after the other, each alone on the host (default: both at once, "
+        "taking turns step by step, so a drifting host slows both alike; two resident runs must fit)",
+    )
 
 
 def _e2e(args: argparse.Namespace) -> int:
@@ -143,6 +211,28 @@ def _e2e(args: argparse.Namespace) -> int:
     )
     _print(result, args.json, e2e.render)
     return 0
+
+
+def _soak_arguments(p: argparse.ArgumentParser) -> None:
+    _configured(p, "deploy/configs/demo.yaml")
+    _json(p, "SoakResult")
+    p.add_argument("--run-dir", type=Path, default=None, help="where both runs go (runs/bench-soak-…)")
+    p.add_argument("--model", default=None, help="model directory or name (default: a tiny random one)")
+    p.add_argument("--steps", type=int, default=30, help="steps per run")
+    p.add_argument("--kill-every", type=float, default=3.0, help="mean seconds between kills")
+    p.add_argument("--kills", type=int, default=0, help="the most random actor kills (0 = no cap)")
+    p.add_argument("--seed", type=int, default=0, help="the kills' RNG")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="1: the loop in this process; 2: `slipstream train` per node, two network namespaces "
+                   "(root), node 1's agent and the coordinator killed once each too")  # fmt: skip
+    p.add_argument("--agent-kill-step", type=int, default=None,
+                   help="--nodes 2: kill node 1's agent once this many steps are recorded (-1: never; "
+                   "default steps/3)")  # fmt: skip
+    p.add_argument("--coordinator-kill-step", type=int, default=None,
+                   help="--nodes 2: kill the head once this many steps are recorded and a checkpoint exists, "
+                   "then --resume both nodes (-1: never; default 2*steps/3)")  # fmt: skip
+    p.add_argument("--port", type=int, default=29500, help="--nodes 2: the head's port (in its namespace)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="--nodes 2: seconds each run may take")
 
 
 def _soak(args: argparse.Namespace) -> int:
@@ -211,6 +301,19 @@ def _soak_nodes(args: argparse.Namespace, cfg: Any, root: Path) -> int:
     return 0 if result.ok else 1
 
 
+def _sync_arguments(p: argparse.ArgumentParser) -> None:
+    _json(p, "SyncResult")
+    p.add_argument("--model", default="smollm2-135m", help="model directory or name")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps, each one push")
+    p.add_argument(
+        "--lr", type=float, default=None, help="learning rate (default: the demo's learner.optim.lr)"
+    )
+    p.add_argument(
+        "--dtype", default="", help="push dtype (float32, bfloat16, float16); '': the checkpoint's"
+    )
+    p.add_argument("--threads", type=int, default=0, help="zstd threads (0: one)")
+
+
 def _sync(args: argparse.Namespace) -> int:
     from slipstream.benchmarks import sync
 
@@ -220,39 +323,19 @@ def _sync(args: argparse.Namespace) -> int:
     return 0
 
 
-def _reward(args: argparse.Namespace) -> int:
-    from slipstream.benchmarks import reward
-
-    result = reward.run(
-        completions=args.completions,
-        rounds=args.rounds,
-        workers=args.workers,
-        batch_size=args.batch_size,
-        judge_model=args.judge_model,
-        judge_completions=args.judge_completions,
-        judge_batch=args.judge_batch,
-        judge_threads=args.judge_threads,
-    )
-    _print(result, args.json, reward.render)
-    return 0
-
-
-def _scale(args: argparse.Namespace) -> int:
-    from slipstream.benchmarks import scale
-
-    result = scale.run(
-        prompts=args.prompts,
-        samples=args.samples,
-        tokens=args.tokens,
-        fractions=scale.parse_fractions(args.fractions),
-        steps=args.steps,
-        rollouts=args.rollouts,
-        verifier_workers=args.verifier_workers,
-        step_timeout_s=args.step_timeout,
-        run_dir=args.run_dir,
-    )
-    _print(result, args.json, scale.render)
-    return 0 if all(r.complete or r.skipped for r in result.rows) else 1
+def _gpu_arguments(p: argparse.ArgumentParser) -> None:
+    _json(p, "GpuResult")
+    p.add_argument("--quick", action="store_true", help="one shape, batches 1/16/128")
+    p.add_argument("--shapes", default="", help="comma-separated subset of qwen2.5-1.5b,qwen2.5-7b")
+    p.add_argument("--no-tests", action="store_true", help="skip the gpu-marked tests")
+    p.add_argument("--no-peer", action="store_true", help="skip transformers' generate")
+    p.add_argument("--batches", default="", help="comma-separated batch sizes (default 1,4,16,64,128,256)")
+    p.add_argument("--peer-batches", default=None,
+                   help="batch sizes where HF generate runs ('all': every one; default 1,64)")  # fmt: skip
+    p.add_argument("--eager-batches", default=None,
+                   help="batch sizes where the dynamic eager path runs too (default 1,16)")  # fmt: skip
+    p.add_argument("--tests-log", type=Path, default=None, help="write the gpu tests' whole output here")
+    p.add_argument("--tests-timeout", type=int, default=600, help="seconds the gpu tests may take")
 
 
 def _gpu(args: argparse.Namespace) -> int:
@@ -283,196 +366,7 @@ def _gpu(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHES = {
-    "transport": _transport,
-    "decode": _decode,
-    "rollout": _rollout,
-    "e2e": _e2e,
-    "soak": _soak,
-    "gpu": _gpu,
-    "sync": _sync,
-    "reward": _reward,
-    "scale": _scale,
-}
-
-
-def run(args: argparse.Namespace) -> int:
-    """`slipstream bench NAME`: one benchmark, its JSON on stdout with --json."""
-    if args.what not in CONFIGURED and args.overrides:
-        raise ValueError(f"key=value overrides are for bench rollout, e2e and soak, not {args.what}")
-    return BENCHES[args.what](args)
-
-
-# -- the command line ------------------------------------------------------------------------------------
-
-
-def _json(p: argparse.ArgumentParser, result: str) -> None:
-    p.add_argument("--json", action="store_true", help=f"one JSON object ({result}) on stdout")
-
-
-def _configured(p: argparse.ArgumentParser, default: str) -> None:
-    """--config and KEY=VALUE overrides (rollout, e2e, soak)."""
-    p.add_argument("--config", type=Path, default=None, help=f"a YAML config (default: {default})")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. key.sub=value")
-
-
-def rollout_arguments(p: argparse.ArgumentParser) -> None:
-    """`bench rollout`'s flags; each but --trace is a shorthand for a field of RolloutBenchConfig."""
-    _configured(p, "deploy/configs/bench-rollout.yaml")
-    _json(p, "RolloutBenchResult")
-    p.add_argument(
-        "--trace", type=Path, default=None, help="write every decode iteration's stats here (JSONL)"
-    )
-    p.add_argument("--model", default=None, help="model directory or name (model=)")
-    p.add_argument("--task", default=None, help="reasoning-gym task (task=)")
-    p.add_argument("--prompts", type=int, default=None, help="prompts (GRPO groups) per step (prompts=)")
-    p.add_argument("--samples", type=int, default=None, help="responses per prompt, G (samples=)")
-    p.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (max_tokens=)")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (temperature=)")
-    p.add_argument("--seed", type=int, default=None, help="prompt and sampling seed (seed=)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="RL steps per mode; all but the first are measured (steps=)")  # fmt: skip
-    p.add_argument("--modes", default=None, help="comma-separated subset of plain,ngram,adaptive (modes=)")
-    p.add_argument("--drafter", type=Path, default=None, help="an exported EAGLE drafter (drafter=)")
-
-
-def add_parser(sub: Any) -> None:
-    """The `bench` subcommand on `sub` (the `slipstream` command's subparsers), a subcommand per bench."""
-    bench = sub.add_parser(
-        "bench",
-        help="benchmarks printing JSON: transport, decode, rollout, e2e, soak, sync, gpu, reward, scale",
-        description="Benchmarks; each prints one JSON object with --json (fields: docs/benchmarks.md). "
-        "`slipstream bench NAME --help` lists a bench's flags.",
-    )
-    names = bench.add_subparsers(dest="what", required=True, metavar="NAME")
-
-    p = names.add_parser(
-        "transport",
-        help="tensor-message GB/s vs memcpy, RTT p50/p99, msgs/s; tcp and tcp+CURVE",
-        description="Two processes over ipc:// (the shared-memory lane, then plain frames), then tcp:// and "
-        "tcp+CURVE on loopback: tensor-message GB/s against memcpy, small-message round trip and rate.",
-    )
-    _json(p, "TransportResult")
-
-    p = names.add_parser(
-        "decode",
-        help="plain vs speculative decode tokens/s at batch 1/4/16/32",
-        description="Plain vs n-gram vs self-draft (and, with --drafter, EAGLE) tokens/s per batch size, "
-        "the configs of a batch size interleaved iteration by iteration.",
-    )
-    _json(p, "DecodeResult")
-    p.add_argument("--model", default=None, help="model directory or name (default smollm2-135m)")
-    p.add_argument("--batches", default="", help="comma-separated batch sizes (default 1,4,16,32)")
-    p.add_argument("--max-tokens", type=int, default=256, help="new tokens per request")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    p.add_argument("--repeats", type=int, default=1, help="interleaved rounds (median per config)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default OMP_NUM_THREADS)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--drafter", type=Path, default=None,
-                   help="an exported EAGLE head (a directory or a shipped name): adds eagle rows")  # fmt: skip
-
-    p = names.add_parser(
-        "rollout",
-        help="long-tail GRPO rollout: plain vs n-gram vs adaptive",
-        description="A long-tail GRPO rollout on real actor processes, plain vs n-gram vs adaptive. Reads "
-        "deploy/configs/bench-rollout.yaml (or --config F), then its flags, then KEY=VALUE overrides such as "
-        "prompts=4 or tuner.buckets=[1,4].",
-    )
-    rollout_arguments(p)
-
-    p = names.add_parser(
-        "e2e",
-        help="RL steps, Slipstream vs --baseline, and the learner's cost",
-        description="Runs `slipstream train` and its --baseline on the same config (default: "
-        "deploy/configs/demo.yaml with steps=4, then KEY=VALUE overrides), each a child process, then times "
-        "the learner against a forward pass on the run's samples.",
-    )
-    _configured(p, "deploy/configs/demo.yaml")
-    _json(p, "E2EResult")
-    p.add_argument("--run-dir", type=Path, default=None, help="where both runs go (runs/bench-e2e-…)")
-    p.add_argument("--threads", type=int, default=None, help="learner-cost threads (learner.threads)")
-    p.add_argument("--cost-steps", type=int, default=3,
-                   help="batches the learner's cost is measured on, on the CPU (0: not measured)")  # fmt: skip
-    p.add_argument("--rounds", type=int, default=2,
-                   help="2: runs Slipstream, baseline, baseline, Slipstream and pools them; 1: S, B only")  # fmt: skip
-    p.add_argument(
-        "--sequential",
-        action="store_true",
-        help="a round's two runs one after the other, each alone on the host (default: both at once, "
-        "taking turns step by step, so a drifting host slows both alike; two resident runs must fit)",
-    )
-
-    p = names.add_parser(
-        "soak",
-        help="a training run under random SIGKILLs vs one without",
-        description="Trains a tiny random model (or --model) under random SIGKILLs of rollout, verifier, "
-        "drafter and learner actors, then without, and compares the samples (exit 1 if any was lost or "
-        "differs). With --nodes 2, on two nodes in network namespaces, node 1's agent and the coordinator "
-        "killed once each (the coordinator then resumed).",
-    )
-    _configured(p, "deploy/configs/demo.yaml")
-    _json(p, "SoakResult")
-    p.add_argument("--run-dir", type=Path, default=None, help="where both runs go (runs/bench-soak-…)")
-    p.add_argument("--model", default=None, help="model directory or name (default: a tiny random one)")
-    p.add_argument("--steps", type=int, default=30, help="steps per run")
-    p.add_argument("--kill-every", type=float, default=3.0, help="mean seconds between kills")
-    p.add_argument("--kills", type=int, default=0, help="the most random actor kills (0 = no cap)")
-    p.add_argument("--seed", type=int, default=0, help="the kills' RNG")
-    p.add_argument("--nodes", type=int, default=1,
-                   help="1: the loop in this process; 2: `slipstream train` per node, two network namespaces "
-                   "(root), node 1's agent and the coordinator killed once each too")  # fmt: skip
-    p.add_argument("--agent-kill-step", type=int, default=None,
-                   help="--nodes 2: kill node 1's agent once this many steps are recorded (-1: never; "
-                   "default steps/3)")  # fmt: skip
-    p.add_argument("--coordinator-kill-step", type=int, default=None,
-                   help="--nodes 2: kill the head once this many steps are recorded and a checkpoint exists, "
-                   "then --resume both nodes (-1: never; default 2*steps/3)")  # fmt: skip
-    p.add_argument("--port", type=int, default=29500, help="--nodes 2: the head's port (in its namespace)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="--nodes 2: seconds each run may take")
-
-    p = names.add_parser(
-        "sync",
-        help="a cross-host weight push: full vs XOR delta bytes",
-        description="Bytes per cross-host weight push, full vs XOR delta, after real optimizer steps.",
-    )
-    _json(p, "SyncResult")
-    p.add_argument("--model", default="smollm2-135m", help="model directory or name")
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps, each one push")
-    p.add_argument(
-        "--lr", type=float, default=None, help="learning rate (default: the demo's learner.optim.lr)"
-    )
-    p.add_argument(
-        "--dtype", default="", help="push dtype (float32, bfloat16, float16); '': the checkpoint's"
-    )
-    p.add_argument("--threads", type=int, default=0, help="zstd threads (0: one)")
-
-    p = names.add_parser(
-        "gpu",
-        help="the GPU runbook (docs/gpu.md)",
-        description="The GPU runbook (docs/gpu.md): the gpu-marked tests, then per model shape and batch "
-        "size plain decode vs HF generate, verify costs and the self-draft ceiling. Exits 2 at once where "
-        "there is no CUDA device.",
-    )
-    _json(p, "GpuResult")
-    p.add_argument("--quick", action="store_true", help="one shape, batches 1/16/128")
-    p.add_argument("--shapes", default="", help="comma-separated subset of qwen2.5-1.5b,qwen2.5-7b")
-    p.add_argument("--no-tests", action="store_true", help="skip the gpu-marked tests")
-    p.add_argument("--no-peer", action="store_true", help="skip transformers' generate")
-    p.add_argument("--batches", default="", help="comma-separated batch sizes (default 1,4,16,64,128,256)")
-    p.add_argument("--peer-batches", default=None,
-                   help="batch sizes where HF generate runs ('all': every one; default 1,64)")  # fmt: skip
-    p.add_argument("--eager-batches", default=None,
-                   help="batch sizes where the dynamic eager path runs too (default 1,16)")  # fmt: skip
-    p.add_argument("--tests-log", type=Path, default=None, help="write the gpu tests' whole output here")
-    p.add_argument("--tests-timeout", type=int, default=600, help="seconds the gpu tests may take")
-
-    p = names.add_parser(
-        "reward",
-        help="completions scored/s: a per-completion reward vs batched, the LLM judge at batch 1 vs 16",
-        description="Completions scored per second through the verifier's worker pool, a per-completion "
-        "reward vs the same scoring batched (TRL's convention), then the LLM judge (tasks/judge.py) in this "
-        "process at batch 1 vs --judge-batch; each pair interleaved A B B A.",
-    )
+def _reward_arguments(p: argparse.ArgumentParser) -> None:
     _json(p, "RewardBenchResult")
     p.add_argument("--completions", type=int, default=2048, help="completions per pool round")
     p.add_argument("--rounds", type=int, default=2, help="rounds per arm (A B B A …)")
@@ -483,15 +377,25 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--judge-batch", type=int, default=16, help="completions per judge call (vs 1)")
     p.add_argument("--judge-threads", type=int, default=0, help="judge torch threads (0: its default)")
 
-    p = names.add_parser(
-        "scale",
-        help="a step of the size users run through the real coordinator, verifier and learner paths",
-        description="Streams steps of --prompts x --samples x --tokens (at each of --fractions of the prompts) "
-        "from stand-in rollout processes replaying recorded text through the real coordinator, verifier "
-        "and a learner that holds its groups without training: the coordinator's CPU seconds, bytes and "
-        "messages in and out per step, and the seconds from the last completion to the learner holding "
-        "every group (benchmarks/scale.py). Exit 1 if a group did not reach the learner or a step failed.",
+
+def _reward(args: argparse.Namespace) -> int:
+    from slipstream.benchmarks import reward
+
+    result = reward.run(
+        completions=args.completions,
+        rounds=args.rounds,
+        workers=args.workers,
+        batch_size=args.batch_size,
+        judge_model=args.judge_model,
+        judge_completions=args.judge_completions,
+        judge_batch=args.judge_batch,
+        judge_threads=args.judge_threads,
     )
+    _print(result, args.json, reward.render)
+    return 0
+
+
+def _scale_arguments(p: argparse.ArgumentParser) -> None:
     _json(p, "ScaleResult")
     p.add_argument("--prompts", type=int, default=512, help="prompts (GRPO groups) per step at fraction 1")
     p.add_argument("--samples", type=int, default=16, help="responses per prompt (G)")
@@ -504,6 +408,133 @@ def add_parser(sub: Any) -> None:
                    help="seconds a step may take before its size is reported failed")  # fmt: skip
     p.add_argument("--run-dir", type=Path, default=None, help="keep the runs here (default: a temp dir)")
 
-    for name, p in names.choices.items():
+
+def _scale(args: argparse.Namespace) -> int:
+    from slipstream.benchmarks import scale
+
+    result = scale.run(
+        prompts=args.prompts,
+        samples=args.samples,
+        tokens=args.tokens,
+        fractions=scale.parse_fractions(args.fractions),
+        steps=args.steps,
+        rollouts=args.rollouts,
+        verifier_workers=args.verifier_workers,
+        step_timeout_s=args.step_timeout,
+        run_dir=args.run_dir,
+    )
+    _print(result, args.json, scale.render)
+    return 0 if all(r.complete or r.skipped for r in result.rows) else 1
+
+
+# -- the command line ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One `slipstream bench NAME`: its line in `bench --help`, its own --help paragraph, the function
+    declaring its flags and the one running it."""
+
+    help: str
+    description: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+BENCHES = {
+    "transport": Bench(
+        "tensor-message GB/s vs memcpy, RTT p50/p99, msgs/s; tcp and tcp+CURVE",
+        "Two processes over ipc:// (the shared-memory lane, then plain frames), then tcp:// and "
+        "tcp+CURVE on loopback: tensor-message GB/s against memcpy, small-message round trip and rate.",
+        _transport_arguments,
+        _transport,
+    ),
+    "decode": Bench(
+        "plain vs speculative decode tokens/s at batch 1/4/16/32",
+        "Plain vs n-gram vs self-draft (and, with --drafter, EAGLE) tokens/s per batch size, "
+        "the configs of a batch size interleaved iteration by iteration.",
+        _decode_arguments,
+        _decode,
+    ),
+    "rollout": Bench(
+        "long-tail GRPO rollout: plain vs n-gram vs adaptive",
+        "A long-tail GRPO rollout on real actor processes, plain vs n-gram vs adaptive. Reads "
+        "deploy/configs/bench-rollout.yaml (or --config F), then its flags, then KEY=VALUE overrides such as "
+        "prompts=4 or tuner.buckets=[1,4].",
+        rollout_arguments,
+        _rollout,
+    ),
+    "e2e": Bench(
+        "RL steps, Slipstream vs --baseline, and the learner's cost",
+        "Runs `slipstream train` and its --baseline on the same config (default: "
+        "deploy/configs/demo.yaml with steps=4, then KEY=VALUE overrides), each a child process, then times "
+        "the learner against a forward pass on the run's samples.",
+        _e2e_arguments,
+        _e2e,
+    ),
+    "soak": Bench(
+        "a training run under random SIGKILLs vs one without",
+        "Trains a tiny random model (or --model) under random SIGKILLs of rollout, verifier, "
+        "drafter and learner actors, then without, and compares the samples (exit 1 if any was lost or "
+        "differs). With --nodes 2, on two nodes in network namespaces, node 1's agent and the coordinator "
+        "killed once each (the coordinator then resumed).",
+        _soak_arguments,
+        _soak,
+    ),
+    "sync": Bench(
+        "a cross-host weight push: full vs XOR delta bytes",
+        "Bytes per cross-host weight push, full vs XOR delta, after real optimizer steps.",
+        _sync_arguments,
+        _sync,
+    ),
+    "gpu": Bench(
+        "the GPU runbook (docs/gpu.md)",
+        "The GPU runbook (docs/gpu.md): the gpu-marked tests, then per model shape and batch "
+        "size plain decode vs HF generate, verify costs and the self-draft ceiling. Exits 2 at once where "
+        "there is no CUDA device.",
+        _gpu_arguments,
+        _gpu,
+    ),
+    "reward": Bench(
+        "completions scored/s: a per-completion reward vs batched, the LLM judge at batch 1 vs 16",
+        "Completions scored per second through the verifier's worker pool, a per-completion "
+        "reward vs the same scoring batched (TRL's convention), then the LLM judge (tasks/judge.py) in this "
+        "process at batch 1 vs --judge-batch; each pair interleaved A B B A.",
+        _reward_arguments,
+        _reward,
+    ),
+    "scale": Bench(
+        "a step of the size users run through the real coordinator, verifier and learner paths",
+        "Streams steps of --prompts x --samples x --tokens (at each of --fractions of the prompts) "
+        "from stand-in rollout processes replaying recorded text through the real coordinator, verifier "
+        "and a learner that holds its groups without training: the coordinator's CPU seconds, bytes and "
+        "messages in and out per step, and the seconds from the last completion to the learner holding "
+        "every group (benchmarks/scale.py). Exit 1 if a group did not reach the learner or a step failed.",
+        _scale_arguments,
+        _scale,
+    ),
+}
+"""Every bench, in the order `slipstream bench --help` lists them."""
+
+
+def run(args: argparse.Namespace) -> int:
+    """`slipstream bench NAME`: one benchmark, its JSON on stdout with --json."""
+    if args.what not in CONFIGURED and args.overrides:
+        raise ValueError(f"key=value overrides are for bench rollout, e2e and soak, not {args.what}")
+    return BENCHES[args.what].run(args)
+
+
+def add_parser(sub: Any) -> None:
+    """The `bench` subcommand on `sub` (the `slipstream` command's subparsers), a subcommand per bench."""
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks printing JSON: transport, decode, rollout, e2e, soak, sync, gpu, reward, scale",
+        description="Benchmarks; each prints one JSON object with --json (fields: docs/benchmarks.md). "
+        "`slipstream bench NAME --help` lists a bench's flags.",
+    )
+    names = bench.add_subparsers(dest="what", required=True, metavar="NAME")
+    for name, spec in BENCHES.items():
+        p = names.add_parser(name, help=spec.help, description=spec.description)
+        spec.arguments(p)
         if name not in CONFIGURED:  # KEY=VALUE left over by the parser lands here, and is refused
             p.set_defaults(overrides=[])
