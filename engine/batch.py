@@ -116,19 +116,7 @@ class BatchLayout:
         if len(masks) != len(slots):
             raise ValueError(f"{len(masks)} tree masks for {len(slots)} sequences")
         starts = tuple(cache.length(s) for s in slots)
-        offsets = [0]
-        for slot, start, n, mask in zip(slots, starts, num_new, masks, strict=True):
-            if n < 1:
-                raise ValueError(f"slot {slot}: a sequence needs at least one new token, got {n}")
-            if start + n > cache.max_len:
-                raise ValueError(
-                    f"slot {slot}: {start} cached + {n} new tokens exceed max_len {cache.max_len}"
-                )
-            if mask is not None and (mask.shape != (n, n) or mask.dtype != torch.bool):
-                raise ValueError(
-                    f"slot {slot}: tree mask must be bool [{n}, {n}], got {mask.dtype} {mask.shape}"
-                )
-            offsets.append(offsets[-1] + n)
+        offsets = _offsets(cache, slots, num_new, starts, masks)
         num_tokens = offsets[-1]
         # The pass writes every new token's K/V: a grown cache makes room first (static: a no-op).
         cache.reserve(max(slots) + 1, max(start + n for start, n in zip(starts, num_new, strict=True)))
@@ -138,26 +126,8 @@ class BatchLayout:
         seq_of_token = torch.repeat_interleave(
             torch.arange(len(slots), device=device), _ints(num_new, device), output_size=num_tokens
         )  # [num_tokens]
-        index_in_seq = torch.arange(num_tokens, device=device) - _ints(offsets[:-1], device)[seq_of_token]
-        token_starts = _ints(starts, device)[seq_of_token]
-        write_positions = token_starts + index_in_seq
-        positions = write_positions
-        if any(m is not None for m in masks):
-            # A tree node's position is start + depth; its depth is its number of visible ancestors.
-            depth = torch.cat(
-                [
-                    m.to(device).sum(-1) - 1 if m is not None else torch.arange(n, device=device)
-                    for m, n in zip(masks, num_new, strict=True)
-                ]
-            )
-            positions = token_starts + depth
-
-        if logit_rows is None:
-            rows_list = [o - 1 for o in offsets[1:]]
-        else:
-            rows_list = [int(r) for r in logit_rows]
-            if rows_list and not 0 <= min(rows_list) <= max(rows_list) < num_tokens:
-                raise ValueError(f"logit rows {rows_list} outside [0, {num_tokens})")
+        write_positions, positions = _positions(seq_of_token, num_new, starts, offsets, masks, device)
+        rows_list = _logit_rows(logit_rows, offsets)
         all_rows = rows_list == list(range(num_tokens))
 
         return cls(
@@ -173,6 +143,65 @@ class BatchLayout:
             num_logits=len(rows_list),
             groups=tuple(_plan_groups(slots, num_new, starts, offsets, masks, device)),
         )
+
+
+def _offsets(
+    cache: KVCache,
+    slots: tuple[int, ...],
+    num_new: tuple[int, ...],
+    starts: tuple[int, ...],
+    masks: tuple[Tensor | None, ...],
+) -> list[int]:
+    """[num_seqs + 1] offsets of each sequence's tokens in the flat batch; ValueError naming the slot whose
+    new tokens are none, past max_len, or do not fit its tree mask."""
+    offsets = [0]
+    for slot, start, n, mask in zip(slots, starts, num_new, masks, strict=True):
+        if n < 1:
+            raise ValueError(f"slot {slot}: a sequence needs at least one new token, got {n}")
+        if start + n > cache.max_len:
+            raise ValueError(f"slot {slot}: {start} cached + {n} new tokens exceed max_len {cache.max_len}")
+        if mask is not None and (mask.shape != (n, n) or mask.dtype != torch.bool):
+            raise ValueError(f"slot {slot}: tree mask must be bool [{n}, {n}], got {mask.dtype} {mask.shape}")
+        offsets.append(offsets[-1] + n)
+    return offsets
+
+
+def _positions(
+    seq_of_token: Tensor,
+    num_new: tuple[int, ...],
+    starts: tuple[int, ...],
+    offsets: list[int],
+    masks: tuple[Tensor | None, ...],
+    device: torch.device,
+) -> tuple[Tensor, Tensor]:
+    """[num_tokens] cache positions the tokens' K/V are written to, and their RoPE positions: start +
+    index, or start + depth for a tree's nodes."""
+    num_tokens = offsets[-1]
+    index_in_seq = torch.arange(num_tokens, device=device) - _ints(offsets[:-1], device)[seq_of_token]
+    token_starts = _ints(starts, device)[seq_of_token]
+    write_positions = token_starts + index_in_seq
+    positions = write_positions
+    if any(m is not None for m in masks):
+        # A tree node's position is start + depth; its depth is its number of visible ancestors.
+        depth = torch.cat(
+            [
+                m.to(device).sum(-1) - 1 if m is not None else torch.arange(n, device=device)
+                for m, n in zip(masks, num_new, strict=True)
+            ]
+        )
+        positions = token_starts + depth
+    return write_positions, positions
+
+
+def _logit_rows(logit_rows: Sequence[int] | None, offsets: list[int]) -> list[int]:
+    """The flat rows that need logits: `logit_rows` checked, or each sequence's last token."""
+    if logit_rows is None:
+        return [o - 1 for o in offsets[1:]]
+    num_tokens = offsets[-1]
+    rows_list = [int(r) for r in logit_rows]
+    if rows_list and not 0 <= min(rows_list) <= max(rows_list) < num_tokens:
+        raise ValueError(f"logit rows {rows_list} outside [0, {num_tokens})")
+    return rows_list
 
 
 def _ints(values: Sequence[int], device: torch.device) -> Tensor:

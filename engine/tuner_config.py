@@ -107,34 +107,29 @@ class TunerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     is stale: never chosen until its drafter changes (0 = never stale)."""
 
     def __post_init__(self) -> None:
+        self._check_numbers()
+        self._check_buckets()
+        self._check_max_batch(self._check_arms())
+
+    def _check_numbers(self) -> None:
         for field, least in (("window", 1), ("min_trials", 1), ("hold", 1), ("stale_window", 1)):
             value = getattr(self, field)
             if not is_int(value) or value < least:
                 raise ValueError(f"TunerConfig.{field}: must be an integer >= {least}, got {value!r}")
         if not is_int(self.seed):
             raise ValueError(f"TunerConfig.seed: must be an integer, got {self.seed!r}")
-        if (
-            isinstance(self.margin, bool)
-            or not isinstance(self.margin, int | float)
-            or not 0 <= self.margin < 1
-        ):
+        if not _is_real(self.margin) or not 0 <= self.margin < 1:
             raise ValueError(f"TunerConfig.margin: must lie in [0, 1), got {self.margin!r}")
         if self.min_trials > self.window:
             raise ValueError(f"TunerConfig.min_trials: {self.min_trials} exceeds window ({self.window})")
-        if (
-            isinstance(self.epsilon, bool)
-            or not isinstance(self.epsilon, int | float)
-            or not 0 <= self.epsilon <= 1
-        ):
+        if not _is_real(self.epsilon) or not 0 <= self.epsilon <= 1:
             raise ValueError(f"TunerConfig.epsilon: must lie in [0, 1], got {self.epsilon!r}")
-        if (
-            isinstance(self.stale_accept, bool)
-            or not isinstance(self.stale_accept, int | float)
-            or not 0 <= self.stale_accept < float("inf")
-        ):
+        if not _is_real(self.stale_accept) or not 0 <= self.stale_accept < float("inf"):
             raise ValueError(
                 f"TunerConfig.stale_accept: must be a finite number >= 0, got {self.stale_accept!r}"
             )
+
+    def _check_buckets(self) -> None:
         if not self.buckets or self.buckets[0] != 1:
             raise ValueError(
                 f"TunerConfig.buckets: must start at 1 (the first bucket's lower edge), got {self.buckets}"
@@ -145,6 +140,9 @@ class TunerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
                 raise ValueError(
                     f"TunerConfig.buckets[{i}]: {hi!r} must be an integer above buckets[{i - 1}] = {lo}"
                 )
+
+    def _check_arms(self) -> dict[str, int]:
+        """Canonical arm name → its index in `arms` (each parses, none repeats another)."""
         seen: dict[str, int] = {}
         for i, text in enumerate(self.arms):
             try:
@@ -156,6 +154,9 @@ class TunerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
                     f"TunerConfig.arms[{i}]: {text!r} repeats arms[{seen[name]}] (both are {name})"
                 )
             seen[name] = i
+        return seen
+
+    def _check_max_batch(self, arms: dict[str, int]) -> None:
         for text, cap in self.max_batch.items():
             try:
                 name = parse_arm(text).name
@@ -165,8 +166,8 @@ class TunerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
                 raise ValueError(
                     "TunerConfig.max_batch: off cannot be capped (it is the fallback everywhere)"
                 )
-            if name not in seen:
-                raise ValueError(f"TunerConfig.max_batch: {text!r} is not one of the arms {list(seen)}")
+            if name not in arms:
+                raise ValueError(f"TunerConfig.max_batch: {text!r} is not one of the arms {list(arms)}")
             if not is_int(cap) or cap < 1:
                 raise ValueError(f"TunerConfig.max_batch[{text!r}]: must be an integer >= 1, got {cap!r}")
 
@@ -174,3 +175,8 @@ class TunerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
 def is_int(value: object) -> bool:
     """An int that is not a bool (a YAML `true` is no count)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    """An int or float that is not a bool."""
+    return not isinstance(value, bool) and isinstance(value, int | float)

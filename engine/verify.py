@@ -265,6 +265,42 @@ def _lengths(draft_tokens: Tensor, draft_lengths: Tensor | None) -> Tensor:
     return draft_lengths.long()
 
 
+def _final_tokens(
+    draft_probs: Tensor | None,
+    target_probs: Tensor,
+    drafts: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+    accept_length: Tensor,
+    lengths: Tensor,
+) -> Tensor:
+    """[B] the token each row emits after its accepted drafts: a residual draw where a draft was rejected,
+    the bonus draw from the last q where all were accepted."""
+    b = drafts.shape[0]
+    device = target_probs.device
+    final = torch.empty(b, dtype=torch.int64, device=device)
+    rejected = accept_length < lengths
+    rej = rejected.nonzero()[:, 0]
+    if rej.numel() > 0:
+        at = accept_length[rej]
+        p_at = None if draft_probs is None else draft_probs[rej, at]
+        residual = _residual(target_probs[rej, at], p_at, drafts[rej, at])  # [r, V]
+        # p >= q everywhere means p == q, where rejection has probability 0 (up to rounding): fall back.
+        empty = residual.sum(-1) <= 0
+        if bool(empty.any()):
+            residual[empty] = target_probs[rej[empty], at[empty]]
+        final[rej] = race_sample(
+            residual, seeds[rej], positions[rej] + at, STREAM_RESIDUAL, STREAM_RESIDUAL_TAIL
+        )
+    bonus = (~rejected).nonzero()[:, 0]
+    if bonus.numel() > 0:
+        at = accept_length[bonus]
+        final[bonus] = race_sample(
+            target_probs[bonus, at], seeds[bonus], positions[bonus] + at, STREAM_SAMPLE, STREAM_TAIL
+        )
+    return final
+
+
 def verify_chain(
     draft_tokens: Tensor,
     draft_probs: Tensor | None,
@@ -303,26 +339,7 @@ def verify_chain(
     u = keyed_uniform(flat_seeds, flat_pos, STREAM_ACCEPT, 1).view(b, k)  # [B, k]
     accept = _accepts(u, p_x, q_x) & valid
     accept_length = accept.long().cumprod(1).sum(1)  # [B]
-    final = torch.empty(b, dtype=torch.int64, device=device)
-    rejected = accept_length < lengths
-    rej = rejected.nonzero()[:, 0]
-    if rej.numel() > 0:
-        at = accept_length[rej]
-        p_at = None if draft_probs is None else draft_probs[rej, at]
-        residual = _residual(target_probs[rej, at], p_at, drafts[rej, at])  # [r, V]
-        # p >= q everywhere means p == q, where rejection has probability 0 (up to rounding): fall back.
-        empty = residual.sum(-1) <= 0
-        if bool(empty.any()):
-            residual[empty] = target_probs[rej[empty], at[empty]]
-        final[rej] = race_sample(
-            residual, seeds[rej], positions[rej] + at, STREAM_RESIDUAL, STREAM_RESIDUAL_TAIL
-        )
-    bonus = (~rejected).nonzero()[:, 0]
-    if bonus.numel() > 0:
-        at = accept_length[bonus]
-        final[bonus] = race_sample(
-            target_probs[bonus, at], seeds[bonus], positions[bonus] + at, STREAM_SAMPLE, STREAM_TAIL
-        )
+    final = _final_tokens(draft_probs, target_probs, drafts, seeds, positions, accept_length, lengths)
     emitted = torch.where(cols[None, :k] < accept_length[:, None], drafts, PAD_TOKEN)
     emitted = torch.cat([emitted, emitted.new_full((b, 1), PAD_TOKEN)], 1)
     emitted[rows, accept_length] = final

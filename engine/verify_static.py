@@ -193,8 +193,8 @@ def rejection_chain_static(
     return accept_length, out, logprobs
 
 
-def rejection_tree_static(
-    tokens: Tensor,
+def _rejection_walk(
+    node_tokens: Tensor,
     parents: Tensor,
     valid: Tensor,
     target_probs: Tensor,
@@ -203,21 +203,14 @@ def rejection_tree_static(
     max_depth: int,
     max_children: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """`verify.verify_tree` for every row with fixed shapes: recursive rejection over each node's children
-    in index order as point masses, then a residual draw. Returns (path [B, max_depth + 1] as in
-    `match_walk`, accept_length [B], tokens int64 [B, max_depth + 1] with PAD_TOKEN after, logprobs
-    float32 [B, max_depth + 1] with 0.0 after).
-
-    tokens, parents, valid [B, N] in verify-pass numbering; target_probs [B, N, V] (row j = q after node
-    j); seeds, positions (of the root's children) [B]. max_depth / max_children must bound every row's
-    depth and children per node (children beyond max_children are never tried)."""
-    b, n = tokens.shape
+    """`rejection_tree_static`'s walk down the tree, level by level: (path [B, max_depth + 1],
+    accept_length [B], the final node [B], the residual float64 [B, V] left where each row stopped: q at
+    its final node without the children rejected there). node_tokens [B, N + 1]: clamped, column N for
+    "no child"; seeds, positions int64."""
+    b, n = parents.shape
     v = target_probs.shape[-1]
     device = target_probs.device
-    seeds, positions = seeds.long(), positions.long()
     index = torch.arange(n, device=device)  # [N]
-    # Node tokens, clamped (padding may hold anything), with a column n for "no child".
-    node_tokens = torch.cat([tokens.long().clamp(0, v - 1), tokens.new_zeros(b, 1, dtype=torch.int64)], 1)
     width = min(max_children, n)
     sibling = torch.arange(width, device=device)  # [C]
 
@@ -252,8 +245,36 @@ def rejection_tree_static(
             accept_length = accept_length + moved
             path.append(cur)
         alive = moved
+    return torch.stack(path, 1), accept_length, cur, stop_rest
 
-    path_t = torch.stack(path, 1)  # [B, D + 1]
+
+def rejection_tree_static(
+    tokens: Tensor,
+    parents: Tensor,
+    valid: Tensor,
+    target_probs: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+    max_depth: int,
+    max_children: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`verify.verify_tree` for every row with fixed shapes: recursive rejection over each node's children
+    in index order as point masses, then a residual draw. Returns (path [B, max_depth + 1] as in
+    `match_walk`, accept_length [B], tokens int64 [B, max_depth + 1] with PAD_TOKEN after, logprobs
+    float32 [B, max_depth + 1] with 0.0 after).
+
+    tokens, parents, valid [B, N] in verify-pass numbering; target_probs [B, N, V] (row j = q after node
+    j); seeds, positions (of the root's children) [B]. max_depth / max_children must bound every row's
+    depth and children per node (children beyond max_children are never tried)."""
+    b = tokens.shape[0]
+    v = target_probs.shape[-1]
+    device = target_probs.device
+    seeds, positions = seeds.long(), positions.long()
+    # Node tokens, clamped (padding may hold anything), with a column n for "no child".
+    node_tokens = torch.cat([tokens.long().clamp(0, v - 1), tokens.new_zeros(b, 1, dtype=torch.int64)], 1)
+    path_t, accept_length, cur, stop_rest = _rejection_walk(
+        node_tokens, parents, valid, target_probs, seeds, positions, max_depth, max_children
+    )
     # Every token with mass was a rejected child: rounding; draw from q.
     q_final = _row_at(target_probs, cur).double()
     stop_rest = torch.where((stop_rest.sum(-1) <= 0)[:, None], q_final, stop_rest)

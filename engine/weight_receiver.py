@@ -88,48 +88,77 @@ class WeightReceiver:
             return Verdict("duplicate")
         on_device = bool(ipc)
         if on_device:
-            if self.map_refs is None or self.device_checksum is None or tensors:
-                return Verdict("refused", error="a bucket as GPU refs, which this receiver cannot map")
-            try:
-                tensors, encoding = self.map_refs(names, ipc, self.expected), ""
-            except ValueError as exc:
-                return Verdict("refused", error=str(exc))
+            mapped = self._map(names, tensors, ipc)
+            if isinstance(mapped, Verdict):
+                return mapped
+            tensors, encoding = mapped, ""
         decoded = bool(encoding)
         if decoded:
-            if version in self._delta_refused:
-                return Verdict("dropped", error="its version's deltas were refused")
-            if version <= self.version:
-                return Verdict(
-                    "refused",
-                    error=f"version {version} is not newer than {self.held_as.format(self.version)}",
-                )
-            if bucket in self._accepted.get(version, ()):
-                # Decoding it again would XOR a base that may have been overwritten (in place) since.
-                return Verdict("dropped", error="a delta bucket decoded once already")
-            error = None
-            if encoding != XOR_ZSTD:
-                error = f"unknown weight encoding {encoding!r}"
-            elif base_version != self.version:
-                error = f"delta base mismatch: against v{base_version}, {self.holds.format(self.version)}"
-            elif (error := mistyped(names, tensors, self.expected, shapes=False)) is None:
-                try:
-                    tensors = [
-                        apply_xor_delta(self.base(n), blob) for n, blob in zip(names, tensors, strict=True)
-                    ]
-                except ValueError as exc:
-                    error = f"undecodable delta: {exc}"
-            if error is None:
-                error = self._check(version, bucket, num_buckets, names, tensors, checksum)
-            if error is not None:
-                # A checksum mismatch after decoding: the bases differed. Either way the full version will do.
-                self._delta_refused.add(version)
-                return Verdict("refused", error=f"{error}; full weights wanted", want_full=True)
+            delta = self._decode(
+                version, bucket, num_buckets, names, tensors, checksum, encoding, base_version
+            )
+            if isinstance(delta, Verdict):
+                return delta
+            tensors = delta
         elif (
             error := self._check(version, bucket, num_buckets, names, tensors, checksum, on_device)
         ) is not None:
             return Verdict("refused", error=error)
         self._accepted.setdefault(version, set()).add(bucket)
         return Verdict("accepted", tensors=list(tensors), decoded=decoded)
+
+    def _map(
+        self, names: Sequence[str], tensors: Sequence[Tensor], ipc: Sequence[Any]
+    ) -> list[Tensor] | Verdict:
+        """A bucket sent as refs into the sender's GPU memory, mapped here; or the verdict refusing it."""
+        if self.map_refs is None or self.device_checksum is None or tensors:
+            return Verdict("refused", error="a bucket as GPU refs, which this receiver cannot map")
+        try:
+            return self.map_refs(names, ipc, self.expected)
+        except ValueError as exc:
+            return Verdict("refused", error=str(exc))
+
+    def _decode(
+        self,
+        version: int,
+        bucket: int,
+        num_buckets: int,
+        names: Sequence[str],
+        blobs: Sequence[Tensor],
+        checksum: str,
+        encoding: str,
+        base_version: int,
+    ) -> list[Tensor] | Verdict:
+        """A delta bucket's full tensors, decoded against the weights held and checked; or the verdict
+        dropping or refusing it (a refusal wants the version in full, and refuses its later deltas)."""
+        if version in self._delta_refused:
+            return Verdict("dropped", error="its version's deltas were refused")
+        if version <= self.version:
+            return Verdict(
+                "refused",
+                error=f"version {version} is not newer than {self.held_as.format(self.version)}",
+            )
+        if bucket in self._accepted.get(version, ()):
+            # Decoding it again would XOR a base that may have been overwritten (in place) since.
+            return Verdict("dropped", error="a delta bucket decoded once already")
+        error = None
+        tensors = blobs
+        if encoding != XOR_ZSTD:
+            error = f"unknown weight encoding {encoding!r}"
+        elif base_version != self.version:
+            error = f"delta base mismatch: against v{base_version}, {self.holds.format(self.version)}"
+        elif (error := mistyped(names, blobs, self.expected, shapes=False)) is None:
+            try:
+                tensors = [apply_xor_delta(self.base(n), blob) for n, blob in zip(names, blobs, strict=True)]
+            except ValueError as exc:
+                error = f"undecodable delta: {exc}"
+        if error is None:
+            error = self._check(version, bucket, num_buckets, names, tensors, checksum)
+        if error is not None:
+            # A checksum mismatch after decoding: the bases differed. Either way the full version will do.
+            self._delta_refused.add(version)
+            return Verdict("refused", error=f"{error}; full weights wanted", want_full=True)
+        return list(tensors)
 
     def applied(self, version: int) -> None:
         """A complete version was applied: it is the version held; what concerned it or older ones goes."""

@@ -43,70 +43,82 @@ class WeightEntry:
 
 def hf_weight_map(config: ModelConfig) -> list[WeightEntry]:
     """Every tensor a checkpoint for `config` must hold, in a stable order."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q_rows = config.num_attention_heads * config.head_dim
-    kv_rows = config.num_key_value_heads * config.head_dim
+    hidden = config.hidden_size
     entries = [
         WeightEntry("model.embed_tokens.weight", "embed_tokens.weight", None, (config.vocab_size, hidden))
     ]
     for i in range(config.num_hidden_layers):
         hf, ours = f"model.layers.{i}", f"layers.{i}"
-        qkv_parts = (
-            ("q_proj", 0, q_rows),
-            ("k_proj", q_rows, kv_rows),
-            ("v_proj", q_rows + kv_rows, kv_rows),
-        )
-        entries.append(
-            WeightEntry(f"{hf}.input_layernorm.weight", f"{ours}.input_norm.weight", None, (hidden,))
-        )
-        for name, start, rows in qkv_parts:
-            entries.append(
-                WeightEntry(
-                    f"{hf}.self_attn.{name}.weight",
-                    f"{ours}.attn.qkv.weight",
-                    (start, start + rows),
-                    (rows, hidden),
-                )
-            )
-            if config.qkv_bias:
-                entries.append(
-                    WeightEntry(
-                        f"{hf}.self_attn.{name}.bias", f"{ours}.attn.qkv.bias", (start, start + rows), (rows,)
-                    )
-                )
-        entries.append(
-            WeightEntry(f"{hf}.self_attn.o_proj.weight", f"{ours}.attn.o_proj.weight", None, (hidden, q_rows))
-        )
-        if config.o_bias:
-            entries.append(
-                WeightEntry(f"{hf}.self_attn.o_proj.bias", f"{ours}.attn.o_proj.bias", None, (hidden,))
-            )
-        entries.append(
-            WeightEntry(f"{hf}.post_attention_layernorm.weight", f"{ours}.post_norm.weight", None, (hidden,))
-        )
-        for name, start in (("gate_proj", 0), ("up_proj", inter)):
-            entries.append(
-                WeightEntry(
-                    f"{hf}.mlp.{name}.weight",
-                    f"{ours}.mlp.gate_up.weight",
-                    (start, start + inter),
-                    (inter, hidden),
-                )
-            )
-            if config.mlp_bias:
-                entries.append(
-                    WeightEntry(
-                        f"{hf}.mlp.{name}.bias", f"{ours}.mlp.gate_up.bias", (start, start + inter), (inter,)
-                    )
-                )
-        entries.append(
-            WeightEntry(f"{hf}.mlp.down_proj.weight", f"{ours}.mlp.down.weight", None, (hidden, inter))
-        )
-        if config.mlp_bias:
-            entries.append(WeightEntry(f"{hf}.mlp.down_proj.bias", f"{ours}.mlp.down.bias", None, (hidden,)))
+        entries += _attention_entries(config, hf, ours) + _mlp_entries(config, hf, ours)
     entries.append(WeightEntry("model.norm.weight", "final_norm.weight", None, (hidden,)))
     if not config.tie_word_embeddings:
         entries.append(WeightEntry("lm_head.weight", "lm_head.weight", None, (config.vocab_size, hidden)))
+    return entries
+
+
+def _attention_entries(config: ModelConfig, hf: str, ours: str) -> list[WeightEntry]:
+    """A layer's input norm and attention: q, k and v (and their biases) in row ranges of our fused qkv."""
+    hidden = config.hidden_size
+    q_rows = config.num_attention_heads * config.head_dim
+    kv_rows = config.num_key_value_heads * config.head_dim
+    qkv_parts = (
+        ("q_proj", 0, q_rows),
+        ("k_proj", q_rows, kv_rows),
+        ("v_proj", q_rows + kv_rows, kv_rows),
+    )
+    entries = [WeightEntry(f"{hf}.input_layernorm.weight", f"{ours}.input_norm.weight", None, (hidden,))]
+    for name, start, rows in qkv_parts:
+        entries.append(
+            WeightEntry(
+                f"{hf}.self_attn.{name}.weight",
+                f"{ours}.attn.qkv.weight",
+                (start, start + rows),
+                (rows, hidden),
+            )
+        )
+        if config.qkv_bias:
+            entries.append(
+                WeightEntry(
+                    f"{hf}.self_attn.{name}.bias", f"{ours}.attn.qkv.bias", (start, start + rows), (rows,)
+                )
+            )
+    entries.append(
+        WeightEntry(f"{hf}.self_attn.o_proj.weight", f"{ours}.attn.o_proj.weight", None, (hidden, q_rows))
+    )
+    if config.o_bias:
+        entries.append(
+            WeightEntry(f"{hf}.self_attn.o_proj.bias", f"{ours}.attn.o_proj.bias", None, (hidden,))
+        )
+    return entries
+
+
+def _mlp_entries(config: ModelConfig, hf: str, ours: str) -> list[WeightEntry]:
+    """A layer's post-attention norm and MLP: gate and up (and their biases) in row ranges of our fused
+    gate_up, then down."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    entries = [
+        WeightEntry(f"{hf}.post_attention_layernorm.weight", f"{ours}.post_norm.weight", None, (hidden,))
+    ]
+    for name, start in (("gate_proj", 0), ("up_proj", inter)):
+        entries.append(
+            WeightEntry(
+                f"{hf}.mlp.{name}.weight",
+                f"{ours}.mlp.gate_up.weight",
+                (start, start + inter),
+                (inter, hidden),
+            )
+        )
+        if config.mlp_bias:
+            entries.append(
+                WeightEntry(
+                    f"{hf}.mlp.{name}.bias", f"{ours}.mlp.gate_up.bias", (start, start + inter), (inter,)
+                )
+            )
+    entries.append(
+        WeightEntry(f"{hf}.mlp.down_proj.weight", f"{ours}.mlp.down.weight", None, (hidden, inter))
+    )
+    if config.mlp_bias:
+        entries.append(WeightEntry(f"{hf}.mlp.down_proj.bias", f"{ours}.mlp.down.bias", None, (hidden,)))
     return entries
 
 
