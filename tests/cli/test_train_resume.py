@@ -84,8 +84,6 @@ def test_a_killed_coordinator_resumes_where_it_stopped(tiny_chat: Path, tmp_path
     )
     cfg = config(tiny_chat, task=str(rows), reward=f"{__name__}:parity", steps=4, checkpoint_every=1)
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    uvloop.run(train.train(cfg, whole))
-
     config_file = tmp_path / "run.yaml"  # JSON is YAML
     config_file.write_text(json.dumps(msgspec.to_builtins(cfg)))
     first = _cli(str(config_file), "--run-dir", str(killed))
@@ -97,10 +95,13 @@ def test_a_killed_coordinator_resumes_where_it_stopped(tiny_chat: Path, tmp_path
         time.sleep(0.05)
     first.send_signal(signal.SIGKILL)
     first.wait()
+    killed_at = time.monotonic()
     # No coordinator: every actor it started stops by itself (it hears no heartbeat), and leaves nothing.
     orphans = _actor_pids(killed)
     assert len(orphans) >= 5
-    deadline = time.monotonic() + 60
+    # The uninterrupted run, while the orphans wait out their coordinator's silence (~10 s, idle).
+    uvloop.run(train.train(cfg, whole))
+    deadline = killed_at + 60
     while any(pid_alive(p) for p in orphans):
         assert time.monotonic() < deadline, f"orphans left: {[p for p in orphans if pid_alive(p)]}"
         time.sleep(0.2)
