@@ -280,8 +280,6 @@ class StaticStep:
 
     def _step(self, key: StepKey) -> None:
         batch, n, m = key.batch, key.nodes, self.max_nodes
-        model, cache = self.model, self.cache
-        config = model.config
         inp = self.inp[:batch]
         slot, ctx = inp[:, _SLOT], inp[:, _CTX]  # [B]
         temperature = inp[:, _TEMP].view(torch.float64).float()
@@ -292,28 +290,8 @@ class StaticStep:
         valid = section[_VALID] != 0
         bits = section[_BITS]
         node = torch.arange(n, device=self.device)  # [N]
-        assert cache.dummy_slot is not None
-
-        rope = (ctx[:, None] + depths).reshape(-1)  # [B*N]
-        store_slot = torch.where(valid, slot[:, None], cache.dummy_slot).reshape(-1)
-        store_pos = torch.where(valid, ctx[:, None] + node, node).reshape(-1)
-        table = slot[:, None] * self._pages + torch.arange(self._pages, device=self.device)  # [B, pages]
-        cos, sin = self.cos[rope][:, None], self.sin[rope][:, None]  # [B*N, 1, hd]
-        heads, hd = config.num_attention_heads, config.head_dim
-
-        x = model.embed_tokens(tokens.reshape(-1))  # [B*N, hidden]
-        for layer, k_cache, v_cache in zip(model.layers, cache.keys, cache.values, strict=True):
-            attn = layer.attn
-            q, k, v = attn._qkv(layer.input_norm(x), cos, sin)  # [B*N, H, hd], [B*N, KVH, hd] ×2
-            store_kv(k_cache, v_cache, k, v, store_slot, store_pos)
-            o = paged_attention(
-                q.reshape(batch, n, heads, hd), k_cache, v_cache, table, ctx, bits,
-                scale=hd**-0.5, page_size=PAGE_SIZE,
-            )  # fmt: skip
-            x = x + attn.o_proj(o.reshape(batch * n, heads * hd))
-            x = x + layer.mlp(layer.post_norm(x))
-        logits = model.head(x).view(batch, n, -1)  # [B, N, V]
-        states = x.view(batch, n, -1)  # [B, N, hidden]
+        # [B, N, V], [B, N, hidden]; every node's K/V is in the cache from here on
+        logits, states = self._score(slot, ctx, tokens, depths, valid, bits, node)
 
         out = self.out[:batch]
         positions = ctx + 1  # where the token after the pending one goes
@@ -334,23 +312,9 @@ class StaticStep:
         out_tokens, out_lp = emitted(path, accept, drawn, drawn_lp)  # [B, N] ×2
         if key.rejection:
             reject = inp[:, _REJECT] != 0  # [B]
-            q = processed_probs_static(
-                logits.reshape(batch * n, -1),
-                temperature.repeat_interleave(n),
-                top_p.repeat_interleave(n),
-                top_k.repeat_interleave(n),
-                filtered=key.filtered,
-            ).view(batch, n, -1)  # [B, N, V]
-            if key.tree:
-                r_path, r_accept, r_tokens, r_lp = rejection_tree_static(
-                    tokens, parents, valid, q, seeds, positions, n - 1, n - 1
-                )
-            else:
-                lengths = valid[:, 1:].sum(1)
-                r_accept, r_tokens, r_lp = rejection_chain_static(
-                    tokens[:, 1:], None, q, seeds, positions, lengths
-                )
-                r_path = node.expand(batch, n)
+            r_path, r_accept, r_tokens, r_lp = self._rejection(
+                key, logits, tokens, parents, valid, temperature, top_p, top_k, seeds, positions, node
+            )
             path = torch.where(reject[:, None], r_path, path)
             accept = torch.where(reject, r_accept, accept)
             out_tokens = torch.where(reject[:, None], r_tokens, out_tokens)
@@ -363,6 +327,72 @@ class StaticStep:
         out[:, m : m + n] = out_lp.double().view(torch.int64)
         out[:, 2 * m : 2 * m + n] = path
         out[:, 3 * m] = accept
+
+    def _score(
+        self,
+        slot: Tensor,
+        ctx: Tensor,
+        tokens: Tensor,
+        depths: Tensor,
+        valid: Tensor,
+        bits: Tensor,
+        node: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """The model over every node: logits [B, N, V] and last-layer states [B, N, hidden]; each node's K/V
+        is written to the cache (a padding node's to the dummy slot) as its layer runs."""
+        batch, n = tokens.shape
+        model, cache = self.model, self.cache
+        config = model.config
+        assert cache.dummy_slot is not None
+        rope = (ctx[:, None] + depths).reshape(-1)  # [B*N]
+        store_slot = torch.where(valid, slot[:, None], cache.dummy_slot).reshape(-1)
+        store_pos = torch.where(valid, ctx[:, None] + node, node).reshape(-1)
+        table = slot[:, None] * self._pages + torch.arange(self._pages, device=self.device)  # [B, pages]
+        cos, sin = self.cos[rope][:, None], self.sin[rope][:, None]  # [B*N, 1, hd]
+        heads, hd = config.num_attention_heads, config.head_dim
+
+        x = model.embed_tokens(tokens.reshape(-1))  # [B*N, hidden]
+        for layer, k_cache, v_cache in zip(model.layers, cache.keys, cache.values, strict=True):
+            attn = layer.attn
+            q, k, v = attn._qkv(layer.input_norm(x), cos, sin)  # [B*N, H, hd], [B*N, KVH, hd] ×2
+            store_kv(k_cache, v_cache, k, v, store_slot, store_pos)
+            o = paged_attention(
+                q.reshape(batch, n, heads, hd), k_cache, v_cache, table, ctx, bits,
+                scale=hd**-0.5, page_size=PAGE_SIZE,
+            )  # fmt: skip
+            x = x + attn.o_proj(o.reshape(batch * n, heads * hd))
+            x = x + layer.mlp(layer.post_norm(x))
+        return model.head(x).view(batch, n, -1), x.view(batch, n, -1)
+
+    def _rejection(
+        self,
+        key: StepKey,
+        logits: Tensor,
+        tokens: Tensor,
+        parents: Tensor,
+        valid: Tensor,
+        temperature: Tensor,
+        top_p: Tensor,
+        top_k: Tensor,
+        seeds: Tensor,
+        positions: Tensor,
+        node: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Every row verified by rejection sampling, a tree's or a chain's law by the key: (path [B, N],
+        accept_length [B], tokens [B, N], log-probs [B, N]); the caller keeps them for the rows that ask."""
+        batch, n = tokens.shape
+        q = processed_probs_static(
+            logits.reshape(batch * n, -1),
+            temperature.repeat_interleave(n),
+            top_p.repeat_interleave(n),
+            top_k.repeat_interleave(n),
+            filtered=key.filtered,
+        ).view(batch, n, -1)  # [B, N, V]
+        if key.tree:
+            return rejection_tree_static(tokens, parents, valid, q, seeds, positions, n - 1, n - 1)
+        lengths = valid[:, 1:].sum(1)
+        r_accept, r_tokens, r_lp = rejection_chain_static(tokens[:, 1:], None, q, seeds, positions, lengths)
+        return node.expand(batch, n), r_accept, r_tokens, r_lp
 
     def _commit(self, slot: Tensor, ctx: Tensor, path: Tensor, accept: Tensor) -> None:
         """Move each row's accepted nodes' K/V to ctx, ctx+1, … in every layer at once (one gather, one
