@@ -37,8 +37,8 @@ import torch.distributed as dist
 from slipstream.engine import hub
 from slipstream.engine.config import ModelConfig, dtype_from_name
 from slipstream.engine.device import capabilities, parse_device, require_device
-from slipstream.engine.grpo import LossConfig, group_advantages
-from slipstream.engine.policy_train import OptimConfig, PolicySample, PolicyTrainer
+from slipstream.engine.grpo import LossConfig
+from slipstream.engine.policy_train import OptimConfig, PolicyTrainer
 from slipstream.engine.weight_delta import blob_tensor, xor_delta
 from slipstream.engine.weights import HEAD_PARTS, load_model
 from slipstream.protocols import samples_record
@@ -59,6 +59,10 @@ from slipstream.runtime import cuda_ipc
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
 from slipstream.runtime.process import memory_now
+
+# This actor's own part (no actor in it), imported relatively: tests/test_layers.py takes every absolute
+# slipstream.actors.* import in actors/ for one actor importing another.
+from .learner_samples import check_group, policy_samples, without_samples
 
 STOP_BARRIER_S = 60.0  # how long a stopping rank waits for its peers before tearing down anyway
 
@@ -286,10 +290,10 @@ class LearnerActor(Actor):
         for plan in msg.groups:
             held = [self._held.pop((plan.group_id, i)) for i in range(len(plan.rewards))]
             group = samples_record.assemble(plan, held, msg.step, sampling)
-            if (problem := _check_group(group)) is not None:
+            if (problem := check_group(group)) is not None:
                 # The coordinator counts groups per step: a refused group is reported, never silently lost.
                 self.log.error("group_refused", step=msg.step, group_id=plan.group_id, why=problem)
-                group = _without_samples(group)
+                group = without_samples(group)
             groups.append(group)
             texts.append([c.text for c in held] if group.response_ids else [])
         if msg.samples_path:  # before training on it: a learner that dies now replays the step from it
@@ -372,74 +376,75 @@ class LearnerActor(Actor):
         """Sends each group's parameters, as buckets numbered over all groups, to that group's destinations.
         Returns `bytes` (one copy of them) and, over the cross-host destinations, `full_bytes` (what full
         buckets would have moved), `wire_bytes` (what did), `deltas` (how many got deltas) and `encode_s`."""
-        itemsize = self.push_dtype.itemsize
         moved: dict[str, int | float] = {"bytes": 0, "full_bytes": 0, "wire_bytes": 0, "encode_s": 0.0}
         delta_dests: set[str] = set()
-        buckets: list[tuple[list[tuple[str, torch.nn.Parameter]], list[str]]] = []
-        for params, dests in groups:
-            if not params:
-                continue
-            buckets.append(([], dests))  # a group's buckets hold its parameters alone
-            size = 0
-            for name, param in params:
-                nbytes = param.numel() * itemsize
-                if buckets[-1][0] and size + nbytes > self.config.bucket_bytes:
-                    buckets.append(([], dests))
-                    size = 0
-                buckets[-1][0].append((name, param))
-                size += nbytes
+        buckets = _buckets(groups, self.push_dtype.itemsize, self.config.bucket_bytes)
         on_gpu = self.config.push_ipc and next(self.model.parameters()).device.type == "cuda"
         for index, (bucket, dests) in enumerate(buckets):
             remote = [d for d in dests if self.peers.get(d, "").startswith("tcp://")]
-            names = [n for n, _ in bucket]
             if on_gpu and (local := [d for d in dests if d not in remote]):
                 # Same node, same GPUs: the bucket stays in GPU memory, its IPC refs travel (no host copy).
                 update = self._ipc_update(index, version, len(buckets), bucket)
                 for dest in local:
                     self.send(dest, update)
-                moved["bytes"] += sum(p.numel() for _, p in bucket) * itemsize
+                moved["bytes"] += sum(p.numel() for _, p in bucket) * self.push_dtype.itemsize
                 dests = remote
                 if not dests:
                     self.tick()
                     continue
-            # One cast copy on the CPU for every destination: frames leave zero-copy, the next step must not
-            # change what is still in flight, and the copy, not the master, is what the checksum covers.
-            # (Same-host destinations then share one shared-memory slot per tensor: `broadcast`.)
-            tensors = [p.detach().to("cpu", self.push_dtype, copy=True) for _, p in bucket]
-            update = WeightUpdate(
-                version=version,
-                bucket=index,
-                num_buckets=len(buckets),
-                names=names,
-                tensors=tensors,
-                checksum=checksum(names, tensors),
-            )
-            nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            kept = {self._pushed[n][0] if n in self._pushed else -1 for n in names}
-            base = kept.pop() if len(kept) == 1 and self.config.push_deltas else -1  # one version: a base
-            deltas = [d for d in remote if 0 <= base < version and delta_base.get(d) == base]
-            self.broadcast([d for d in dests if d not in deltas], update)  # same-host: one shared copy
-            if deltas:
-                started = time.perf_counter()
-                blobs = [
-                    blob_tensor(xor_delta(self._pushed[n][1], t, threads=self.config.delta_threads))
-                    for n, t in zip(names, tensors, strict=True)
-                ]
-                moved["encode_s"] += time.perf_counter() - started
-                delta = msgspec.structs.replace(update, tensors=blobs, encoding=XOR_ZSTD, base_version=base)
-                for dest in deltas:
-                    self.send(dest, delta)
-                moved["wire_bytes"] += len(deltas) * sum(b.numel() for b in blobs)
-            moved["wire_bytes"] += nbytes * (len(remote) - len(deltas))
-            moved["full_bytes"] += nbytes * len(remote)
-            moved["bytes"] += nbytes
-            delta_dests.update(deltas)
-            if remote:
-                # The next delta's base. Kept, never written: a tensor still in flight as a frame stays valid.
-                for name, tensor in zip(names, tensors, strict=True):
-                    self._pushed[name] = (version, tensor)
+            host = self._host_update(index, version, len(buckets), bucket)
+            delta_dests.update(self._send_host_copy(host, dests, remote, delta_base, moved))
             self.tick()  # a push of many buckets is progress, not a hang
         return {**moved, "encode_s": round(moved["encode_s"], 3), "deltas": len(delta_dests)}
+
+    def _host_update(
+        self, index: int, version: int, num_buckets: int, bucket: list[tuple[str, torch.nn.Parameter]]
+    ) -> WeightUpdate:
+        """Bucket `index` as one cast copy on the CPU for every destination: frames leave zero-copy, the next
+        step must not change what is still in flight, and the copy, not the master, is what the checksum
+        covers. (Same-host destinations then share one shared-memory slot per tensor: `broadcast`.)"""
+        names = [n for n, _ in bucket]
+        tensors = [p.detach().to("cpu", self.push_dtype, copy=True) for _, p in bucket]
+        return WeightUpdate(
+            version=version, bucket=index, num_buckets=num_buckets, names=names, tensors=tensors,
+            checksum=checksum(names, tensors),
+        )  # fmt: skip
+
+    def _send_host_copy(
+        self,
+        update: WeightUpdate,
+        dests: list[str],
+        remote: list[str],
+        delta_base: dict[str, int],
+        moved: dict[str, int | float],
+    ) -> list[str]:
+        """Sends a host bucket: as an XOR delta to each cross-host destination that acknowledged the version
+        this learner kept of it, else whole; adds its bytes to `moved`. Returns the destinations of deltas."""
+        names, tensors, version = update.names, update.tensors, update.version
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        kept = {self._pushed[n][0] if n in self._pushed else -1 for n in names}
+        base = kept.pop() if len(kept) == 1 and self.config.push_deltas else -1  # one version: a base
+        deltas = [d for d in remote if 0 <= base < version and delta_base.get(d) == base]
+        self.broadcast([d for d in dests if d not in deltas], update)  # same-host: one shared copy
+        if deltas:
+            started = time.perf_counter()
+            blobs = [
+                blob_tensor(xor_delta(self._pushed[n][1], t, threads=self.config.delta_threads))
+                for n, t in zip(names, tensors, strict=True)
+            ]
+            moved["encode_s"] += time.perf_counter() - started
+            delta = msgspec.structs.replace(update, tensors=blobs, encoding=XOR_ZSTD, base_version=base)
+            for dest in deltas:
+                self.send(dest, delta)
+            moved["wire_bytes"] += len(deltas) * sum(b.numel() for b in blobs)
+        moved["wire_bytes"] += nbytes * (len(remote) - len(deltas))
+        moved["full_bytes"] += nbytes * len(remote)
+        moved["bytes"] += nbytes
+        if remote:
+            # The next delta's base. Kept, never written: a tensor still in flight as a frame stays valid.
+            for name, tensor in zip(names, tensors, strict=True):
+                self._pushed[name] = (version, tensor)
+        return deltas
 
     def _ipc_update(
         self, index: int, version: int, num_buckets: int, bucket: list[tuple[str, torch.nn.Parameter]]
@@ -491,43 +496,25 @@ class LearnerActor(Actor):
         self.log.info("checkpoint_loaded", path=path, version=self.version)
 
 
-def policy_samples(
-    groups: list[ScoredGroup], loss: LossConfig
-) -> tuple[list[PolicySample], dict[str, float]]:
-    """A step's training samples (valid ones, with group advantages) and what was left out."""
-    if not groups:
-        return [], {"groups": 0.0, "invalid_samples": 0.0, "zero_adv_share": 0.0}
-    size = max(len(g.rewards) for g in groups)
-    rewards = torch.zeros(len(groups), size, dtype=torch.float64)
-    valid = torch.zeros(len(groups), size, dtype=torch.bool)
-    for i, g in enumerate(groups):
-        for j, r in enumerate(g.rewards):
-            if r is not None:
-                rewards[i, j], valid[i, j] = r, True
-    adv = group_advantages(rewards, valid, normalize_std=loss.normalize_std)
-    keep = adv.sample_mask(loss.drop_zero_adv_groups)
-    samples = [
-        PolicySample(
-            prompt_ids=g.prompt_ids.tolist(),
-            response_ids=g.response_ids[j].tolist(),
-            behaviour_logprobs=g.behaviour_logprobs[j].tolist(),
-            advantage=float(adv.advantages[i, j]),
-            temperature=g.temperature,
-            top_p=g.top_p,
-            top_k=g.top_k,
-            # A multi-turn episode's environment tokens: context, out of the loss (engine/policy_train.py).
-            policy_mask=g.policy_masks[j].tolist() if g.policy_masks and g.policy_masks[j].numel() else None,
-        )
-        for i, g in enumerate(groups)
-        for j in range(len(g.rewards))
-        if keep[i, j] and len(g.response_ids[j]) > 0
-    ]
-    counts = {
-        "groups": float(len(groups)),
-        "invalid_samples": float(sum(r is None for g in groups for r in g.rewards)),
-        "zero_adv_share": float(adv.zero_adv_share),
-    }
-    return samples, counts
+def _buckets(
+    groups: list[tuple[list[tuple[str, torch.nn.Parameter]], list[str]]], itemsize: int, bucket_bytes: int
+) -> list[tuple[list[tuple[str, torch.nn.Parameter]], list[str]]]:
+    """Each group's parameters cut into buckets of at most `bucket_bytes` (a larger parameter alone), each
+    with its group's destinations: a group's buckets hold its parameters alone."""
+    buckets: list[tuple[list[tuple[str, torch.nn.Parameter]], list[str]]] = []
+    for params, dests in groups:
+        if not params:
+            continue
+        buckets.append(([], dests))
+        size = 0
+        for name, param in params:
+            nbytes = param.numel() * itemsize
+            if buckets[-1][0] and size + nbytes > bucket_bytes:
+                buckets.append(([], dests))
+                size = 0
+            buckets[-1][0].append((name, param))
+            size += nbytes
+    return buckets
 
 
 def _stop_barrier(world_size: int, timeout_s: float) -> None:
@@ -538,36 +525,6 @@ def _stop_barrier(world_size: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while store.add("learner/stopping", 0) < world_size and time.monotonic() < deadline:
         time.sleep(0.01)
-
-
-def _check_group(msg: ScoredGroup) -> str | None:
-    """Why a decoded group cannot be trained on (dtype, rank, lengths), or None."""
-    n = len(msg.rewards)
-    if len(msg.response_ids) != n or len(msg.behaviour_logprobs) != n:
-        return f"{len(msg.response_ids)} responses, {len(msg.behaviour_logprobs)} log-prob rows, {n} rewards"
-    if msg.prompt_ids.dtype != torch.int64 or msg.prompt_ids.dim() != 1 or msg.prompt_ids.numel() == 0:
-        return f"prompt_ids must be a non-empty 1-D int64 tensor, got {msg.prompt_ids.dtype} {tuple(msg.prompt_ids.shape)}"
-    for j, (ids, logp) in enumerate(zip(msg.response_ids, msg.behaviour_logprobs, strict=True)):
-        if ids.dtype != torch.int64 or ids.dim() != 1:
-            return f"response {j}: ids must be 1-D int64, got {ids.dtype} {tuple(ids.shape)}"
-        if logp.dtype != torch.float32 or logp.shape != ids.shape:
-            return f"response {j}: log-probs must be float32 {tuple(ids.shape)}, got {logp.dtype} {tuple(logp.shape)}"
-    if msg.policy_masks and len(msg.policy_masks) != n:
-        return f"{len(msg.policy_masks)} policy masks for {n} responses"
-    return None
-
-
-def _without_samples(msg: ScoredGroup) -> ScoredGroup:
-    """The group with every sample marked invalid: it still counts as arrived, it trains nothing."""
-    return ScoredGroup(
-        step=msg.step,
-        group_id=msg.group_id,
-        prompt_ids=torch.zeros(1, dtype=torch.int64),
-        response_ids=[],
-        behaviour_logprobs=[],
-        rewards=[],
-        policy_version=msg.policy_version,
-    )
 
 
 __all__ = ["LearnerActor", "policy_samples"]
