@@ -20,7 +20,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -317,6 +317,74 @@ def record_outputs(model: Transformer, requests: list[Request]) -> dict[str, lis
     return {c.request_id: [*c.prompt_ids, *c.token_ids] for c in gen.generate(requests)}
 
 
+def _check_workload(
+    *, temperature: float, batches: Sequence[int], threads: int | None, **positive: int
+) -> None:
+    """A ValueError naming the first argument of `run` out of its range."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not batches or min(batches) < 1:
+        raise ValueError(f"batches must be positive, got {list(batches)}")
+    for name, value in positive.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+
+
+def _measured_rounds(
+    target: Transformer,
+    requests: list[Request],
+    arms: Sequence[Arm],
+    *,
+    repeats: int,
+    drafter: Path | None,
+    say: Callable[[str], None],
+) -> list[list[Tally]]:
+    """One batch size's `repeats` interleaved rounds (each a Tally per arm), after the untimed plain run
+    the self-draft rows replay."""
+    batch = len(requests)
+    t0 = time.perf_counter()
+    recorded = record_outputs(target, requests)
+    say(f"batch {batch}: recorded the plain run for self-draft in {time.perf_counter() - t0:.1f} s")
+    rounds: list[list[Tally]] = []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        rounds.append(interleaved_round(target, requests, arms, recorded, drafter))
+        rates = ", ".join(
+            f"{arm.label} {t.tokens / t.seconds:.0f}" for arm, t in zip(arms, rounds[-1], strict=True)
+        )
+        say(f"batch {batch} round {r + 1}/{repeats} ({time.perf_counter() - t0:.0f} s): {rates} tok/s")
+    return rounds
+
+
+def _rows(batch: int, arms: Sequence[Arm], rounds: list[list[Tally]]) -> list[DecodeRow]:
+    """One batch size's rows: each arm's median rate over the rounds, its ratio to plain's, its totals."""
+    medians = [statistics.median(rd[a].tokens / rd[a].seconds for rd in rounds) for a in range(len(arms))]
+    plain = medians[[arm.spec for arm in arms].index("off")] if any(a.spec == "off" for a in arms) else None
+    rows = []
+    for a, arm in enumerate(arms):
+        tokens = sum(rd[a].tokens for rd in rounds)
+        passes = sum(rd[a].passes for rd in rounds)
+        rows.append(
+            DecodeRow(
+                batch=batch,
+                spec=arm.spec,
+                depth=arm.depth,
+                topk=arm.topk,
+                verify=arm.verify,
+                mode=arm.mode,
+                tokens_per_s=round(medians[a], 2),
+                tokens_per_s_rounds=[round(rd[a].tokens / rd[a].seconds, 2) for rd in rounds],
+                ratio=round(medians[a] / plain, 3) if plain else None,
+                accept_length=round(tokens / passes, 3) if passes else None,
+                drafted=sum(rd[a].drafted for rd in rounds),
+                accepted=sum(rd[a].accepted for rd in rounds),
+            )
+        )
+    return rows
+
+
 def run(
     model: str | None = None,
     *,
@@ -334,16 +402,11 @@ def run(
     """Run the benchmark (see the module docstring). drafter: an exported EAGLE head; its rows
     (`EAGLE_ARMS`) are added to `arms`. temperature: of every request (> 0: the oracle rows need a
     sampled, keyed run to replay; a head trained at T = 0.7 is best measured there)."""
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if not batches or min(batches) < 1:
-        raise ValueError(f"batches must be positive, got {list(batches)}")
-    for name, value in (("max_tokens", max_tokens), ("repeats", repeats), ("prompt_tokens", prompt_tokens)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+    _check_workload(
+        temperature=temperature, batches=batches, threads=threads,
+        max_tokens=max_tokens, repeats=repeats, prompt_tokens=prompt_tokens,
+    )  # fmt: skip
     if threads is not None:
-        if threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     if drafter is not None:
         try:  # a shipped drafter's name or a directory
@@ -366,40 +429,8 @@ def run(
     rows: list[DecodeRow] = []
     for batch in batches:
         requests = bench_requests(prompts[:batch], max_tokens, temperature)
-        t0 = time.perf_counter()
-        recorded = record_outputs(target, requests)
-        say(f"batch {batch}: recorded the plain run for self-draft in {time.perf_counter() - t0:.1f} s")
-        rounds: list[list[Tally]] = []
-        for r in range(repeats):
-            t0 = time.perf_counter()
-            rounds.append(interleaved_round(target, requests, arms, recorded, drafter))
-            rates = ", ".join(
-                f"{arm.label} {t.tokens / t.seconds:.0f}" for arm, t in zip(arms, rounds[-1], strict=True)
-            )
-            say(f"batch {batch} round {r + 1}/{repeats} ({time.perf_counter() - t0:.0f} s): {rates} tok/s")
-        medians = [statistics.median(rd[a].tokens / rd[a].seconds for rd in rounds) for a in range(len(arms))]
-        plain = (
-            medians[[arm.spec for arm in arms].index("off")] if any(a.spec == "off" for a in arms) else None
-        )
-        for a, arm in enumerate(arms):
-            tokens = sum(rd[a].tokens for rd in rounds)
-            passes = sum(rd[a].passes for rd in rounds)
-            rows.append(
-                DecodeRow(
-                    batch=batch,
-                    spec=arm.spec,
-                    depth=arm.depth,
-                    topk=arm.topk,
-                    verify=arm.verify,
-                    mode=arm.mode,
-                    tokens_per_s=round(medians[a], 2),
-                    tokens_per_s_rounds=[round(rd[a].tokens / rd[a].seconds, 2) for rd in rounds],
-                    ratio=round(medians[a] / plain, 3) if plain else None,
-                    accept_length=round(tokens / passes, 3) if passes else None,
-                    drafted=sum(rd[a].drafted for rd in rounds),
-                    accepted=sum(rd[a].accepted for rd in rounds),
-                )
-            )
+        rounds = _measured_rounds(target, requests, arms, repeats=repeats, drafter=drafter, say=say)
+        rows += _rows(batch, arms, rounds)
     return DecodeResult(
         model=name,
         threads=torch.get_num_threads(),

@@ -10,8 +10,8 @@ loop is: whole groups are dealt by expected work, an idle device is leased to it
 is preempted when the last completion arrives. Each mode runs `steps` RL steps on the same fresh prompts;
 the first warms the tuner and the online drafter, the others are measured and summed. Verification is
 reproducible, so every mode decodes the responses plain decoding does (`differing_responses` counts the
-rare exceptions). Configuration: `RolloutBenchConfig`; result: `RolloutBenchResult`; why this workload,
-and measured figures: docs/benchmarks.md.
+rare exceptions). Configuration: `RolloutBenchConfig` (benchmarks/rollout_config.py); result:
+`RolloutBenchResult`; why this workload, and measured figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import msgspec
 import torch
@@ -32,6 +31,7 @@ import uvloop
 
 from slipstream.actors.drafter import DrafterActor
 from slipstream.actors.rollout import RolloutActor
+from slipstream.benchmarks.rollout_config import Mode, RolloutBenchConfig
 from slipstream.engine import hub
 from slipstream.engine.sampling import group_seed
 from slipstream.engine.tokenizer import Tokenizer
@@ -48,120 +48,9 @@ from slipstream.runtime.supervisor import ActorSpec, Supervisor
 from slipstream.runtime.transport import actor_name
 from slipstream.tasks.datasets import task_prompts
 
-__all__ = [
-    "MODES",
-    "ModeFigures",
-    "RolloutBenchConfig",
-    "RolloutBenchResult",
-    "load_config",
-    "render",
-    "run",
-]
+__all__ = ["ModeFigures", "RolloutBenchResult", "render", "run"]
 
-Mode = Literal["plain", "ngram", "adaptive"]
-MODES: tuple[Mode, ...] = ("plain", "ngram", "adaptive")
 DEVICES = 2
-Positive = Annotated[int, msgspec.Meta(ge=1)]
-
-
-def _list(*items: Any) -> Any:
-    """A list default (msgspec wants a factory for non-empty ones)."""
-    return msgspec.field(default_factory=lambda: list(items))
-
-
-# -- configuration -------------------------------------------------------------------------------------
-
-
-class ModeArms(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """The tuner's arms in each mode (grammar: engine/tuner.py). Quote "off" in YAML: bare, it is false."""
-
-    plain: list[str] = _list("off")  # plain decoding: the baseline every speedup is measured against
-    # Deep n-gram chains pay off in the tail, where a lone long response often repeats itself or a sibling.
-    ngram: list[str] = _list("off", "ngram:d3", "ngram:d5", "ngram:d8")  # what a user without a drafter gets
-    # EAGLE trees and depth 7 lost in every bucket on one CPU thread per device, and every arm costs
-    # exploration; "hybrid" drafts with the n-gram tables where they match and with the head elsewhere.
-    adaptive: list[str] = _list(
-        "off", "ngram:d3", "ngram:d5", "ngram:d8", "eagle:d3", "hybrid:d3", "hybrid:d5"
-    )
-
-    def __post_init__(self) -> None:
-        for mode in MODES:  # every mode's arms are checked before the first mode starts
-            try:
-                TunerConfig(arms=list(getattr(self, mode)))
-            except ValueError as e:  # "TunerConfig.arms[1]: …" → "ngram[1]: …"
-                raise ValueError(f"{mode}{str(e).removeprefix('TunerConfig.arms')}") from None
-
-
-class TunerSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """The rollout actors' tuner: buckets shared by every mode, each mode's arms."""
-
-    buckets: list[int] = _list(1, 2, 3, 5, 9, 17)  # lower edges of the batch-size buckets (also the report's)
-    arms: ModeArms = msgspec.field(default_factory=ModeArms)
-
-    def __post_init__(self) -> None:
-        try:
-            TunerConfig(buckets=list(self.buckets))
-        except ValueError as e:  # "TunerConfig.buckets[1]: …" → "buckets[1]: …"
-            raise ValueError(str(e).removeprefix("TunerConfig.")) from None
-
-    def config(self, mode: Mode, *, seed: int) -> TunerConfig:
-        return TunerConfig(buckets=list(self.buckets), arms=list(getattr(self.arms, mode)), seed=seed)
-
-
-class RolloutSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """What the bench sets on each rollout actor; the model, batch and length follow from the workload."""
-
-    spec_mode: Literal["rejection", "reproducible"] = (
-        "reproducible"  # reproducible: plain's tokens in every mode
-    )
-
-
-class DrafterSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """What the bench sets on each drafter actor (adaptive mode); the group and its peers follow from it."""
-
-    batch_tokens: Positive = 512  # tokens per training step: short, so a preemption waits at most one
-    publish_every_steps: Positive = 10  # drafter versions between updates pushed to the rollouts
-    checkpoint_every_steps: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: none (the run directory is temporary)
-
-
-class RolloutBenchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """`bench rollout`'s configuration; deploy/configs/bench-rollout.yaml holds the same defaults."""
-
-    model: str = "smollm2-135m"  # model directory or registry name
-    device: Literal["cpu", "cuda"] = "cpu"  # cpu: a core per rollout/drafter pair; cuda: a GPU each
-    task: str = "basic_arithmetic"  # reasoning-gym task (a model without a tokenizer gets random prompts)
-    prompts: Positive = 8  # prompts (GRPO groups) per RL step
-    samples: Positive = 4  # responses per prompt (G)
-    max_tokens: Positive = 512  # new tokens per response at most; EOS is honoured
-    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.7  # sampling temperature
-    seed: int = 0  # seed of the prompts and of the sampling
-    steps: Positive = 4  # RL steps per mode, each on fresh prompts; all but the first are measured
-    modes: Annotated[list[Mode], msgspec.Meta(min_length=1)] = _list(*MODES)  # which modes run, in order
-    drafter: str = (
-        ""  # adaptive: the warmed EAGLE head to start from; "" = a cached warmup, made on first use
-    )
-    warmup_steps: Positive = 1000  # optimizer steps of that warmup when it has to be made
-    spans: bool = False  # actors record spans (runtime/spans.py), as `train` does by default: their cost
-    tuner: TunerSettings = msgspec.field(default_factory=TunerSettings)
-    rollout_actors: RolloutSettings = msgspec.field(default_factory=RolloutSettings)
-    drafter_actors: DrafterSettings = msgspec.field(default_factory=DrafterSettings)
-
-    def __post_init__(self) -> None:
-        if len(set(self.modes)) != len(self.modes):
-            raise ValueError(f"modes: {self.modes} names a mode twice")
-
-
-SHORTHANDS = ("model", "task", "prompts", "samples", "max_tokens", "temperature", "seed", "steps", "drafter")
-"""Top-level fields that the command line also takes as flags (--max-tokens …); --modes a,b sets modes."""
-
-
-def load_config(
-    path: Path | str | None = None, overrides: Sequence[str] = (), **flags: Any
-) -> RolloutBenchConfig:
-    """The YAML at `path` (None: the defaults), then the flags given (None: not given), then `key.sub=value`
-    overrides; converted strictly, so a wrong key or type raises ConfigError naming the dotted field."""
-    given = [f"{key}={json.dumps(value)}" for key, value in flags.items() if value is not None]
-    return run_config.load(path, RolloutBenchConfig, [*given, *overrides])  # JSON values are YAML too
 
 
 # -- result --------------------------------------------------------------------------------------------
@@ -328,6 +217,54 @@ async def run_phase(
         await sup.shutdown(grace_s=10.0)
 
 
+@dataclass
+class _BucketSums:
+    """One step's decode IterationStats summed per tuner bucket (keyed by bucket index)."""
+
+    bucketing: Tuner
+    committed: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    accepted: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    seq_iters: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    seconds: dict[int, float] = field(default_factory=lambda: defaultdict(float))  # of decode iterations
+    arms: dict[int, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
+
+    def add(self, msg: IterationStats) -> None:
+        b = self.bucketing.bucket(msg.batch_size)
+        self.committed[b] += msg.committed
+        self.accepted[b] += msg.accepted
+        self.seq_iters[b] += msg.batch_size
+        self.seconds[b] += msg.iter_s
+        self.arms[b][msg.arm] += 1
+
+    def accept_length(self) -> dict[str, float]:
+        # 1 + accepted per sequence-iteration, as StepMetrics: committed also counts prefill-born tokens.
+        label = self.bucketing.label
+        return {label(b): round(1 + self.accepted[b] / self.seq_iters[b], 3) for b in sorted(self.seq_iters)}
+
+    def arm_counts(self) -> dict[str, dict[str, int]]:
+        return {self.bucketing.label(b): dict(self.arms[b]) for b in sorted(self.arms)}
+
+    def decode_s(self) -> dict[str, float]:
+        return {self.bucketing.label(b): round(self.seconds[b], 2) for b in sorted(self.seconds)}
+
+
+def _requests(
+    prompts: list[list[int]], samples: int, sampling: SamplingSpec, seed: int, group_base: int
+) -> list[GenerateRequest]:
+    """A step's groups: prompt i as group `group_base + i`, seeded as the RL loop seeds it."""
+    return [
+        GenerateRequest(
+            group_id=group_base + i,
+            prompt_ids=torch.tensor(prompt, dtype=torch.int64),
+            num_samples=samples,
+            seed=group_seed(seed, group_base + i),
+            sampling=sampling,
+            policy_version=0,
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+
+
 async def _step(
     coord: Coordinator,
     mode: Mode,
@@ -342,51 +279,29 @@ async def _step(
 ) -> _Step:
     """One synchronous rollout step through the coordinator; every IterationStats is summed per bucket
     and appended to `trace` (when given) with its arrival time from the step's start."""
-    committed: dict[int, int] = defaultdict(int)  # by bucket index
-    accepted: dict[int, int] = defaultdict(int)
-    seq_iters: dict[int, int] = defaultdict(int)
-    bucket_s: dict[int, float] = defaultdict(float)  # device-seconds of decode iterations, by bucket
-    arms: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    sums = _BucketSums(bucketing)
     started = time.monotonic()
 
     def on_iteration(sender: str, msg: IterationStats) -> None:
         if msg.batch_size == 0:  # a prefill-only pass: it says nothing about decoding
             return
-        label = bucketing.bucket(msg.batch_size)
-        committed[label] += msg.committed
-        accepted[label] += msg.accepted
-        seq_iters[label] += msg.batch_size
-        bucket_s[label] += msg.iter_s
-        arms[label][msg.arm] += 1
+        sums.add(msg)
         if trace is not None:
             trace.append({"mode": mode, "group_base": group_base, "t": round(time.monotonic() - started, 4),
                           **msgspec.structs.asdict(msg)})  # fmt: skip
 
-    requests = [
-        GenerateRequest(
-            group_id=group_base + i,
-            prompt_ids=torch.tensor(prompt, dtype=torch.int64),
-            num_samples=samples,
-            seed=group_seed(seed, group_base + i),
-            sampling=sampling,
-            policy_version=0,
-        )
-        for i, prompt in enumerate(prompts)
-    ]
+    requests = _requests(prompts, samples, sampling, seed, group_base)
     # every rollout idle, every lease accounted
     completions, m = await rollout_step(coord, requests, on_iteration=on_iteration)
     responses = {key: completion.token_ids.tolist() for key, completion in completions.items()}
     return _Step(
         makespan_s=round(m.rollout_s, 3),
         tokens=sum(len(r) for r in responses.values()),
-        # 1 + accepted per sequence-iteration, as StepMetrics: committed also counts prefill-born tokens.
-        accept_length={
-            bucketing.label(b): round(1 + accepted[b] / seq_iters[b], 3) for b in sorted(seq_iters)
-        },
-        arms={bucketing.label(b): dict(arms[b]) for b in sorted(arms)},
-        decode_s={bucketing.label(b): round(bucket_s[b], 2) for b in sorted(bucket_s)},
-        bucket_s=dict(bucket_s),
-        bucket_tokens=dict(committed),
+        accept_length=sums.accept_length(),
+        arms=sums.arm_counts(),
+        decode_s=sums.decode_s(),
+        bucket_s=dict(sums.seconds),
+        bucket_tokens=dict(sums.committed),
         idle_device_s=round(m.idle_device_s, 3),
         reclaimed_s=round(m.reclaimed_s, 3),
         preempt_ms=[round(x, 2) for x in m.preempt_ms],
@@ -398,12 +313,10 @@ async def _step(
 # -- the benchmark -------------------------------------------------------------------------------------
 
 
-def run(config: RolloutBenchConfig | None = None, *, trace: Path | None = None) -> RolloutBenchResult:
-    """Every configured mode, one after another, on the same workload; `trace`: write every decode
-    iteration there (JSON lines). A config built in code is checked as a file's would be (ConfigError)."""
-    config = run_config.convert(msgspec.to_builtins(config or RolloutBenchConfig()), RolloutBenchConfig)
-    print(f"bench rollout: config {msgspec.json.encode(config).decode()}", file=sys.stderr)  # resolved, once
-    model_dir = hub.resolve(config.model)
+def _workload(
+    config: RolloutBenchConfig, model_dir: Path
+) -> tuple[list[list[list[int]]], list[int], Tokenizer | None]:
+    """Each step's prompts, the stop ids, and the tokenizer (None for a bare model directory)."""
     prompts, steps, seed = config.prompts, config.steps, config.seed
     if (model_dir / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_dir(model_dir)
@@ -412,30 +325,77 @@ def run(config: RolloutBenchConfig | None = None, *, trace: Path | None = None) 
         # 8 questions from one step to the next. The default warmup, seed + 1000, is disjoint from these.)
         questions = task_prompts(config.task, prompts * steps, seed, tokenizer)
         prompt_sets = [questions[s * prompts : (s + 1) * prompts] for s in range(steps)]
-        stop_ids = sorted(tokenizer.stop_ids)
-    else:  # a bare model directory (the tests' tiny models): seeded random prompts, the model's EOS
-        gen = torch.Generator().manual_seed(seed)
-        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        prompt_sets = [
-            [torch.randint(0, vocab, (8 + 4 * (i % 3),), generator=gen).tolist() for i in range(prompts)]
-            for _ in range(steps)
+        return prompt_sets, sorted(tokenizer.stop_ids), tokenizer
+    # A bare model directory (the tests' tiny models): seeded random prompts, the model's EOS.
+    gen = torch.Generator().manual_seed(seed)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompt_sets = [
+        [torch.randint(0, vocab, (8 + 4 * (i % 3),), generator=gen).tolist() for i in range(prompts)]
+        for _ in range(steps)
+    ]
+    return prompt_sets, [], None
+
+
+def _warm_drafter(
+    config: RolloutBenchConfig,
+    model_dir: Path,
+    drafter: Path,
+    tokenizer: Tokenizer | None,
+    stop_ids: list[int],
+) -> dict[str, Any]:
+    """Makes the EAGLE head the adaptive mode starts from at `drafter`; returns the warmup's summary."""
+    print(
+        f"bench rollout: no warmed drafter at {drafter}; running drafter warmup first (~30 min)",
+        file=sys.stderr,
+    )
+    if tokenizer is None:
+        raise ValueError(f"{model_dir} has no tokenizer to warm a drafter on: give the bench a drafter")
+    # Its own 384 + 16 questions: a dataset 1000 seeds on, disjoint from the bench's.
+    held = task_prompts(config.task, 384 + 16, config.seed + 1000, tokenizer)
+    return warmup(
+        load_model(model_dir), held[:384], held[384:], eos=stop_ids, steps=config.warmup_steps,
+        out=drafter, max_tokens=256, temperature=config.temperature, seed=config.seed + 1000, progress=bar,
+    )  # fmt: skip
+
+
+def _speedups(figures: dict[str, ModeFigures]) -> dict[str, Any]:
+    """Plain's makespans over adaptive's ("speedup…") and n-gram's ("ngram_speedup…"), for the modes that
+    ran; per bucket, that mode's tokens/s over plain's."""
+    speedups: dict[str, Any] = {}
+    if "plain" not in figures:
+        return speedups
+    plain = figures["plain"]
+    for mode, key in (("adaptive", "speedup"), ("ngram", "ngram_speedup")):
+        if mode not in figures:
+            continue
+        other = figures[mode]
+        speedups[key] = round(plain.makespan_s / other.makespan_s, 3)
+        speedups[f"{key}_first_step"] = round(plain.step_makespans_s[0] / other.step_makespans_s[0], 3)
+        speedups[f"{key}_per_step"] = [
+            round(p / m, 3) for p, m in zip(plain.step_makespans_s, other.step_makespans_s, strict=True)
         ]
-        stop_ids = []
+        # Where plain spends most of its time bounds the makespan speedup (docs/benchmarks.md).
+        speedups[f"{key}_per_bucket"] = {
+            label: round(other.bucket_tokens_per_s[label] / rate, 3)
+            for label, rate in plain.bucket_tokens_per_s.items()
+            if label in other.bucket_tokens_per_s
+        }
+    return speedups
+
+
+def run(config: RolloutBenchConfig | None = None, *, trace: Path | None = None) -> RolloutBenchResult:
+    """Every configured mode, one after another, on the same workload; `trace`: write every decode
+    iteration there (JSON lines). A config built in code is checked as a file's would be (ConfigError)."""
+    config = run_config.convert(msgspec.to_builtins(config or RolloutBenchConfig()), RolloutBenchConfig)
+    print(f"bench rollout: config {msgspec.json.encode(config).decode()}", file=sys.stderr)  # resolved, once
+    model_dir = hub.resolve(config.model)
+    prompt_sets, stop_ids, tokenizer = _workload(config, model_dir)
     drafter = Path(config.drafter) if config.drafter else None
     warmed: dict[str, Any] | None = None
     if "adaptive" in config.modes:
         drafter = drafter or default_drafter_dir(config.model, config.task)
         if not (drafter / "config.json").is_file():
-            print(
-                f"bench rollout: no warmed drafter at {drafter}; running drafter warmup first (~30 min)",
-                file=sys.stderr,
-            )
-            # Its own 384 + 16 questions: a dataset 1000 seeds on, disjoint from the bench's.
-            held = task_prompts(config.task, 384 + 16, seed + 1000, tokenizer)
-            warmed = warmup(
-                load_model(model_dir), held[:384], held[384:], eos=stop_ids, steps=config.warmup_steps,
-                out=drafter, max_tokens=256, temperature=config.temperature, seed=seed + 1000, progress=bar,
-            )  # fmt: skip
+            warmed = _warm_drafter(config, model_dir, drafter, tokenizer, stop_ids)
     bucketing = Tuner(TunerConfig(buckets=list(config.tuner.buckets), arms=["off"]))  # the tuner's buckets
     figures: dict[str, ModeFigures] = {}
     outputs = []
@@ -459,40 +419,21 @@ def run(config: RolloutBenchConfig | None = None, *, trace: Path | None = None) 
         mode: sum(a != b for step, ref in zip(o, outputs[0], strict=True) for a, b in _pairs(step, ref))
         for mode, o in zip(figures, outputs, strict=True)
     }
-    speedups: dict[str, Any] = {}
-    if "plain" in figures:
-        plain = figures["plain"]
-        for mode, key in (("adaptive", "speedup"), ("ngram", "ngram_speedup")):
-            if mode not in figures:
-                continue
-            other = figures[mode]
-            speedups[key] = round(plain.makespan_s / other.makespan_s, 3)
-            speedups[f"{key}_first_step"] = round(plain.step_makespans_s[0] / other.step_makespans_s[0], 3)
-            speedups[f"{key}_per_step"] = [
-                round(p / m, 3) for p, m in zip(plain.step_makespans_s, other.step_makespans_s, strict=True)
-            ]
-            # Per bucket: this mode's tokens/s over plain's there. Where plain spends most of its time
-            # bounds the makespan speedup (docs/benchmarks.md).
-            speedups[f"{key}_per_bucket"] = {
-                label: round(other.bucket_tokens_per_s[label] / rate, 3)
-                for label, rate in plain.bucket_tokens_per_s.items()
-                if label in other.bucket_tokens_per_s
-            }
     return RolloutBenchResult(
         model=str(model_dir),
         task=config.task,
-        prompts=prompts,
+        prompts=config.prompts,
         samples=config.samples,
         max_tokens=config.max_tokens,
         temperature=config.temperature,
-        steps=steps,
+        steps=config.steps,
         devices=DEVICES,
         drafter=None if drafter is None else str(drafter),
         modes=figures,
         warmup=warmed,
         differing_responses=differing,
         identical_outputs=not any(differing.values()),
-        **speedups,
+        **_speedups(figures),
     )
 
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from slipstream.cli.common import packaged_config, run_training
 
 if TYPE_CHECKING:  # the benchmarks import torch; the command line imports them only to run one
-    from slipstream.benchmarks.rollout import RolloutBenchConfig
+    from slipstream.benchmarks.rollout_config import RolloutBenchConfig
 
 CONFIGURED = ("rollout", "e2e", "soak")
 """The benches that read a config: --config F and key=value overrides."""
@@ -137,14 +137,14 @@ def rollout_arguments(p: argparse.ArgumentParser) -> None:
 def rollout_config(args: argparse.Namespace) -> RolloutBenchConfig:
     """The config a parsed `bench rollout` line describes: --config (default: the packaged
     bench-rollout.yaml), then the shorthand flags, then KEY=VALUE; a bad key or value raises here."""
-    from slipstream.benchmarks import rollout
+    from slipstream.benchmarks.rollout_config import SHORTHANDS, load_config
 
-    flags = {key: getattr(args, key) for key in rollout.SHORTHANDS}
+    flags = {key: getattr(args, key) for key in SHORTHANDS}
     if flags["drafter"] is not None:
         flags["drafter"] = str(flags["drafter"])
     modes = None if args.modes is None else [m.strip() for m in args.modes.split(",") if m.strip()]
     path = args.config or packaged_config("bench-rollout.yaml")
-    return rollout.load_config(path, args.overrides, **flags, modes=modes)
+    return load_config(path, args.overrides, **flags, modes=modes)
 
 
 def _rollout(args: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from slipstream.benchmarks import rollout
+from slipstream.benchmarks import rollout_config as rollout
 from slipstream.rl.run_config import load_config
 
 CONFIGS = sorted((Path(__file__).parents[2] / "deploy" / "configs").glob("*.yaml"))
