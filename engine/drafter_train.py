@@ -61,7 +61,13 @@ chunk. At 512 tokens and ~12k candidates the loss was one ~250 ms block on a cor
 
 
 class _Abandoned(Exception):
-    """Raised inside the loss when `stop` says so: the step is abandoned before anything changed."""
+    """Raised inside the loss and between a step's phases when `stop` says so: the step is abandoned
+    before anything changed."""
+
+
+def _poll(stop: Callable[[], bool] | None) -> None:
+    if stop is not None and stop():
+        raise _Abandoned
 
 
 # Packed copies of LM heads (W and its transpose), per weight tensor: the fast CPU matmul path
@@ -390,6 +396,23 @@ class DrafterTrainer:
         passes `control_pending`, so a preemption waits for one phase, not a whole step."""
         start = time.perf_counter()
         self.head.train()
+        try:
+            loss, metrics = self._loss(batch, stop)
+            grad_norm = self._optimize(loss, stop)
+        except _Abandoned:
+            return self._abandon()
+        self.steps += 1
+        self.head.eval()
+        return {
+            **metrics,
+            "loss": float(loss.detach()),
+            "grad_norm": grad_norm,
+            "step_s": time.perf_counter() - start,
+        }
+
+    def _loss(self, batch: PackedBatch, stop: Callable[[], bool] | None) -> tuple[Tensor, dict[str, float]]:
+        """The forward phases: candidates, the unrolled head, and the decay-weighted mean of its steps'
+        losses, with the first step's parts and later steps' accuracies. `_Abandoned` once `stop` says so."""
         dtype = self.head.fc.weight.dtype
         pairs = make_pairs(self.target, batch, dtype)
         # The target's LM head is frozen: its weights may require grad (the learner's copy) but never get it.
@@ -401,37 +424,33 @@ class DrafterTrainer:
             rows = pairs.target_features[pairs.mask]  # [tokens, d] the rows the loss sees
             candidates = ce_candidates(rows, lm_head, batch.token_ids, self.ce_topk, stop=stop)
             if candidates is None:
-                return self._abandon()
+                raise _Abandoned
             vocab_size = candidates.numel()
             if vocab_size == lm_head.shape[0]:
                 candidates = None  # small vocabularies: the full loss, without a gathered copy of the head
-        if stop is not None and stop():
-            return self._abandon()
+        _poll(stop)
         with torch.no_grad():
             embeds = self.target.embed_tokens(pairs.tokens).to(dtype)
         outputs = unrolled_forward(
             self.head, embeds, pairs.features, pairs.positions, pairs.cu_seqlens, self.unroll_steps
         )
-        if stop is not None and stop():
-            return self._abandon()
+        _poll(stop)
         local = pairs.positions  # index within its sequence
         total = torch.zeros((), device=embeds.device)
         weight_sum = 0.0
         metrics: dict[str, float] = {}
         for k, out in enumerate(outputs):
             mask = pairs.mask & (local >= k)
-            try:  # the loss is most of the forward phase: it polls `stop` between its row chunks
-                loss, parts = drafter_loss(
-                    out,
-                    pairs.target_features,
-                    lm_head,
-                    mask,
-                    ce_weight=self.ce_weight,
-                    candidates=candidates,
-                    stop=stop,
-                )
-            except _Abandoned:
-                return self._abandon()
+            # The loss is most of the forward phase: it polls `stop` between its row chunks.
+            loss, parts = drafter_loss(
+                out,
+                pairs.target_features,
+                lm_head,
+                mask,
+                ce_weight=self.ce_weight,
+                candidates=candidates,
+                stop=stop,
+            )
             weight = self.unroll_decay**k
             total = total + weight * loss
             weight_sum += weight
@@ -441,13 +460,15 @@ class DrafterTrainer:
                 metrics[f"accuracy_{k}"] = parts["accuracy"]
         if self.ce_vocab == "topk":
             metrics["ce_vocab_size"] = vocab_size
-        loss = total / weight_sum
-        if stop is not None and stop():
-            return self._abandon()
+        return total / weight_sum, metrics
+
+    def _optimize(self, loss: Tensor, stop: Callable[[], bool] | None) -> float:
+        """The backward pass and the optimizer step; returns the gradient norm (before clipping).
+        `_Abandoned` once `stop` says so, before the optimizer changes anything."""
+        _poll(stop)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        if stop is not None and stop():
-            return self._abandon()
+        _poll(stop)
         params = [p for p in self.head.parameters() if p.grad is not None]
         for group in self.optimizer.param_groups:
             group["lr"] = self.current_lr()
@@ -456,14 +477,7 @@ class DrafterTrainer:
         else:
             grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
         self.optimizer.step()
-        self.steps += 1
-        self.head.eval()
-        return {
-            **metrics,
-            "loss": float(loss.detach()),
-            "grad_norm": grad_norm,
-            "step_s": time.perf_counter() - start,
-        }
+        return grad_norm
 
     def current_lr(self) -> float:
         """The learning rate of the next optimizer step: lr x lr_scale, ramped over the first warmup_steps."""
