@@ -16,11 +16,10 @@ optimizer steps folded in; checkpoints let a restarted owner resume. The protoco
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import msgspec
 import torch
@@ -28,15 +27,18 @@ import torch
 from slipstream.engine import hub
 from slipstream.engine.buffer import OnlineBuffer
 from slipstream.engine.device import parse_device, require_device
+from slipstream.engine.drafter_averaging import TrainingRanks, adopt, check_weights, fold_delta, take_delta
 from slipstream.engine.drafter_train import DrafterTrainer
 from slipstream.engine.eagle import EagleHead
-from slipstream.engine.weight_receiver import WeightReceiver, mistyped
+from slipstream.engine.head_staging import HeadStaging
+from slipstream.engine.weight_receiver import WeightReceiver
 from slipstream.engine.weights import load_head_parts
 from slipstream.protocols.control import Lease, Preempt, Released, SaveCheckpoint, Status
 from slipstream.protocols.drafter import DrafterDelta, DrafterStats, DrafterUpdate, HeadAck, HiddenStates
 from slipstream.protocols.learner import WeightUpdate
 from slipstream.runtime import cuda_ipc
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
+from slipstream.runtime.checkpoint_writer import CheckpointWriter, checkpoints
 from slipstream.runtime.codec import checksum
 from slipstream.runtime.process import memory_now, pin_threads, release_freed_memory
 from slipstream.runtime.transport import actor_name
@@ -86,18 +88,56 @@ class DrafterActor(Actor):
 
     def on_start(self) -> None:
         cfg = self.config
-        if self.rank >= cfg.world_size:
-            raise ValueError(f"world_size: {cfg.world_size} ranks, but this is rank {self.rank}")
         self.owner = self.rank == 0
-        self.group = [actor_name(ROLE, r) for r in range(1, cfg.world_size)] if self.owner else [OWNER]
-        missing = [name for name in self.group if name not in self.peers]
-        if missing:
-            raise ValueError(f"world_size: {cfg.world_size} ranks, but {missing} are not in this run")
+        self.group = self._rank_group()
         self.device = require_device(cfg.device)
         if cfg.nice and hasattr(os, "setpriority"):
             # Linux: a thread id names one thread here, so the IO thread (started before) keeps its priority.
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), cfg.nice)
         torch.manual_seed(cfg.seed + self.rank)
+        self._load_models()
+        self.buffer = OnlineBuffer(cfg.buffer_bytes, seed=cfg.seed + self.rank)
+        self.version = 0  # owner: of the drafter; other ranks: of the newest global adopted
+        # The newest policy version whose hidden states these weights have trained on (own steps, folded
+        # deltas, adopted updates); data merely buffered does not count: it has not shaped the drafter.
+        self.policy_version = 0
+        self.leases: dict[int, Lease] = {}  # lease id -> lease: the devices (cores) it may train on now
+        self._lease_started: dict[int, int] = {}  # lease id -> when it arrived (monotonic ns), its span
+        self._last_loss = float("nan")
+        self._trained_s = 0.0
+        self._start_head_sync()
+        # owner: where the version stood when last sent to the group / published / checkpointed
+        self._shared_version = self._published_version = self._checkpointed_version = 0
+        self._published_at = float("-inf")
+        self._remote_merged = False  # deltas folded in since the group last heard
+        self._ranks = TrainingRanks()
+        # other ranks: the base deltas are taken against, and what was trained since it
+        self._base: dict[str, torch.Tensor] | None = None
+        self._unsent_steps = self._unsent_tokens = 0
+        self._unsent_s = 0.0
+        self.ckpt_dir = Path(self.run_dir or ".") / "drafter" / f"rank-{self.rank}"
+        self._writer: CheckpointWriter | None = None
+        if self.owner:
+            # Started here, after the niceness above: the writer thread inherits it.
+            self._writer = CheckpointWriter(self.ckpt_dir, on_written=self.inbox.wake)
+            self._resume()
+        else:
+            self._send_delta(final=True)  # zero steps: asks the owner for the global weights
+
+    def _rank_group(self) -> list[str]:
+        """The ranks this one talks to: the owner's peers are every other rank; another rank's, the owner."""
+        cfg = self.config
+        if self.rank >= cfg.world_size:
+            raise ValueError(f"world_size: {cfg.world_size} ranks, but this is rank {self.rank}")
+        group = [actor_name(ROLE, r) for r in range(1, cfg.world_size)] if self.owner else [OWNER]
+        missing = [name for name in group if name not in self.peers]
+        if missing:
+            raise ValueError(f"world_size: {cfg.world_size} ranks, but {missing} are not in this run")
+        return group
+
+    def _load_models(self) -> None:
+        """The target's head parts and the EAGLE head trained against them, with its trainer."""
+        cfg = self.config
         # Only the embedding, final norm and LM head: the drafter never runs the target's layers.
         self.target = load_head_parts(hub.resolve(cfg.model), device=self.device)
         self.target.requires_grad_(False)
@@ -105,17 +145,15 @@ class DrafterActor(Actor):
         self.trainer = DrafterTrainer(
             self.head, self.target, lr=cfg.lr, unroll_steps=cfg.unroll_steps, warmup_steps=cfg.warmup_steps
         )
-        self.buffer = OnlineBuffer(cfg.buffer_bytes, seed=cfg.seed + self.rank)
-        self.version = 0  # owner: of the drafter; other ranks: of the newest global adopted
-        # The newest policy version whose hidden states these weights have trained on (own steps, folded
-        # deltas, adopted updates); data merely buffered does not count: it has not shaped the drafter.
-        self.policy_version = 0
-        self.leases: dict[int, Lease] = {}  # lease id -> lease: the devices (cores) it may train on now
-        # The policy version of the target's head parts held (0: as loaded), and the learner's pushes of
-        # them staged by version: bucket → {name: tensor} (clones), applied once every bucket is in.
+        self._shapes = {name: (t.shape, t.dtype) for name, t in self.head.state_dict().items()}
+        self._names = sorted(self._shapes)
+
+    def _start_head_sync(self) -> None:
+        """The target's head parts as held (version 0: as loaded), and the learner's pushes of them: each
+        bucket judged by the one receiver, staged by version until every part is in, then applied."""
         self.head_version = 0
         self._head_params = dict(self.target.named_parameters())
-        self._head_staged: dict[int, dict[int, dict[str, torch.Tensor]]] = {}
+        self._head_staging = HeadStaging(self._head_params)
         self.receiver = WeightReceiver(
             expected={name: (p.shape, p.dtype) for name, p in self._head_params.items()},
             base=lambda name: self._head_params[name].detach(),
@@ -126,38 +164,10 @@ class DrafterActor(Actor):
             held_as="the head's {}",
             holds="the head is v{}",
         )
-        self._shapes = {name: (t.shape, t.dtype) for name, t in self.head.state_dict().items()}
-        self._names = sorted(self._shapes)
-        self._last_loss = float("nan")
-        self._trained_s = 0.0
-        # owner: where the version stood when last sent to the group / published / checkpointed
-        self._shared_version = self._published_version = self._checkpointed_version = 0
-        self._published_at = float("-inf")
-        self._remote_merged = False  # deltas folded in since the group last heard
-        self._lease_started: dict[int, int] = {}  # lease id -> when it arrived (monotonic ns), its span
-        self._active: dict[str, float] = {}  # rank → monotonic time until which it counts as training
-        self._last_delta_at: dict[str, float] = {}
-        # other ranks: the base deltas are taken against, and what was trained since it
-        self._base: dict[str, torch.Tensor] | None = None
-        self._unsent_steps = self._unsent_tokens = 0
-        self._unsent_s = 0.0
-        self.ckpt_dir = Path(self.run_dir or ".") / "drafter" / f"rank-{self.rank}"
-        self._ckpt_jobs: queue.Queue[tuple[int, dict[str, Any]] | None] = queue.Queue(maxsize=1)
-        self._ckpt_done: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
-        self._ckpt_thread: threading.Thread | None = None
-        if self.owner:
-            self._ckpt_thread = threading.Thread(
-                target=self._checkpoint_worker, name="checkpoint", daemon=True
-            )
-            self._ckpt_thread.start()
-            self._resume()
-        else:
-            self._send_delta(final=True)  # zero steps: asks the owner for the global weights
 
     def on_stop(self) -> None:
-        if self._ckpt_thread is not None:
-            self._ckpt_jobs.put(None)
-            self._ckpt_thread.join(30)
+        if self._writer is not None:
+            self._writer.close()
 
     # -- messages -----------------------------------------------------------------------------------
 
@@ -241,10 +251,8 @@ class DrafterActor(Actor):
         now = time.monotonic()
         if msg.steps:
             n = self._training_ranks(now, sender)
-            weights = self.head.state_dict()  # views of the parameters: updated in place
-            with torch.no_grad():
-                for name, delta in zip(msg.names, msg.tensors, strict=True):
-                    weights[name].add_(delta.to(weights[name].device), alpha=1.0 / n)
+            # state_dict(): views of the parameters, updated in place
+            fold_delta(self.head.state_dict(), list(msg.names), list(msg.tensors), n)
             self.version += msg.steps
             self.policy_version = max(self.policy_version, msg.policy_version)
             self._remote_merged = True
@@ -258,14 +266,7 @@ class DrafterActor(Actor):
                 version=self.version,
                 policy_version=self.policy_version,
             )
-        if msg.final:
-            self._active.pop(sender, None)
-            self._last_delta_at.pop(sender, None)
-        elif msg.steps:
-            # expected back within about one interval; after twice that (+ 1 s) it no longer counts
-            gap = now - self._last_delta_at.get(sender, now - msg.elapsed_s)
-            self._last_delta_at[sender] = now
-            self._active[sender] = now + 2.0 * gap + 1.0
+        self._ranks.heard(sender, now, steps=msg.steps, elapsed_s=msg.elapsed_s, final=msg.final)
         if not msg.steps:
             self.send(sender, self._update())  # it is not training: it only wants the current weights
 
@@ -275,7 +276,7 @@ class DrafterActor(Actor):
         if self.owner or sender != OWNER:
             self.log.warning("update_ignored", sender=sender, version=msg.version, why="not from the owner")
             return
-        why = self._check_weights(list(msg.names), list(msg.tensors))
+        why = check_weights(list(msg.names), list(msg.tensors), self._shapes)
         if why is None and checksum(msg.names, msg.tensors) != msg.checksum:
             why = "checksum mismatch"
         if why is not None:
@@ -283,16 +284,9 @@ class DrafterActor(Actor):
             return
         exact = self._base is None or self._unsent_steps == 0
         weights = self.head.state_dict()
-        with torch.no_grad():
-            if self._base is None:
-                self._base = {name: torch.empty_like(weights[name]) for name in self._names}
-            for name, received in zip(msg.names, msg.tensors, strict=True):
-                new = received.to(weights[name].device)
-                if exact:
-                    weights[name].copy_(new)
-                else:
-                    weights[name].add_(new - self._base[name])  # local = global + (local − base)
-                self._base[name].copy_(new)
+        if self._base is None:
+            self._base = {name: torch.empty_like(weights[name]) for name in self._names}
+        adopt(weights, self._base, list(msg.names), list(msg.tensors), exact=exact)
         self.version = msg.version
         self.policy_version = max(self.policy_version, msg.policy_version)
         if exact:
@@ -321,40 +315,29 @@ class DrafterActor(Actor):
             self.log.info("head_delta_dropped", version=msg.version, bucket=msg.bucket, why=verdict.error)
             return
         if verdict.kind == "refused":
-            self._head_staged.pop(msg.version, None)  # that version can no longer complete
+            self._head_staging.drop(msg.version)  # that version can no longer complete
             self.receiver.forget(msg.version)
             self._head_refused(msg.version, f"bucket {msg.bucket}: {verdict.error}")
             return
         assert verdict.tensors is not None
-        buckets = self._head_staged.setdefault(msg.version, {})
-        this = dict(zip(msg.names, verdict.tensors, strict=True))
-        received = {n: t for bucket in buckets.values() for n, t in bucket.items()} | this
-        # Complete when it holds every head part: the head's buckets lead the learner's push to the rollouts
-        # too (numbered over that whole push), or make a push of their own (numbered over themselves).
-        if received.keys() != self._head_params.keys():
-            if len(buckets) + (msg.bucket not in buckets) == msg.num_buckets:  # every bucket of the push
-                del self._head_staged[msg.version]
-                self.receiver.forget(msg.version)
-                missing = sorted(self._head_params.keys() - received.keys())
-                self._head_refused(msg.version, f"the buckets lack {missing}")
-                return
-            # clone: the received tensors alias a zmq frame or a shared-memory slot of the sender, and this
-            # bucket waits for the others. The completing bucket is copied once, into the parameters.
-            buckets[msg.bucket] = this if verdict.decoded else {n: t.clone() for n, t in this.items()}
+        try:
+            buckets = self._head_staging.add(
+                msg.version, msg.bucket, msg.num_buckets, dict(zip(msg.names, verdict.tensors, strict=True)),
+                owned=verdict.decoded,
+            )  # fmt: skip
+        except ValueError as exc:  # every bucket of the push came, a head part did not
+            self.receiver.forget(msg.version)
+            self._head_refused(msg.version, str(exc))
             return
-        buckets[msg.bucket] = this
-        for version in [v for v in self._head_staged if v <= msg.version]:
-            del self._head_staged[version]  # this one, and older ones that can no longer complete
-        with torch.no_grad():
-            for name, param in self._head_params.items():
-                # In place: the packed LM-head copies the trainer keeps follow the tensor's version counter.
-                param.copy_(received[name])
+        if buckets is None:
+            return  # staged: the version's other buckets are still to come
         self.head_version = msg.version
         self.receiver.applied(msg.version)
         digest = ""
         if self.config.verify_applied_head:
-            digest = checksum(sorted(received), [self._head_params[n] for n in sorted(received)])
-        self.log.info("head_synced", version=msg.version, buckets=len(buckets))
+            names = sorted(self._head_params)
+            digest = checksum(names, [self._head_params[n] for n in names])
+        self.log.info("head_synced", version=msg.version, buckets=buckets)
         self.send(COORDINATOR, HeadAck(rank=self.rank, version=msg.version, ok=True, checksum=digest))
 
     def _head_refused(self, version: int, why: str) -> None:
@@ -413,12 +396,10 @@ class DrafterActor(Actor):
 
     def _training_ranks(self, now: float, sender: str | None = None) -> int:
         """Owner: n, the ranks training now (docs/actors.md); at least one."""
-        active = {rank for rank, until in self._active.items() if until > now}
-        if sender is not None:
-            active.add(sender)
+        also = [] if sender is None else [sender]
         if self.leases and self.buffer.stats().tokens >= self.config.min_buffer_tokens:
-            active.add(self.name)
-        return max(1, len(active))
+            also.append(self.name)
+        return self._ranks.count(now, *also)
 
     def _set_lr_scale(self, n: int) -> None:
         self.trainer.lr_scale = 1.0 / n
@@ -485,19 +466,7 @@ class DrafterActor(Actor):
             return None if not msg.names and not msg.tensors else "a zero-step delta carries no tensors"
         if msg.base_version > self.version:
             return f"based on version {msg.base_version}, newer than this drafter's {self.version}"
-        return self._check_weights(list(msg.names), list(msg.tensors))
-
-    def _check_weights(self, names: list[str], tensors: list[torch.Tensor]) -> str | None:
-        """None if names/shapes/dtypes are exactly the head's trainable weights and every value is finite."""
-        if names != self._names:
-            return f"names {names[:3]}… ({len(names)}) are not the head's {len(self._names)} weights"
-        why = mistyped(names, tensors, self._shapes)
-        if why is not None:
-            return why
-        for name, t in zip(names, tensors, strict=True):
-            if not bool(torch.isfinite(t).all()):
-                return f"{name}: non-finite values"
-        return None
+        return check_weights(list(msg.names), list(msg.tensors), self._shapes)
 
     # -- other ranks: deltas ------------------------------------------------------------------------
 
@@ -506,12 +475,7 @@ class DrafterActor(Actor):
         names: list[str] = []
         deltas: list[torch.Tensor] = []
         if self._unsent_steps and self._base is not None:
-            weights = self.head.state_dict()
-            with torch.no_grad():
-                for name in self._names:
-                    # a new host tensor: safe to send zero-copy
-                    deltas.append((weights[name] - self._base[name]).cpu())
-                    self._base[name].copy_(weights[name])
+            deltas = take_delta(self.head.state_dict(), self._base, self._names)
             names = list(self._names)
         msg = DrafterDelta(
             rank=self.rank,
@@ -536,31 +500,16 @@ class DrafterActor(Actor):
     def _checkpoint(self, *, wait: bool = False) -> bool:
         """Queues a checkpoint for the writer thread; `wait`: behind a write still running (a run checkpoint
         must not be skipped), else skipped then. True if queued."""
+        assert self._writer is not None
         # trainer.state_dict() is a deep copy: safe to write later
         state = {"version": self.version, "policy_version": self.policy_version, **self.trainer.state_dict()}
-        try:
-            self._ckpt_jobs.put((self.version, state), block=wait, timeout=60.0 if wait else None)
-        except queue.Full:
+        if not self._writer.submit(self.version, state, wait=wait):
             self.log.info("checkpoint_skipped", version=self.version, why="previous write still running")
             return False
         return True
 
-    def _checkpoint_worker(self) -> None:
-        while (job := self._ckpt_jobs.get()) is not None:
-            version, state = job
-            self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-            path = self.ckpt_dir / f"ckpt-{version:08d}.pt"
-            tmp = path.with_suffix(".tmp")
-            torch.save(state, tmp)
-            os.replace(tmp, path)  # atomic: a reader never sees a half-written checkpoint
-            for old in sorted(self.ckpt_dir.glob("ckpt-*.pt"))[:-2]:
-                old.unlink(missing_ok=True)
-            self._ckpt_done.put((version, str(path)))
-            self.inbox.wake()  # `step` reports it now, not at the next idle wakeup
-
     def _report_checkpoints(self) -> None:
-        while not self._ckpt_done.empty():
-            version, path = self._ckpt_done.get()
+        for version, path in self._writer.written() if self._writer is not None else ():
             self.log.info("checkpointed", version=version, path=path)
             self.send(
                 COORDINATOR, Status(topic="drafter_checkpoint", fields={"version": version, "path": path})
@@ -579,7 +528,7 @@ class DrafterActor(Actor):
         self.log.info("initialised", path=path, version=self.version)
 
     def _resume(self) -> None:
-        ckpts = sorted(self.ckpt_dir.glob("ckpt-*.pt"))
+        ckpts = checkpoints(self.ckpt_dir)
         if not ckpts:
             if self.config.init_from:
                 self._init_from(self.config.init_from)
