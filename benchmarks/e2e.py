@@ -152,15 +152,9 @@ def run(
         order = [("slipstream", False), ("baseline", True)][:: -1 if r % 2 else 1]
         dirs = {name: root / (name if r == 0 else f"{name}-{r + 1}") for name, _ in order}
         if interleave:
-            baton = root / f"turns-{r + 1}"
-            baton.write_text(order[0][0])  # the round's first run starts; then they alternate
-            with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                running = {
-                    name: pool.submit(_timed_turns, train, dirs[name], baseline, f"{baton}:{name}:{other}")
-                    for (name, baseline), (other, _) in zip(order, order[::-1], strict=True)
-                }
-                for name, _ in order:
-                    figures[name].append(running[name].result())
+            both = _taking_turns(train, order, dirs, baton=root / f"turns-{r + 1}")
+            for name, _ in order:
+                figures[name].append(both[name])
             continue
         for name, baseline in order:
             label = lambda pid: _process_label(pid, isolated=isolated)  # noqa: E731
@@ -186,6 +180,20 @@ def run(
         speedup_step_each=[round(b.step_s / s.step_s, 3) for s, b in zip(slip, base, strict=True)],
         speedup_rollout_each=[round(b.rollout_s / s.rollout_s, 3) for s, b in zip(slip, base, strict=True)],
     )
+
+
+def _taking_turns(
+    train: TrainFn, order: list[tuple[str, bool]], dirs: dict[str, Path], *, baton: Path
+) -> dict[str, RunFigures]:
+    """A round's two runs started together, taking turns step by step through the file `baton`, the
+    first of `order` first; each run's figures by name."""
+    baton.write_text(order[0][0])  # the round's first run starts; then they alternate
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        running = {
+            name: pool.submit(_timed_turns, train, dirs[name], baseline, f"{baton}:{name}:{other}")
+            for (name, baseline), (other, _) in zip(order, order[::-1], strict=True)
+        }
+        return {name: running[name].result() for name, _ in order}
 
 
 def _timed(

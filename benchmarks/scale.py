@@ -7,9 +7,10 @@ Per fraction of `prompts` (default 1/8, 1/4, 1/2, 1; samples and tokens stay), a
 `slipstream train` opens one (rl/run.py `Run`: supervisor, coordinator, real processes and sockets), and
 its steps go through the loop's own verbs, `batch` → `roll_out_and_score` → `learn`, so whatever path the
 loop takes is what is measured, now and after bulk data leaves the head. Two roles are stand-ins:
-- rollouts (`ReplayRollout`): they answer each GenerateRequest at once with completions of exactly
-  `tokens` tokens, windows of recorded text (this package's own source, tokenized), every other one
-  ending in an <answer> tag, plus one IterationStats per decode iteration a real rollout would send;
+- rollouts (`ReplayRollout`, benchmarks/replay_rollout.py): they answer each GenerateRequest at once
+  with completions of exactly `tokens` tokens, windows of recorded text (this package's own source,
+  tokenized), every other one ending in an <answer> tag, plus one IterationStats per decode iteration a
+  real rollout would send;
 - the learner runs with `hold_only` (actors/learner.py): samples are received from the stand-ins, held,
   receipted, assembled, checked and recorded, but no model is loaded and nothing trains; it says when it
   held the step's last sample.
@@ -26,26 +27,21 @@ import os
 import sys
 import tempfile
 import time
-from collections import deque
 from fractions import Fraction
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
-import torch
 
 from slipstream.actors.learner import LearnerActor
 from slipstream.actors.rollout import RolloutActor
+from slipstream.benchmarks.replay_rollout import RECORD_DIR, ReplayRollout
 from slipstream.engine import hub
-from slipstream.engine.sampling import sample_seed
 from slipstream.engine.tokenizer import Tokenizer
 from slipstream.protocols import samples_record
-from slipstream.protocols.control import Idle
-from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats
 from slipstream.rl.recovery import ActorDiedError
 from slipstream.rl.run import Run
 from slipstream.rl.run_config import TrainConfig
-from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.cluster import Cluster
 from slipstream.runtime.host import actor_path
 from slipstream.runtime.process import parent_pid
@@ -53,7 +49,6 @@ from slipstream.runtime.spec import ActorSpec
 
 __all__ = [
     "DEFAULT_FRACTIONS",
-    "ReplayRollout",
     "ScaleResult",
     "ScaleRow",
     "parse_fractions",
@@ -64,93 +59,11 @@ __all__ = [
 DEFAULT_FRACTIONS = (Fraction(1, 8), Fraction(1, 4), Fraction(1, 2), Fraction(1))
 REWARD = "slipstream.tasks.rewards:answer_format"  # real and cheap: the bench times the plane, not scoring
 ANSWER = "\n<answer>7</answer>"  # what every other completion ends in: answer_format scores it 1.0
-RECORD_DIR = "scale"  # run_dir/scale/rollout-R.jsonl: each stand-in's drains (step, last completion sent)
 PAYLOAD_BYTES = 12  # per token on the wire: an int64 id and a float32 log-prob
 # Host memory a step may need, in payloads: the coordinator's completions and groups, the learner's copies,
 # what queues between them, the samples file's lines; with margin.
 MEMORY_FACTOR = 8
 CORPUS_TOKENS = 1 << 16
-Positive = Annotated[int, msgspec.Meta(ge=1)]
-
-
-class ReplayRollout(Actor):
-    """A stand-in rollout: the real rollout protocol (GenerateRequest in; IterationStats, Completion, Idle
-    out), with recorded tokens instead of a model, answered as fast as the sockets take them."""
-
-    role = "rollout"  # it takes a rollout's name and place: the coordinator cannot tell them apart
-
-    class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-        tokens: Positive  # every response's length (at most the request's max_tokens): each runs to the cap
-        corpus: list[int]  # recorded token ids; response i of a group is a window of them chosen by its seed
-        answer_ids: list[int] = []  # the tail of every even-numbered response (a tagged answer)
-        max_batch: Positive = 1 << 30  # sequences decoded at once: a wave sends `tokens` IterationStats
-        gather_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.05  # a wave waits this long for more requests
-        model: str = ""  # whose tokenizer decodes each response's text, as a rollout does for its learner
-
-    def on_start(self) -> None:
-        self._queue: deque[tuple[GenerateRequest, int]] = deque()  # (request, sample index) to answer
-        corpus = torch.tensor(self.config.corpus, dtype=torch.int64)
-        self._corpus = corpus.repeat(-(-2 * self.config.tokens // corpus.numel()))  # any window fits twice
-        self._last_request = 0.0
-        self._iteration = 0
-        self._idle_sent = True  # nothing to report until work arrives
-        self._wave: dict[str, Any] = {}  # this drain's record: step, completions, iterations, last_sent
-        self._record = Path(self.run_dir or ".") / RECORD_DIR / f"rollout-{self.rank}.jsonl"
-        self._record.parent.mkdir(parents=True, exist_ok=True)
-        self._tokenizer = Tokenizer.from_dir(hub.resolve(self.config.model)) if self.config.model else None
-
-    @handler
-    def on_generate(self, msg: GenerateRequest, sender: str) -> None:
-        indices = msg.sample_indices or range(msg.num_samples)
-        self._queue.extend((msg, i) for i in indices)
-        self._last_request = time.monotonic()
-        self._idle_sent = False
-
-    def step(self) -> bool:
-        cfg = self.config
-        if not self._queue:
-            if not self._idle_sent:  # drained: say when its last completion left, then Idle (as a rollout)
-                self._idle_sent = True
-                with self._record.open("a") as out:
-                    out.write(json.dumps(self._wave) + "\n")
-                self._wave = {}
-                self.send(COORDINATOR, Idle(role=self.role, rank=self.rank, policy_version=0))
-            return False
-        if len(self._queue) < cfg.max_batch and time.monotonic() - self._last_request < cfg.gather_s:
-            time.sleep(0.002)  # the deal is still arriving: a real rollout would batch it too
-            return True
-        wave = [self._queue.popleft() for _ in range(min(cfg.max_batch, len(self._queue)))]
-        # One decode iteration a token: every response of the wave runs to the cap.
-        for _ in range(cfg.tokens):
-            self.send(COORDINATOR, IterationStats(
-                rank=self.rank, iteration=self._iteration, batch_size=len(wave), arm="off", drafted=0,
-                accepted=0, committed=len(wave), iter_s=0.0,
-            ))  # fmt: skip
-            self._iteration += 1
-        for request, index in wave:  # as a rollout sends them: to the group's learner rank, else the head
-            self.send(request.learn_at or COORDINATOR, self._completion(request, index))
-        record = self._wave
-        record["step"] = wave[-1][0].policy_version  # the loop's requests carry their step there
-        record["completions"] = record.get("completions", 0) + len(wave)
-        record["iterations"] = record.get("iterations", 0) + cfg.tokens
-        record["last_sent"] = time.monotonic()
-        return True
-
-    def _completion(self, request: GenerateRequest, index: int) -> Completion:
-        cfg = self.config
-        length = min(cfg.tokens, request.sampling.max_tokens)
-        gen = torch.Generator().manual_seed(sample_seed(request.seed, index))
-        start = int(torch.randint(0, self._corpus.numel() - length + 1, (1,), generator=gen))
-        ids = self._corpus[start : start + length].clone()  # a window of the recorded text
-        if index % 2 == 0 and cfg.answer_ids and length >= len(cfg.answer_ids):
-            ids[-len(cfg.answer_ids) :] = torch.tensor(cfg.answer_ids, dtype=torch.int64)
-        logprobs = -torch.rand(length, generator=gen) * 4.0  # float32, what a sampler reports
-        decode = request.learn_at and self._tokenizer is not None
-        return Completion(
-            group_id=request.group_id, sample_index=index, token_ids=ids, logprobs=logprobs,
-            finish_reason="length", policy_version=request.policy_version,
-            text=self._tokenizer.decode(ids.tolist(), skip_special_tokens=True) if decode else "",
-        )  # fmt: skip
 
 
 class ScaleRun(Run):
@@ -362,35 +275,14 @@ async def _steps(run: ScaleRun, row: ScaleRow, timeout_s: float) -> None:
             if row.failed:  # the figures stay the last finished step's, if any; the size is not complete
                 row.complete = False
                 break
-            inbound, outbound = sup.traffic.take(), sup.outbound.take()
-            last_sent = _last_sent(run_dir, step)
-            held = [s.metrics for s in work.stats]
+            _record_traffic(row, sup.traffic.take(), sup.outbound.take())
             row.step_s_all.append(round(ended - began, 3))
             row.step_s = round(ended - began, 3)
             row.coordinator_cpu_s = round(cpu_after - cpu_before, 2)
             row.actor_cpu_s = {
                 n: round(_cpu_s(sup.pid(n)) - before, 2) for n, before in actors_before.items()
             }
-            row.inbound_by_kind, row.outbound_by_kind = (
-                dict(sorted(inbound.items())),
-                dict(sorted(outbound.items())),
-            )
-            row.inbound_messages, row.inbound_bytes = (sum(c[i] for c in inbound.values()) for i in (0, 1))
-            row.outbound_messages, row.outbound_bytes = (sum(c[i] for c in outbound.values()) for i in (0, 1))
-            row.first_to_last_completion_s = round(last_sent - began, 3)
-            row.last_completion_to_held_s = round(max(m["held_at"] for m in held) - last_sent, 3)
-            row.marks = {k: round(v, 3) for k, v in work.marks.items()}
-            scored = [r for g in work.groups for r in g.rewards if r is not None]
-            row.reward_mean = round(sum(scored) / max(len(scored), 1), 4)
-            row.learner_groups = int(sum(m["groups"] for m in held))
-            row.learner_samples = int(sum(m["samples"] for m in held))
-            row.learner_tokens = sum(s.tokens for s in work.stats)
-            want = cfg.prompts_per_step * cfg.group_size
-            row.complete = (row.learner_groups, row.learner_samples, row.learner_tokens) == (
-                cfg.prompts_per_step,
-                want,
-                want * cfg.max_tokens,
-            )
+            _record_held(row, cfg, work, began=began, last_sent=_last_sent(run_dir, step))
             # Off the clock: the step's samples file (~0.5 GB at 512 x 16 x 2048) is not kept.
             for path in samples_record.sample_files(run_dir, step):
                 path.unlink()
@@ -398,6 +290,32 @@ async def _steps(run: ScaleRun, row: ScaleRow, timeout_s: float) -> None:
         row.peak_rss_mb |= {n: _peak_mb(sup.pid(n), children=True) for n in sup.alive()}
     finally:
         await run.close()
+
+
+def _record_traffic(row: ScaleRow, inbound: dict[str, list[int]], outbound: dict[str, list[int]]) -> None:
+    """The step's messages and bytes into and out of the coordinator (each kind's [messages, bytes])."""
+    row.inbound_by_kind, row.outbound_by_kind = dict(sorted(inbound.items())), dict(sorted(outbound.items()))
+    row.inbound_messages, row.inbound_bytes = (sum(c[i] for c in inbound.values()) for i in (0, 1))
+    row.outbound_messages, row.outbound_bytes = (sum(c[i] for c in outbound.values()) for i in (0, 1))
+
+
+def _record_held(row: ScaleRow, cfg: TrainConfig, work: Any, *, began: float, last_sent: float) -> None:
+    """What the learner held of the step and when, its rewards, and whether every group reached it."""
+    held = [s.metrics for s in work.stats]
+    row.first_to_last_completion_s = round(last_sent - began, 3)
+    row.last_completion_to_held_s = round(max(m["held_at"] for m in held) - last_sent, 3)
+    row.marks = {k: round(v, 3) for k, v in work.marks.items()}
+    scored = [r for g in work.groups for r in g.rewards if r is not None]
+    row.reward_mean = round(sum(scored) / max(len(scored), 1), 4)
+    row.learner_groups = int(sum(m["groups"] for m in held))
+    row.learner_samples = int(sum(m["samples"] for m in held))
+    row.learner_tokens = sum(s.tokens for s in work.stats)
+    want = cfg.prompts_per_step * cfg.group_size
+    row.complete = (row.learner_groups, row.learner_samples, row.learner_tokens) == (
+        cfg.prompts_per_step,
+        want,
+        want * cfg.max_tokens,
+    )
 
 
 async def _step(run: ScaleRun, work: Any) -> None:

@@ -110,6 +110,51 @@ def _interleaved(prev: torch.Tensor, new: torch.Tensor, compressor: zstandard.Zs
     return len(compressor.compress(x.view(torch.uint8).numpy()))
 
 
+def _on_policy(trainer: PolicyTrainer, path: Path, vocab: int, seed: int) -> list[PolicySample]:
+    """The demo-shaped batch as the trainer's samples, with on-policy behaviour log-probs: the step-0
+    ratio is 1, as in a synchronous run."""
+    plain = [PolicySample(prompt_ids=p, response_ids=r, behaviour_logprobs=[0.0] * len(r), advantage=a)
+             for p, r, a in _samples(path, vocab, seed)]  # fmt: skip
+    return [
+        PolicySample(prompt_ids=s.prompt_ids, response_ids=s.response_ids,
+                     behaviour_logprobs=lp.tolist(), advantage=s.advantage)
+        for s, lp in zip(plain, trainer.logprobs(plain), strict=True)
+    ]  # fmt: skip
+
+
+def _push(
+    step: int,
+    train_s: float,
+    prev: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    *,
+    threads: int,
+    interleaved: zstandard.ZstdCompressor,
+) -> SyncStep:
+    """One push of `new` as XOR deltas against `prev`: its bytes full and as deltas, the encode and apply
+    times, whether every applied tensor is `new` bit for bit, and the same XOR without byte planes."""
+    started = time.perf_counter()
+    blobs = {n: xor_delta(prev[n], t, threads=threads) for n, t in new.items()}
+    encode_s = time.perf_counter() - started
+    started = time.perf_counter()
+    applied = {n: apply_xor_delta(prev[n], blob) for n, blob in blobs.items()}
+    apply_s = time.perf_counter() - started
+    exact = all(torch.equal(applied[n].view(torch.uint8), t.view(torch.uint8)) for n, t in new.items())
+    started = time.perf_counter()
+    plain_bytes = sum(_interleaved(prev[n], t, interleaved) for n, t in new.items())
+    interleaved_s = time.perf_counter() - started
+    full = sum(t.numel() * t.element_size() for t in new.values())
+    delta = sum(len(b) for b in blobs.values())
+    changed = sum(_changed(prev[n], t) for n, t in new.items())
+    return SyncStep(
+        step=step, train_s=round(train_s, 3),
+        changed_share=round(changed / sum(t.numel() for t in new.values()), 4),
+        full_bytes=full, delta_bytes=delta, ratio=round(full / delta, 3),
+        encode_s=round(encode_s, 3), apply_s=round(apply_s, 3), exact=exact,
+        interleaved_bytes=plain_bytes, interleaved_encode_s=round(interleaved_s, 3),
+    )  # fmt: skip
+
+
 def run(
     model: str = "smollm2-135m",
     steps: int = 3,
@@ -133,20 +178,7 @@ def run(
     torch.manual_seed(seed)
     masters = load_model(path, dtype=torch.float32)  # as the learner: fp32 masters, pushes cast
     trainer = PolicyTrainer(masters, optim=OptimConfig(lr=lr, max_grad_norm=1.0, micro_batch_tokens=512))
-    batch = _samples(path, masters.config.vocab_size, seed)
-    plain = [PolicySample(prompt_ids=p, response_ids=r, behaviour_logprobs=[0.0] * len(r), advantage=a)
-             for p, r, a in batch]  # fmt: skip
-    # On-policy behaviour log-probs: the step-0 ratio is 1, as in a synchronous run.
-    samples = [
-        PolicySample(prompt_ids=s.prompt_ids, response_ids=s.response_ids,
-                     behaviour_logprobs=lp.tolist(), advantage=s.advantage)
-        for s, lp in zip(plain, trainer.logprobs(plain), strict=True)
-    ]  # fmt: skip
-
-    def say(message: str) -> None:
-        if log:
-            print(f"bench sync: {message}", file=sys.stderr, flush=True)
-
+    samples = _on_policy(trainer, path, masters.config.vocab_size, seed)
     interleaved = zstandard.ZstdCompressor(level=LEVEL)
     prev = _cast(masters, push_dtype)
     rows: list[SyncStep] = []
@@ -155,30 +187,13 @@ def run(
         trainer.step(samples)
         train_s = time.perf_counter() - started
         new = _cast(masters, push_dtype)
-        started = time.perf_counter()
-        blobs = {n: xor_delta(prev[n], t, threads=threads) for n, t in new.items()}
-        encode_s = time.perf_counter() - started
-        started = time.perf_counter()
-        applied = {n: apply_xor_delta(prev[n], blob) for n, blob in blobs.items()}
-        apply_s = time.perf_counter() - started
-        exact = all(torch.equal(applied[n].view(torch.uint8), t.view(torch.uint8)) for n, t in new.items())
-        started = time.perf_counter()
-        plain_bytes = sum(_interleaved(prev[n], t, interleaved) for n, t in new.items())
-        interleaved_s = time.perf_counter() - started
-        full = sum(t.numel() * t.element_size() for t in new.values())
-        delta = sum(len(b) for b in blobs.values())
-        changed = sum(_changed(prev[n], t) for n, t in new.items())
-        rows.append(
-            SyncStep(
-                step=step, train_s=round(train_s, 3),
-                changed_share=round(changed / sum(t.numel() for t in new.values()), 4),
-                full_bytes=full, delta_bytes=delta, ratio=round(full / delta, 3),
-                encode_s=round(encode_s, 3), apply_s=round(apply_s, 3), exact=exact,
-                interleaved_bytes=plain_bytes, interleaved_encode_s=round(interleaved_s, 3),
-            )
-        )  # fmt: skip
-        say(f"step {step}: {full / 1e6:.1f} MB full, {delta / 1e6:.1f} MB delta ({full / delta:.2f}x), "
-            f"encode {encode_s:.2f} s, apply {apply_s:.2f} s, exact {exact}")  # fmt: skip
+        row = _push(step, train_s, prev, new, threads=threads, interleaved=interleaved)
+        rows.append(row)
+        if log:
+            full, delta = row.full_bytes, row.delta_bytes
+            print(f"bench sync: step {step}: {full / 1e6:.1f} MB full, {delta / 1e6:.1f} MB delta "
+                  f"({full / delta:.2f}x), encode {row.encode_s:.2f} s, apply {row.apply_s:.2f} s, "
+                  f"exact {row.exact}", file=sys.stderr, flush=True)  # fmt: skip
         prev = new
     full_all = sum(r.full_bytes for r in rows)
     result = SyncResult(

@@ -149,6 +149,27 @@ def _stop(sock: zmq.Socket, codec: Codec, child: subprocess.Popen) -> None:
         child.kill()
 
 
+def _stream_rate(sock: zmq.Socket, codec: Codec, msgs: int) -> float:
+    """Small messages per second, one way: `msgs` heartbeats sent, then the server's count of them."""
+    t0 = time.perf_counter()
+    for i in range(msgs):
+        sock.send_multipart(codec.encode(Heartbeat(seq=i, sent_ns=0)))
+    got = _ask_count(sock, codec, "control.heartbeat")
+    return got / (time.perf_counter() - t0)
+
+
+def _memcpy_rate(tensor: torch.Tensor, copies: int) -> float:
+    """GB/s of copying `tensor` in one process: the tensor messages' statistic (the mean over as many
+    copies, after as many warm-up copies), into a fresh destination like a receiver's."""
+    dst = torch.empty_like(tensor)
+    for _ in range(copies):
+        dst.copy_(tensor)
+    c0 = time.perf_counter()
+    for _ in range(copies):
+        dst.copy_(tensor)
+    return copies * tensor.numel() * tensor.element_size() / (time.perf_counter() - c0) / 1e9
+
+
 def _across(rtt_rounds: int, tensor_msgs: int, msg: WeightUpdate, nbytes: int) -> dict[str, PathResult]:
     """The node-to-node paths on loopback: plaintext tcp and tcp with CURVE, as a multi-node run has it."""
     out = {}
@@ -184,15 +205,9 @@ def run(
         sock = make_socket(ctx, zmq.DEALER, identity="bench:0", connect=endpoint)
         codec = Codec()
 
-        # Round trips of small control messages.
+        # Round trips of small control messages, then a one-way stream of them.
         p50, p99 = _rtt(sock, codec, rtt_rounds)
-
-        # One-way stream of small messages.
-        t0 = time.perf_counter()
-        for i in range(stream_msgs):
-            sock.send_multipart(codec.encode(Heartbeat(seq=i, sent_ns=0)))
-        got = _ask_count(sock, codec, "control.heartbeat")
-        msgs_per_s = got / (time.perf_counter() - t0)
+        msgs_per_s = _stream_rate(sock, codec, stream_msgs)
 
         # Large tensor messages: the shared-memory lane, then plain frames.
         tensor = torch.randn(TENSOR_MIB << 18)  # float32
@@ -203,17 +218,7 @@ def run(
             tensor_gbps = _tensor_rate(sock, Codec(shm=arena), codec, msg, tensor_msgs, nbytes)
         cleanup(run_tag)
         frames_gbps = _tensor_rate(sock, codec, codec, msg, tensor_msgs, nbytes)
-
-        # memcpy of the same buffer in one process: the same statistic as above (the mean over as many
-        # copies, after as many warm-up copies), into a fresh destination like a receiver's.
-        dst = torch.empty_like(tensor)
-        for _ in range(tensor_msgs):
-            dst.copy_(tensor)
-        c0 = time.perf_counter()
-        for _ in range(tensor_msgs):
-            dst.copy_(tensor)
-        memcpy_gbps = tensor_msgs * nbytes / (time.perf_counter() - c0) / 1e9
-
+        memcpy_gbps = _memcpy_rate(tensor, tensor_msgs)  # what the tensor messages are measured against
         _stop(sock, codec, child)
     finally:
         if child.poll() is None:
