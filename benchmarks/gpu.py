@@ -9,9 +9,9 @@ One JSON object (`GpuResult`): the device, versions and date; the `gpu`-marked t
 decode tokens/s, HF transformers' `generate` with a static cache on the same weights (the peer), the
 verify cost cost(k+1)/cost(1) at a 256-token context, an EAGLE round's cost over a plain step, and the
 self-draft ceiling (the target's own output replayed as drafts, reproducible mode). `run` refuses a host
-without CUDA, naming the device; the measuring functions take the device, and the CPU suite runs them on
-tiny shapes (tests/benchmarks/test_gpu_bench.py). Set-up and results: docs/gpu.md; run lengths:
-docs/benchmarks.md.
+without CUDA, naming the device; the measuring functions (here and benchmarks/gpu_costs.py) take the
+device, and the CPU suite runs them on tiny shapes (tests/benchmarks/test_gpu_bench.py). Set-up and
+results: docs/gpu.md; run lengths: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import datetime
 import gc
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -31,29 +30,20 @@ from typing import Any
 import msgspec
 import torch
 
-from slipstream.benchmarks.decode import Arm, Tally, _generator, bench_requests, record_outputs
+from slipstream.benchmarks.decode import Arm, bench_requests, record_outputs
+from slipstream.benchmarks.gpu_costs import draft_costs, hf_tokens_per_s, step_costs, timed_generate
 from slipstream.engine import invariant
 from slipstream.engine.config import ModelConfig
 from slipstream.engine.device import require_device
-from slipstream.engine.drafters.eagle import EagleDrafter
-from slipstream.engine.drafters.eagle_rounds import EXTEND_WIDTHS
-from slipstream.engine.eagle import EagleHead
-from slipstream.engine.generator import Request
-from slipstream.engine.kv_cache import KVCache
 from slipstream.engine.model import Transformer
-from slipstream.engine.sampling import SamplingParams
-from slipstream.engine.static_step import BATCH_BUCKETS, PAGE_SIZE, StaticStep, StepRow, bucket
-from slipstream.engine.weights import hf_state_dict
 
 __all__ = [
     "SHAPES",
     "GpuResult",
     "ShapeRow",
     "bench_shape",
-    "draft_costs",
     "random_model",
     "run",
-    "step_costs",
 ]
 
 _QWEN = {"model_type": "qwen2", "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0}
@@ -89,9 +79,6 @@ PEER_BATCHES = (1, 64)
 it calibrates the card."""
 EAGER_BATCHES = (1, 16)
 """The dynamic eager path (before graphs) on the same card, for the before/after ratio."""
-VERIFY_KS = (1, 3, 7)
-DRAFT_KS = (3, 7)
-"""Chain lengths whose EAGLE round cost is measured (`draft_costs`)."""
 SELF_ARMS = (Arm("off"), Arm("self", 3, 1, 3), Arm("self", 7, 1, 7))
 
 
@@ -177,206 +164,57 @@ def random_model(
     return model.eval()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class _Timer:
-    """Device time of a stretch of work: CUDA events on a GPU, wall time elsewhere (milliseconds)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.device = device
-
-    def __enter__(self) -> _Timer:
-        if self.cuda:
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.cuda:
-            self.end.record()
-            self.end.synchronize()
-            self.ms = self.start.elapsed_time(self.end)
-        else:
-            self.ms = (time.perf_counter() - self.t0) * 1e3
-
-
-def step_costs(
-    model: Transformer, batch: int, context: int, ks: Sequence[int] = VERIFY_KS, repeats: int = 20
-) -> tuple[float, float, dict[str, float]]:
-    """(device ms of one plain step, host ms of one plain iteration up to the launch, verify cost per k)
-    of the fixed-shape step at `batch` rows of `context` cached tokens: chains of k random drafts, match
-    verification, the step replayed `repeats` times per shape (its cache content is whatever is there:
-    the cost does not depend on the values)."""
-    device = model.lm_head_weight.device
-    dtype = model.lm_head_weight.dtype
-    longest = 1 + max(ks)
-    cache = KVCache.for_model(
-        model.config, num_slots=batch, max_len=context + longest, dtype=dtype, device=device,
-        page_size=PAGE_SIZE, dummy_slot=True,
-    )  # fmt: skip
-    step = StaticStep(model, cache, max_batch=batch, max_nodes=longest)
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    vocab = model.config.vocab_size
-    slots = [cache.allocate() for _ in range(batch)]
-
-    def rows(n: int) -> list[StepRow]:
-        ids = torch.randint(0, vocab, (batch, n), generator=gen).tolist()
-        return [
-            StepRow(slot=s, context=context, params=SamplingParams(seed=i), tokens=ids[i])
-            for i, s in enumerate(slots)
-        ]
-
-    def device_ms(n: int) -> float:
-        plan = rows(n)
-        key = step.key(plan)
-        step.run(plan)  # capture (a GPU) or warm up
-        step.pack(plan, key)
-        step.inp[: key.batch].copy_(step.staging[: key.batch])
-        with _Timer(device) as timer:
-            for _ in range(repeats):
-                step.runner(key)
-        return timer.ms / repeats
-
-    plain_ms = device_ms(1)
-    plan = rows(1)
-    host = []
-    for _ in range(repeats):
-        step.run(plan)
-        host.append(step.last_host_s * 1e3)
-    costs = {str(k): round(device_ms(k + 1) / plain_ms, 3) for k in ks}
-    step.runner.reset()
-    return round(plain_ms, 3), round(statistics.median(host), 3), costs
-
-
-def draft_costs(
+def _batch_row(
     model: Transformer,
-    batch: int,
-    context: int,
-    plain_ms: float,
-    ks: Sequence[int] = DRAFT_KS,
-    repeats: int = 20,
-) -> dict[str, float]:
-    """An EAGLE round's device time over one plain step's, per chain length k: the head's pass over k + 1
-    committed pairs plus a chain of k drafts, both fixed-shape (graphs on CUDA), at `batch` rows of
-    `context` cached pairs, over a 4096-token draft vocabulary. A random head (the cost, not acceptance)."""
-    device, dtype = model.lm_head_weight.device, model.lm_head_weight.dtype
-    torch.manual_seed(0)
-    head = EagleHead.for_target(model.config).to(device=device, dtype=dtype)
-    drafter = EagleDrafter(head, model, num_slots=batch, max_len=context + 2 * max(ks) + 2, static=True)
-    drafter.prime_counts({t: 1 for t in range(min(4096, model.config.vocab_size))})
-    rounds = drafter.rounds
-    assert rounds is not None
-    restricted = drafter.vocab.refresh()
-    slots = [drafter.cache.allocate() for _ in range(batch)]
-
-    def device_ms(key: tuple, count: int | None) -> float:
-        rounds.stage(slots, [context] * batch, None if count is None else [count] * batch)
-        rounds.runner(key)  # capture (a GPU) or warm up
-        with _Timer(device) as timer:
-            for _ in range(repeats):
-                rounds.runner(key)
-        return timer.ms / repeats
-
-    rows = bucket(batch, BATCH_BUCKETS)
-    costs = {}
-    for k in ks:
-        width = bucket(k + 1, EXTEND_WIDTHS)
-        total = device_ms(("extend", rows, width), k + 1) + device_ms(
-            ("chain", rows, k, False, restricted), None
-        )
-        costs[str(k)] = round(total / plain_ms, 3)
-    rounds.runner.reset()
-    return costs
-
-
-def _hf_tokens_per_s(model: Transformer, prompts: list[list[int]], max_tokens: int) -> float | None:
-    """transformers' generate on the same weights, static cache, sampling at T = 1, EOS ignored."""
-    try:
-        import transformers
-    except ImportError:
-        return None
-    cfg = model.config
-    device = model.lm_head_weight.device
-    hf_config = transformers.Qwen2Config(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        max_position_embeddings=cfg.max_position_embeddings,
-        rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-    )
-    # Built on the device in the target's dtype (its rotary buffers computed there), then given our weights.
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(model.lm_head_weight.dtype)
-    try:
-        with torch.device(device):
-            hf = transformers.Qwen2ForCausalLM(hf_config)
-    finally:
-        torch.set_default_dtype(default)
-    missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:  # a tied head has no tensor of its own
-        raise RuntimeError(f"HF peer: weights missing {missing}, unexpected {unexpected}")
-    hf.eval()
-    ids = torch.tensor(prompts, dtype=torch.int64, device=device)
-    kwargs = {
-        "max_new_tokens": max_tokens,
-        "min_new_tokens": max_tokens,
-        "do_sample": True,
-        "temperature": 1.0,
-        "top_k": 0,
-        "top_p": 1.0,
-        "cache_implementation": "static",
-        "pad_token_id": 0,
-    }
-    with torch.inference_mode():
-        # Warm-up with the timed call itself: generate with a static cache compiles (transformers 5), and a
-        # shorter warm-up left the compile inside the timed call (docs/benchmarks.md).
-        hf.generate(ids, **kwargs)
-        _sync(device)
-        started = time.perf_counter()
-        out = hf.generate(ids, **kwargs)
-        _sync(device)
-        seconds = time.perf_counter() - started
-    del hf
-    return (out.shape[1] - ids.shape[1]) * len(prompts) / seconds
-
-
-def timed_generate(
-    model: Transformer,
-    requests: list[Request],
-    arm: Arm,
-    recorded: dict[str, list[int]],
+    prompts: list[list[int]],
     *,
-    static: bool | None = None,
-) -> tuple[Tally, float]:
-    """One generator for `arm` (bench decode's), run over `requests` twice: the first warms it up (graphs
-    captured, kernels compiled), the second is timed. Returns the timed run's tally and the seconds spent
-    capturing graphs. static: as `Generator`'s (None: the device's default)."""
-    gen = _generator(model, requests, arm, recorded, static=static)
-    gen.generate(requests)
+    max_tokens: int,
+    context: int,
+    static: bool | None,
+    eager: bool,
+    peer: bool,
+) -> tuple[BatchRow, float]:
+    """One batch size's row (a prompt a row of the batch) and the seconds its generators spent capturing
+    graphs. eager: the dynamic eager path runs too; peer: HF's generate runs too."""
+    batch = len(prompts)
     device = model.lm_head_weight.device
-    tally = Tally()
-    _sync(device)
-    started = time.perf_counter()
-    for completion in gen.generate(requests):
-        tally.add(completion)
-    _sync(device)
-    tally.seconds = time.perf_counter() - started
-    capture_s = 0.0
-    if gen._static is not None:
-        capture_s = gen._static.runner.capture_s
-        gen._static.runner.reset()  # its graphs' memory goes now, not at some later collection
-    return tally, capture_s
+    requests = bench_requests(prompts, max_tokens)
+    recorded = record_outputs(model, requests)  # the oracle's script (the static path when on)
+    timed = [timed_generate(model, requests, arm, recorded, static=static) for arm in SELF_ARMS]
+    tallies = [tally for tally, _ in timed]
+    capture_s = sum(seconds for _, seconds in timed)
+    plain = tallies[0].tokens / tallies[0].seconds
+    self_draft = {
+        f"d{a.depth}": round(t.tokens / t.seconds / plain, 3)
+        for a, t in zip(SELF_ARMS[1:], tallies[1:], strict=True)
+    }
+    self_accept = {
+        f"d{a.depth}": round(t.tokens / t.passes, 3) for a, t in zip(SELF_ARMS[1:], tallies[1:], strict=True)
+    }
+    eager_tok_s = None
+    if eager:
+        t, _ = timed_generate(model, requests, SELF_ARMS[0], recorded, static=False)
+        eager_tok_s = round(t.tokens / t.seconds, 1)
+    hf = hf_tokens_per_s(model, prompts, max_tokens) if peer else None
+    step_ms, host_ms, cost = step_costs(model, batch, context)
+    drafting = draft_costs(model, batch, context, step_ms)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    row = BatchRow(
+        batch=batch,
+        plain_tok_s=round(plain, 1),
+        eager_tok_s=eager_tok_s,
+        hf_tok_s=None if hf is None else round(hf, 1),
+        plain_vs_hf=None if hf is None else round(plain / hf, 3),
+        step_ms=step_ms,
+        host_ms=host_ms,
+        verify_cost=cost,
+        draft_cost=drafting,
+        self_draft=self_draft,
+        self_accept=self_accept,
+    )
+    return row, capture_s
 
 
 def bench_shape(
@@ -403,46 +241,12 @@ def bench_shape(
     rows = []
     capture_s = 0.0
     for batch in batches:
-        requests = bench_requests(prompts[:batch], max_tokens)
-        recorded = record_outputs(model, requests)  # the oracle's script (the static path when on)
-        timed = [timed_generate(model, requests, arm, recorded, static=static) for arm in SELF_ARMS]
-        tallies = [tally for tally, _ in timed]
-        capture_s += sum(seconds for _, seconds in timed)
-        plain = tallies[0].tokens / tallies[0].seconds
-        self_draft = {
-            f"d{a.depth}": round(t.tokens / t.seconds / plain, 3)
-            for a, t in zip(SELF_ARMS[1:], tallies[1:], strict=True)
-        }
-        self_accept = {
-            f"d{a.depth}": round(t.tokens / t.passes, 3)
-            for a, t in zip(SELF_ARMS[1:], tallies[1:], strict=True)
-        }
-        eager = None
-        if batch in eager_batches:
-            t, _ = timed_generate(model, requests, SELF_ARMS[0], recorded, static=False)
-            eager = round(t.tokens / t.seconds, 1)
-        run_peer = peer_batches is None or batch in peer_batches
-        hf = _hf_tokens_per_s(model, prompts[:batch], max_tokens) if run_peer else None
-        step_ms, host_ms, cost = step_costs(model, batch, context)
-        drafting = draft_costs(model, batch, context, step_ms)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        rows.append(
-            BatchRow(
-                batch=batch,
-                plain_tok_s=round(plain, 1),
-                eager_tok_s=eager,
-                hf_tok_s=None if hf is None else round(hf, 1),
-                plain_vs_hf=None if hf is None else round(plain / hf, 3),
-                step_ms=step_ms,
-                host_ms=host_ms,
-                verify_cost=cost,
-                draft_cost=drafting,
-                self_draft=self_draft,
-                self_accept=self_accept,
-            )
-        )
+        row, captured = _batch_row(
+            model, prompts[:batch], max_tokens=max_tokens, context=context, static=static,
+            eager=batch in eager_batches, peer=peer_batches is None or batch in peer_batches,
+        )  # fmt: skip
+        rows.append(row)
+        capture_s += captured
         # The row as JSON too: a run cut off at the device call's limit still leaves its rows in the log.
         say(f"bench gpu: {name} row {msgspec.json.encode(rows[-1]).decode()}")
     params = sum(p.numel() for p in model.parameters())

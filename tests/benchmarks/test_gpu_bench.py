@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from slipstream.benchmarks import decode, gpu
+from slipstream.benchmarks import decode, gpu, gpu_costs
 
 TINY_QWEN = {
     **gpu.SHAPES["qwen2.5-1.5b"],
@@ -84,13 +84,13 @@ def test_bench_shape_measures_plain_peer_verify_and_self_draft(device: torch.dev
 
 def test_step_costs_time_the_fixed_shape_step(device: torch.device) -> None:
     model = gpu.random_model(TINY_QWEN, device, torch.float32)
-    step_ms, host_ms, cost = gpu.step_costs(model, batch=2, context=10, ks=(1, 3), repeats=2)
+    step_ms, host_ms, cost = gpu_costs.step_costs(model, batch=2, context=10, ks=(1, 3), repeats=2)
     assert step_ms > 0 and host_ms > 0 and set(cost) == {"1", "3"} and all(v > 0 for v in cost.values())
 
 
 def test_draft_costs_time_the_eagle_rounds(device: torch.device) -> None:
     model = gpu.random_model(TINY_QWEN, device, torch.float32)
-    costs = gpu.draft_costs(model, batch=3, context=10, plain_ms=1.0, ks=(1, 3), repeats=2)
+    costs = gpu_costs.draft_costs(model, batch=3, context=10, plain_ms=1.0, ks=(1, 3), repeats=2)
     assert set(costs) == {"1", "3"} and all(v > 0 for v in costs.values())
 
 
