@@ -17,13 +17,28 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from slipstream.runtime.cluster import node_env
 
-__all__ = ["ActorLaunch", "Launcher", "LocalLauncher", "NodeLost", "ProcessHandle", "actor_command"]
+__all__ = [
+    "ONEDNN_CACHES",
+    "ActorLaunch",
+    "Launcher",
+    "LocalLauncher",
+    "NodeLost",
+    "ProcessHandle",
+    "actor_command",
+    "actor_env",
+    "wait_all",
+]
+
+# oneDNN's primitive and ideep's computation caches (1024 entries each by default) grow for hundreds of
+# steps, a rollout meeting new shapes every step; 256 holds a rollout's heap lower at equal decode time
+# (docs/training.md; a miss's cost: docs/benchmarks.md).
+ONEDNN_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "256"}
 
 
 class NodeLost(OSError):
@@ -50,6 +65,17 @@ class ProcessHandle(Protocol):
     def send_signal(self, sig: int) -> None: ...
 
 
+async def wait_all(procs: list[ProcessHandle], timeout: float) -> bool:
+    """Whether every one of `procs` exited within `timeout` seconds."""
+    pending = [p.wait() for p in procs if p.returncode is None]
+    if not pending:
+        return True
+    _, not_done = await asyncio.wait([asyncio.ensure_future(w) for w in pending], timeout=timeout)
+    for fut in not_done:
+        fut.cancel()
+    return not not_done
+
+
 @dataclass(frozen=True, kw_only=True)
 class ActorLaunch:
     """One actor process to start: the parts of its command line and environment that do not depend on the
@@ -69,6 +95,17 @@ class ActorLaunch:
     events: str = ""
     curve_key: str = ""  # the run's key file ("" = plaintext)
     data_host: str = ""  # the address its data socket binds on (multi-node)
+
+
+def actor_env(spec_env: Mapping[str, str], threads: int) -> dict[str, str]:
+    """An actor's environment, set on top of its node's own: the spec's `env`, its thread count for the
+    BLAS/OpenMP pools, and the oneDNN cache caps, which the caller's environment (or the spec's) overrides."""
+    env = {var: value for var, value in ONEDNN_CACHES.items() if var not in os.environ}
+    env.update(spec_env)
+    if threads > 0:
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[var] = str(threads)
+    return env
 
 
 def actor_command(

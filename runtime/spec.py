@@ -2,7 +2,7 @@
 config, threads, cores, node) and `ActorDied` (a death: who, why, how it was seen).
 
 The spec travels as data: the config as plain values, converted back strictly in the actor's process, so a
-bad config names its field there and, before anything spawns, in `Supervisor.start`.
+bad config names its field there and, before anything spawns, in `Supervisor.start` (`actor_class`).
 
     spec = ActorSpec.of(RolloutActor, rank=0, config=RolloutActor.Config(model="smollm2-135m"), cpus=[0])
 """
@@ -16,7 +16,9 @@ from typing import Any
 import msgspec
 
 from slipstream.runtime.actor import Actor
-from slipstream.runtime.host import actor_path
+from slipstream.runtime.config import convert
+from slipstream.runtime.host import actor_path, import_actor
+from slipstream.runtime.transport import actor_name
 
 __all__ = ["ActorDied", "ActorSpec"]
 
@@ -80,6 +82,25 @@ class ActorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     def plain_config(self) -> dict[str, Any]:
         """The config as plain values: what Init carries (`msgspec.to_builtins`)."""
         return msgspec.to_builtins(self.config)
+
+    def actor_class(self) -> type[Actor]:
+        """The Actor subclass this spec starts, checked before anything spawns: importable, a valid name
+        with its rank, and a config that converts to the class's `Config` as the actor's process will
+        convert it. Raises ValueError (a ConfigError for the config) naming the actor."""
+        try:
+            cls = import_actor(self.actor)
+        except (ImportError, ValueError) as e:
+            raise ValueError(f"{self.actor}: cannot load actor: {e}") from None
+        try:
+            name = actor_name(cls.role, self.rank)
+        except ValueError as e:
+            raise ValueError(f"{self.actor}: {e}") from None
+        if isinstance(self.config, msgspec.Struct) and not isinstance(self.config, cls.Config):
+            raise ValueError(
+                f"{name} config: a {type(self.config).__qualname__}, expected {cls.__qualname__}.Config"
+            )
+        convert(self.plain_config(), cls.Config, where=f"{name} config")  # what the actor will do with it
+        return cls
 
 
 @dataclass(frozen=True)

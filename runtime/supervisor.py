@@ -1,10 +1,10 @@
 """The supervisor: spawns actor processes, shakes hands, watches them, restarts on request, stops all.
 
 It lives in the coordinator's asyncio loop and owns the coordinator's ROUTER (control, and the work
-that goes on `inbox`). Start-up is all or nothing: every actor sends Hello, gets Init (its config, its
-peers) and must answer Ready within the handshake timeout, else every process is killed and
-`SupervisorError` names the actor and why. A multi-node run (runtime/cluster.py) also listens on the
-head's TCP port, CURVE on every socket; the other nodes' actors start through `remote` (node agents).
+that goes on `inbox`; runtime/control_socket.py). Start-up is all or nothing: every actor sends Hello,
+gets Init (its config, its peers) and must answer Ready within the handshake timeout, else every process
+is killed and `SupervisorError` names the actor and why. A multi-node run (runtime/cluster.py) also
+listens on the head's TCP port, CURVE on every socket; the other nodes' actors start through `remote`.
 
 Death is a process exit (SIGKILL is seen at once), `missed_beats` silent heartbeat intervals, or, with a
 spec's `hang_s`, ticks that froze while the IO thread still beats (killed). The owner gets an `ActorDied`
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -26,39 +25,26 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import zmq
-import zmq.asyncio
 
 from slipstream.protocols import PROTOCOL_VERSION, Message
 from slipstream.protocols.control import Dead, Heartbeat, Hello, Init, Peers, Ready, Shutdown
 from slipstream.runtime import logs
 from slipstream.runtime.actor import Actor
 from slipstream.runtime.cluster import CONTROL, EVENTS, Cluster
-from slipstream.runtime.codec import Codec, ProtocolError
-from slipstream.runtime.config import ConfigError, convert
-from slipstream.runtime.host import import_actor
-from slipstream.runtime.launcher import ActorLaunch, Launcher, LocalLauncher, NodeLost, ProcessHandle
+from slipstream.runtime.control_socket import ControlSocket
+from slipstream.runtime.launcher import (
+    ActorLaunch,
+    Launcher,
+    LocalLauncher,
+    NodeLost,
+    ProcessHandle,
+    actor_env,
+    wait_all,
+)
 from slipstream.runtime.process import exit_code_text, exit_how
 from slipstream.runtime.shm import cleanup as cleanup_shm
 from slipstream.runtime.spec import ActorDied, ActorSpec
-from slipstream.runtime.traffic import Traffic
-from slipstream.runtime.transport import (
-    PEER_FULL,
-    CurveKeys,
-    actor_name,
-    ipc_endpoint,
-    make_socket,
-    run_tag,
-    send_waiting,
-    start_authenticator,
-    watch_handshakes,
-)
-
-# oneDNN's primitive and ideep's computation caches (1024 entries each by default) grow for hundreds of
-# steps, a rollout meeting new shapes every step; 256 holds a rollout's heap lower at equal decode time
-# (docs/training.md; a miss's cost: docs/benchmarks.md).
-ONEDNN_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "256", "LRU_CACHE_CAPACITY": "256"}
-
+from slipstream.runtime.transport import PEER_FULL, CurveKeys, actor_name, ipc_endpoint, run_tag
 
 __all__ = ["ActorDied", "ActorSpec", "Supervisor", "SupervisorError"]
 
@@ -124,21 +110,7 @@ class Supervisor:
         self.curve = CurveKeys.load(Path(curve_key)) if curve_key else None
         if self.cluster.multi and remote is None:
             raise ValueError("a multi-node supervisor needs a launcher for the other nodes (remote=)")
-        self.ctx = zmq.asyncio.Context()
-        self._auth = start_authenticator(self.ctx, self.curve, self._refused) if self.curve else None
-        self.control_endpoint = ipc_endpoint(self.run_dir, "control")
-        self.events_in = ipc_endpoint(self.run_dir, "events-in")
-        self.events_out = ipc_endpoint(self.run_dir, "events")
-        cleanup_shm(run_tag(self.run_dir))  # segments a crashed earlier start of this run left behind
-        self._router = make_socket(self.ctx, zmq.ROUTER, bind=self.control_endpoint, curve=self.curve)
-        if self.cluster.multi:  # the other nodes' actors reach the head here
-            self._router.bind(f"tcp://{self.cluster.address}:{self.cluster.port(CONTROL)}")
         self._ports: dict[str, int] = {}  # actor -> its index in the run: its data port, stable over restarts
-        # A restarted actor connects with its predecessor's identity: it takes the name over at once.
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._codec = Codec()
-        self.traffic = Traffic()  # what the receive loop decoded, by kind (runtime/traffic.py)
-        self.outbound = Traffic()  # what `send` handed to the control socket, by kind (bench scale reads it)
         self._procs: dict[str, _Proc] = {}
         self.inbox: asyncio.Queue[tuple[str, Message]] = asyncio.Queue(maxsize=inbox_size)
         self._backpressure = False  # the receive loop waits for inbox room (liveness is not judged then)
@@ -149,9 +121,23 @@ class Supervisor:
         self._restarting: set[str] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
-        # Per actor: a send that waits for a full queue keeps the order of the sends after it.
-        self._send_locks: dict[str, asyncio.Lock] = {}
-        events_tcp = f"tcp://{self.cluster.address}:{self.cluster.port(EVENTS)}" if self.cluster.multi else ""
+        self._open_endpoints()
+
+    def _open_endpoints(self) -> None:
+        """The head's sockets: the control ROUTER and the event proxy, at ipc paths in the run directory
+        (and on the head's TCP ports across nodes), announced in RUN/endpoints.json."""
+        self.control_endpoint = ipc_endpoint(self.run_dir, "control")
+        self.events_in = ipc_endpoint(self.run_dir, "events-in")
+        self.events_out = ipc_endpoint(self.run_dir, "events")
+        cleanup_shm(run_tag(self.run_dir))  # segments a crashed earlier start of this run left behind
+        multi, address = self.cluster.multi, self.cluster.address
+        control_tcp = f"tcp://{address}:{self.cluster.port(CONTROL)}" if multi else ""
+        self.control = ControlSocket(
+            self.control_endpoint, tcp=control_tcp, curve=self.curve, emit=self._emit
+        )
+        self.traffic = self.control.traffic  # what the receive loop decoded, by kind (runtime/traffic.py)
+        self.outbound = self.control.outbound  # what `send` handed to it, by kind (bench scale reads it)
+        events_tcp = f"tcp://{address}:{self.cluster.port(EVENTS)}" if multi else ""
         self._proxy = logs.EventProxy(self.events_in, self.events_out, tcp=events_tcp, curve=self.curve)
         (self.run_dir / "endpoints.json").write_bytes(
             msgspec.json.encode({"control": self.control_endpoint, "events": self.events_out})
@@ -164,8 +150,7 @@ class Supervisor:
         self._proxy.start()
         self._tasks.append(asyncio.create_task(self._recv_loop(), name="supervisor-recv"))
         if self.cluster.multi:  # who knocks on the head's TCP port and is turned away
-            watch = watch_handshakes(self._router, self._handshake_failed)
-            self._tasks.append(asyncio.create_task(watch, name="handshakes"))
+            self._tasks.append(asyncio.create_task(self.control.watch_handshakes(), name="handshakes"))
         # Beat from the first Hello on: an actor that is ready early must not hear silence (and stop)
         # while a slower one is still loading its model.
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="supervisor-heartbeat"))
@@ -191,22 +176,9 @@ class Supervisor:
     @staticmethod
     def _check(spec: ActorSpec) -> type[Actor]:
         try:
-            cls = import_actor(spec.actor)
-        except (ImportError, ValueError) as e:
-            raise SupervisorError(f"{spec.actor}: cannot load actor: {e}") from None
-        try:
-            name = actor_name(cls.role, spec.rank)
-        except ValueError as e:
-            raise SupervisorError(f"{spec.actor}: {e}") from None
-        if isinstance(spec.config, msgspec.Struct) and not isinstance(spec.config, cls.Config):
-            raise SupervisorError(
-                f"{name} config: a {type(spec.config).__qualname__}, expected {cls.__qualname__}.Config"
-            )
-        try:  # what the actor will do with the plain values it receives
-            convert(spec.plain_config(), cls.Config, where=f"{name} config")
-        except ConfigError as e:
+            return spec.actor_class()
+        except ValueError as e:  # a ConfigError too
             raise SupervisorError(str(e)) from None
-        return cls
 
     def _nodes(self) -> set[int]:
         return {*self.launcher.nodes, *(self.remote.nodes if self.remote is not None else ())}
@@ -215,28 +187,16 @@ class Supervisor:
         remote = self.remote if self.remote is not None and node in self.remote.nodes else None
         return self.launcher if node in self.launcher.nodes else remote
 
-    def _refused(self, client_key: str) -> None:
-        self._emit("peer_refused", client_key=client_key[:8], level="warning")
-
-    def _handshake_failed(self, endpoint: str, why: str) -> None:
-        self._emit("handshake_failed", endpoint=endpoint, why=why, level="warning")
-
     async def _spawn(self, spec: ActorSpec, role: str, *, restarting: bool = False) -> _Proc:
         """Starts the process of `spec`; its entry replaces any earlier one of the same name."""
         name = actor_name(role, spec.rank)
-        # Set on top of the node's own environment; the caller's environment (or the spec's) wins the caches.
-        env = {var: value for var, value in ONEDNN_CACHES.items() if var not in os.environ}
-        env.update(spec.env)
-        if spec.threads > 0:
-            for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-                env[var] = str(spec.threads)
         launch = ActorLaunch(
             name=name,
             actor=spec.actor,
             rank=spec.rank,
             node=spec.node,
             run_dir=str(self.run_dir),
-            env=env,
+            env=actor_env(spec.env, spec.threads),
             cpus=list(spec.cpus),
             handshake_timeout_s=self.handshake_timeout_s,
             data_port=self.cluster.data_port(self._ports.setdefault(name, len(self._ports))),
@@ -294,14 +254,8 @@ class Supervisor:
         """Sends a message to actor `name`. While its queue is full it waits (`send_waiting`; in call order
         per actor), or, with `wait` False, skips it: heartbeats (an actor that full hears from the head
         anyway; a heartbeat loop stuck behind one would starve the others). Failures are logged."""
-        lock = self._send_locks.setdefault(name, asyncio.Lock())
-        if not wait and lock.locked():
-            return
-        frames = self._codec.encode(msg)
-        self.outbound.add(msg.kind, sum(memoryview(f).nbytes for f in frames))  # bytes or tensor buffers
         gone = lambda: not wait or self._closing or (p := self._procs.get(name)) is None or p.dead  # noqa: E731
-        async with lock:
-            error = await send_waiting(self._router, [name.encode(), *frames], gone, copy=len(frames) <= 2)
+        error = await self.control.send(name, msg, gone, wait=wait)
         if error is not None and not self._closing and (wait or error != PEER_FULL):
             self._emit("send_failed", actor=name, kind=msg.kind, error=error, level="warning")
 
@@ -329,15 +283,8 @@ class Supervisor:
 
     async def _recv_loop(self) -> None:
         while True:
-            frames = await self._router.recv_multipart(copy=False)
-            sender = frames[0].bytes.decode(errors="replace")
+            sender, msg = await self.control.recv()
             entry = self._procs.get(sender)
-            try:
-                msg = self._codec.decode(frames[1:])
-            except ProtocolError as e:
-                self._emit("dropped_malformed", sender=sender, error=str(e), level="warning")
-                continue
-            self.traffic.add(msg.kind, sum(len(f) for f in frames[1:]))
             if entry is None:
                 self._emit("unknown_sender", sender=sender, kind=msg.kind, level="warning")
                 continue
@@ -488,7 +435,7 @@ class Supervisor:
         # for silence may not have been reaped yet).
         with contextlib.suppress(ProcessLookupError):
             old.proc.kill()
-        await asyncio.gather(_wait_all([old.proc], 5.0), asyncio.sleep(backoff))
+        await asyncio.gather(wait_all([old.proc], 5.0), asyncio.sleep(backoff))
         if old.watcher is not None:
             old.watcher.cancel()
         if self._closing:
@@ -514,7 +461,7 @@ class Supervisor:
             self._mark_dead(entry, reason, None)  # before the kill: its watcher must not call it a SIGKILL
             with contextlib.suppress(ProcessLookupError):
                 entry.proc.kill()
-            await _wait_all([entry.proc], 5.0)
+            await wait_all([entry.proc], 5.0)
             entry.reason = reason
             after = time.monotonic() - entry.last_seen
             self._last_death[name] = ActorDied(name, reason, entry.proc.returncode, after)
@@ -559,23 +506,20 @@ class Supervisor:
             if p.proc.returncode is None:
                 await self.send(name, Shutdown(reason=reason))
         procs = [p.proc for p in self._procs.values()]
-        if not await _wait_all(procs, grace_s):
+        if not await wait_all(procs, grace_s):
             for sig, wait in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
                 for proc in procs:
                     if proc.returncode is None:
                         with contextlib.suppress(ProcessLookupError):
                             proc.send_signal(sig)
-                if await _wait_all(procs, wait):
+                if await wait_all(procs, wait):
                     break
         for task in self._tasks + [p.watcher for p in self._procs.values() if p.watcher]:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._router.close(linger=0)
+        self.control.close()
         self._proxy.stop()
         cleanup_shm(run_tag(self.run_dir))  # segments of actors that died holding them
-        if self._auth is not None:
-            self._auth.stop()
-        self.ctx.term()
 
     async def __aenter__(self) -> Supervisor:
         return self
@@ -586,13 +530,3 @@ class Supervisor:
     def _emit(self, event: str, level: str = "info", **fields: Any) -> None:
         if self.log is not None:
             getattr(self.log, level)(event, **fields)
-
-
-async def _wait_all(procs: list[ProcessHandle], timeout: float) -> bool:
-    pending = [p.wait() for p in procs if p.returncode is None]
-    if not pending:
-        return True
-    _, not_done = await asyncio.wait([asyncio.ensure_future(w) for w in pending], timeout=timeout)
-    for fut in not_done:
-        fut.cancel()
-    return not not_done
