@@ -24,7 +24,8 @@ from typing import Any
 from slipstream.cli.common import packaged_config, run_training, until_sigterm
 from slipstream.rl import loop
 from slipstream.rl import run_dir as run_dir_files
-from slipstream.rl.run_config import TrainConfig, actor_names, load_config, require_transport
+from slipstream.rl.run_config import TrainConfig, load_config, require_transport
+from slipstream.rl.run_plan import actor_names
 from slipstream.runtime.cluster import KEY_DIR, Cluster
 
 __all__ = ["TrainConfig", "actor_names", "load_config", "run", "serve_node", "train"]

@@ -21,7 +21,7 @@ import uvloop
 from slipstream.cli import trace as trace_cli
 from slipstream.cli import train
 from slipstream.engine.tokenizer import Tokenizer
-from slipstream.rl import run_config
+from slipstream.rl import run_config, run_plan
 from slipstream.tasks.datasets import chat_prompt_ids
 from tests.cli.conftest import brevity, config
 from tests.cli.test_trace import check_chrome_trace
@@ -273,7 +273,7 @@ def test_rollout_max_batch_caps_a_rollouts_slots_and_a_negative_one_is_refused(t
     from slipstream.runtime.config import ConfigError
 
     def rollout_slots(cfg: run_config.TrainConfig) -> list[int]:
-        specs = run_config.actor_specs(cfg, tmp_path, baseline=True, resume_from="")
+        specs = run_plan.actor_specs(cfg, tmp_path, baseline=True, resume_from="")
         return [s.config.max_batch for s in specs if s.actor.endswith(":RolloutActor")]
 
     base = ["prompts_per_step=3", "group_size=4", "rollout.devices=2"]

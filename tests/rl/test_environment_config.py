@@ -7,7 +7,8 @@ from pathlib import Path
 
 from slipstream.actors.environment import EnvironmentActor
 from slipstream.actors.rollout import RolloutActor
-from slipstream.rl.run_config import actor_specs, load_config
+from slipstream.rl.run_config import load_config
+from slipstream.rl.run_plan import actor_specs
 from slipstream.runtime.host import actor_path
 from slipstream.runtime.placement import environment_nodes
 
