@@ -6,9 +6,9 @@ then `roll_out_and_score`, `learn`, `push`, `checkpoint` and `record`, each mark
 and its field of the step's record); `close` stops everything in order; `summary` writes the run's.
 
 Non-obvious choices:
-- What belongs to one step lives in its `StepWork` (prompts, receipts, rewards, the groups' plans, stats,
-  marks), never in the run's fields: a step can be trained again, or rolled out again as its next try
-  (`lost`), after a learner death without anything of the previous try leaking into it.
+- What belongs to one step lives in its `StepWork` (rl/step_work.py: prompts, receipts, rewards, the
+  groups' plans, stats, marks), never in the run's fields: a step can be trained again, or rolled out
+  again as its next try (`lost`), after a learner death without anything of the previous try leaking in.
 - No sample's tensors pass here: the rollouts send them to the learner ranks, which hold, record and train
   on them; the loop keeps their receipts (lengths, texts to score, finish reasons) and the rewards.
 - The policy version has one owner, the coordinator (`policy_version`, moved only when every rollout
@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -35,24 +32,16 @@ from slipstream.engine import hub
 from slipstream.engine.sampling import group_seed
 from slipstream.engine.tokenizer import Tokenizer
 from slipstream.protocols import samples_record
-from slipstream.protocols.learner import GroupPlan, StepStats, TrainStep
+from slipstream.protocols.learner import GroupPlan, TrainStep
 from slipstream.protocols.reward import ScoreRequest
 from slipstream.protocols.rollout import GenerateRequest, SamplingSpec
 from slipstream.rl import recovery
 from slipstream.rl import run_dir as run_dir_files
 from slipstream.rl.coordinator import Coordinator
-from slipstream.rl.run_config import (
-    TrainConfig,
-    actor_names,
-    actor_specs,
-    data_stream,
-    environment_names,
-    episode_tokens,
-    lease_plan,
-    sampling_of,
-)
-from slipstream.rl.run_dir import StepRecord
-from slipstream.rl.step import Arrival, StepMetrics, rollout_step
+from slipstream.rl.run_config import TrainConfig, data_stream, episode_tokens, sampling_of
+from slipstream.rl.run_plan import actor_names, actor_specs, environment_names, lease_plan
+from slipstream.rl.step import Arrival, rollout_step
+from slipstream.rl.step_work import StepWork, explain_reward_errors, step_line, step_record
 from slipstream.runtime.agent import AgentLauncher
 from slipstream.runtime.cluster import RENDEZVOUS, Cluster, run_keys
 from slipstream.runtime.placement import Host
@@ -62,34 +51,7 @@ from slipstream.runtime.supervisor import ActorSpec, Supervisor
 from slipstream.runtime.turns import Turns
 from slipstream.tasks.datasets import Row, chat_prompt_ids
 
-__all__ = ["Run", "StepWork"]
-
-
-@dataclass
-class StepWork:
-    """One step's state, filled phase by phase."""
-
-    step: int
-    rows: dict[int, Row]  # group id -> its dataset row (group ids are global, their seeds too)
-    prompts: dict[int, list[int]]  # group id -> prompt token ids
-    data_cursor: dict[str, Any]  # the stream after this step's rows: where a resume reads on
-    restarts_before: int  # the run's restarts before this step (the step reports its own)
-    attempt: int = 0  # the step's try: rolled out again after a learner died holding its samples
-    started: float = field(default_factory=time.monotonic)
-    # (group, sample) -> its receipt: the learner rank its group went to holds the sample itself
-    completions: dict[tuple[int, int], Arrival] = field(default_factory=dict)
-    rewards: dict[tuple[int, int], float | None] = field(default_factory=dict)
-    reward_errors: dict[str, int] = field(default_factory=dict)
-    metrics: StepMetrics = field(default_factory=StepMetrics)
-    groups: list[GroupPlan] = field(default_factory=list)  # what the learner ranks are asked to train
-    stats: list[StepStats] = field(default_factory=list)
-    checkpoint: str = ""  # relative to the run directory; "" when none is due
-    marks: dict[str, float] = field(default_factory=dict)  # phase -> seconds (its last try)
-
-    @property
-    def version(self) -> int:
-        """The policy version this step trains."""
-        return self.step + 1
+__all__ = ["Run", "checkpoint_due"]
 
 
 class Run:
@@ -184,7 +146,7 @@ class Run:
             await self.coord.heads_applied(self.start, self.drafters)
 
     def plan_actors(self, hosts: list[Host] | None, rendezvous: str) -> list[ActorSpec]:
-        """Every process of the run (rl/run_config.py `actor_specs`). `bench scale` overrides it: stand-in
+        """Every process of the run (rl/run_plan.py `actor_specs`). `bench scale` overrides it: stand-in
         rollouts and a learner that only holds its groups, in the run's places and under its names."""
         return actor_specs(
             self.cfg, self.run_dir, baseline=self.baseline, resume_from=str(self.state["checkpoint"]),
@@ -345,7 +307,9 @@ class Run:
         the run's state. Raises after
         `faults.max_invalid_steps` steps in a row where every reward failed."""
         cfg, run_dir = self.cfg, self.run_dir
-        record = self._record(work)
+        restarts = self.coord.restarted[work.restarts_before :]
+        multi_turn = bool(cfg.environment.env)
+        record = step_record(work, moved=self._pushed(work.version), restarts=restarts, multi_turn=multi_turn)
         self.spans.add("step", _ns(work.started), _ns(time.monotonic() - work.started), work.step)
         if work.checkpoint:
             # Relative to the run directory: a run moved or resumed from elsewhere still finds it.
@@ -366,7 +330,7 @@ class Run:
         if self.invalid_steps >= cfg.faults.max_invalid_steps:
             raise RuntimeError(
                 f"{self.invalid_steps} steps in a row where every reward failed (faults.max_invalid_steps): "
-                f"{_explain(record.reward_errors)}"
+                f"{explain_reward_errors(record.reward_errors)}"
             )
 
     async def recover_learners(self, cause: BaseException | None = None) -> None:
@@ -386,6 +350,14 @@ class Run:
         return self.start + sum(r.step >= self.start for r in self.records)
 
     # -- the parts of a step ---------------------------------------------------------------------------
+
+    def _pushed(self, version: int) -> dict[str, int]:
+        """What the push of `version` sent across hosts, taken from the coordinator's count (with any older
+        version's: a head push reported after its step)."""
+        moved = self.coord.pushed.pop(version, {})
+        for late in [v for v in self.coord.pushed if v < version]:
+            del self.coord.pushed[late]
+        return moved
 
     def _mark(
         self, work: StepWork, phase: str, began: float, seconds: float | None = None, **fields: Any
@@ -465,65 +437,6 @@ class Run:
             plans.append(GroupPlan(group_id=g, prompt_ids=prompt, rewards=rewards))
         return plans
 
-    def _record(self, work: StepWork) -> StepRecord:
-        """The step's metrics.jsonl record (fields: rl/run_dir.py)."""
-        groups, m, marks, lead = work.groups, work.metrics, work.marks, work.stats[0]
-        valid = [r for grp in groups for r in grp.rewards if r is not None]
-        mixed = sum(len({r for r in grp.rewards if r is not None}) > 1 for grp in groups)
-        tokens = sum(c.tokens for c in work.completions.values())
-        turns = [c.turns for c in work.completions.values() if c.turns]  # episodes' policy turns
-        # A multi-turn run: every sample is an episode (an invalid one too, with the turns it reached).
-        by_count = Counter(str(c.turns) for c in work.completions.values() if self.cfg.environment.env)
-        waits = [c.env_wait_s for c in work.completions.values()]
-        moved = self.coord.pushed.pop(work.version, {})  # what the push of this version sent across hosts
-        for late in [v for v in self.coord.pushed if v < work.version]:  # a head push reported after its step
-            del self.coord.pushed[late]
-        return StepRecord(
-            step=work.step,
-            reward_mean=round(sum(valid) / len(valid), 4) if valid else math.nan,
-            correct_share=round(sum(r >= 1.0 for r in valid) / len(valid), 4) if valid else math.nan,
-            nonzero_adv_share=round(mixed / len(groups), 4),
-            invalid=sum(r is None for grp in groups for r in grp.rewards),
-            tokens=tokens,
-            mean_response_tokens=round(tokens / max(len(work.completions), 1), 1),
-            step_s=round(time.monotonic() - work.started, 3),
-            rollout_s=round(m.rollout_s, 3),
-            reward_s=round(marks["reward"], 3),
-            learn_s=round(marks["learn"], 3),
-            sync_s=round(marks["sync"], 3),
-            checkpoint_s=round(marks.get("checkpoint", 0.0), 3),
-            accept_length=round(m.accept_length, 3),
-            spec_accept_length=round(m.spec_accept_length, 3),
-            spec_token_share=round(m.spec_token_share, 4),
-            arms=dict(m.arms),
-            accept_by_batch=m.speculated_accept_length(),
-            arms_by_batch={bucket: dict(arms) for bucket, arms in m.arms_by_batch.items()},
-            decode_by_batch=m.decode_seconds_by_batch(),
-            accept_by_position=m.accept_by_position(),
-            drafter_loss=None if m.drafter_loss is None else round(m.drafter_loss, 5),
-            idle_device_s=round(m.idle_device_s, 3),
-            reclaimed_s=round(m.reclaimed_s, 3),
-            loss=lead.loss,
-            grad_norm=lead.grad_norm,
-            reward_errors=work.reward_errors,
-            requeued=m.requeued,
-            # Copies dropped at the head (rewards, strays) and at the learner ranks (samples held already).
-            duplicates=m.duplicates + sum(int(s.metrics.get("duplicates", 0)) for s in work.stats),
-            reward_call_s=round(m.reward_call_s, 3),
-            reward_terms=m.reward_terms(),
-            mismatch_logp_abs_max=lead.metrics.get("mismatch_logp_abs_max", 0.0),
-            sync_bytes=moved.get("push_bytes", 0),
-            wire_bytes=moved.get("wire_bytes", 0),
-            wire_full_bytes=moved.get("full_bytes", 0),
-            policy_version=work.version,
-            restarts=self.coord.restarted[work.restarts_before :],
-            turns_mean=round(sum(turns) / len(turns), 3) if turns else 0.0,
-            turns_max=max(turns, default=0),
-            turns_by_count=dict(sorted(by_count.items(), key=lambda kv: int(kv[0]))),
-            env_wait_s=round(sum(waits), 3),
-            env_wait_max_s=round(max(waits, default=0.0), 3),
-        )
-
 
 def _row_json(row: Row) -> str:
     """A dataset row as a reward scores with it and an environment opens an episode from it (values JSON
@@ -546,41 +459,3 @@ def checkpoint_due(cfg: TrainConfig, step: int, since_last_s: float) -> bool:
     by_steps = cfg.checkpoint_every > 0 and (step + 1) % cfg.checkpoint_every == 0
     by_time = cfg.checkpoint_minutes > 0 and since_last_s >= cfg.checkpoint_minutes * 60
     return by_steps or by_time or step + 1 == cfg.steps
-
-
-def step_line(r: StepRecord, steps: int) -> str:
-    """One finished step, compact: printed as it finishes, whether stdout is a terminal or not (the progress
-    bars are transient and on stderr; a step's line comes after its bar is gone)."""
-    split = f"rollout {r.rollout_s:.1f}, reward {r.reward_s:.1f}, learn {r.learn_s:.1f}, sync {r.sync_s:.1f}"
-    split += f", ckpt {r.checkpoint_s:.1f}" if r.checkpoint_s else ""
-    invalid = f"  {r.invalid} invalid" if r.invalid else ""
-    wait = f", env wait {r.env_wait_s:.1f} s"
-    invalid += f"  turns {r.turns_mean:.1f} (max {r.turns_max}{wait})" if r.turns_max else ""
-    # The reward calls' seconds over the step's: what rewards cost, overlapped with the rollout or not.
-    calls = f"  reward calls {r.reward_call_s / r.step_s:.0%}" if r.reward_terms and r.step_s > 0 else ""
-    return (
-        f"step {r.step + 1}/{steps}  reward {r.reward_mean:.3f}  correct {r.correct_share:.3f}  {r.tokens} tok  "
-        f"{r.step_s:.1f} s ({split}){calls}  {_speculation(r)}{invalid}"
-    )
-
-
-def _speculation(r: StepRecord) -> str:
-    """What speculation did in the step: its accept length where it ran, and the share of tokens it decoded
-    (an average over every iteration would count the tuner's plain ones as 1.0)."""
-    if not r.spec_token_share:
-        return "no speculation"
-    return f"accept {r.spec_accept_length:.2f} on {r.spec_token_share:.0%} of tokens"
-
-
-def _explain(errors: dict[str, int]) -> str:
-    """The reward's most common errors, with the fix for the usual signature mistake."""
-    if not errors:
-        return "no error was reported"
-    top = sorted(errors.items(), key=lambda kv: -kv[1])[:3]
-    text = "; ".join(f"{n}× {e}" for e, n in top)
-    if any("unexpected keyword argument" in e for e in errors):
-        text += (
-            " — a reward is called as fn(prompt, completion, **row), row being the dataset row's fields "
-            "(question, answer, metadata): accept **kwargs (e.g. def reward(prompt, completion, answer, **_))"
-        )
-    return text

@@ -10,8 +10,9 @@ import pytest
 
 from slipstream.rl import recovery
 from slipstream.rl.coordinator import ActorDiedError
-from slipstream.rl.run import Run, step_line
+from slipstream.rl.run import Run
 from slipstream.rl.run_dir import StepRecord
+from slipstream.rl.step_work import step_line
 
 
 def a_run(policy_version: int, dead: dict[str, str]) -> Run:
