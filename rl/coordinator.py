@@ -126,7 +126,11 @@ class Coordinator:
         self._step: RolloutStep | None = None  # the step reports without a step id go to (the newest)
         self._idle_metrics = StepMetrics()  # where they go before the first step
         self._task: asyncio.Task[None] | None = None
-        self._handlers: dict[type[Message], Callable[[str, Any], None]] = {
+        self._handlers = self._routes()
+
+    def _routes(self) -> dict[type[Message], Callable[[str, Any], None]]:
+        """The handler of each message type the dispatcher routes (an unlisted one is logged, unrouted)."""
+        return {
             Completion: self._on_completion,
             SampleReceipt: self._on_completion,
             Reward: self._on_reward,
