@@ -26,15 +26,15 @@ import msgspec
 import torch
 
 from slipstream.engine import eagle_export, hub
-from slipstream.engine.buffer import completion_window
 from slipstream.engine.config import dtype_from_name
 from slipstream.engine.device import parse_device, require_device
 from slipstream.engine.drafters import Drafter, EagleDrafter, NGramDrafter
 from slipstream.engine.eagle import EagleHead
-from slipstream.engine.episodes import EpisodeLimits, Episodes, Finished, policy_windows
+from slipstream.engine.episodes import EpisodeLimits, Episodes, Finished
 from slipstream.engine.generator import Completion, Generator, Request
-from slipstream.engine.iteration import timed_step
-from slipstream.engine.sampling import SamplingParams, sample_seed
+from slipstream.engine.iteration import Iteration, timed_step
+from slipstream.engine.request import StepOutput
+from slipstream.engine.sampling import SamplingParams
 from slipstream.engine.speculator import capture_graphs, warm_up
 from slipstream.engine.tokenizer import Tokenizer
 from slipstream.engine.tuner import STALE_METHODS, Tuner, TunerConfig
@@ -42,7 +42,7 @@ from slipstream.engine.weight_receiver import WeightReceiver
 from slipstream.engine.weight_staging import WeightStaging
 from slipstream.engine.weights import load_model
 from slipstream.protocols.control import Idle
-from slipstream.protocols.drafter import DrafterUpdate, HiddenStates
+from slipstream.protocols.drafter import DrafterUpdate
 from slipstream.protocols.environment import (
     Answer,
     CloseEpisode,
@@ -53,12 +53,15 @@ from slipstream.protocols.environment import (
     Turn,
 )
 from slipstream.protocols.learner import CUDA_IPC, WeightAck, WeightUpdate
-from slipstream.protocols.rollout import Completion as CompletionMsg
 from slipstream.protocols.rollout import GenerateRequest, IterationStats
 from slipstream.runtime import cuda_ipc
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
 from slipstream.runtime.process import memory_now, release_freed_memory
+
+# This actor's own part (no actor in it), imported relatively: tests/test_layers.py takes every absolute
+# slipstream.actors.* import in actors/ for one actor importing another.
+from .rollout_samples import InFlight, Sample, accept_length, completion_msg, hidden_states, sampling_params
 
 
 class RolloutActor(Actor):
@@ -112,11 +115,34 @@ class RolloutActor(Actor):
         )
         # Decoding reads only the packed projections: holding the plain ones too was a model's worth.
         self.log.info("packed_only", freed_mb=round(self.model.keep_packed_only() / 2**20, 1))
-        self.tuner = Tuner(cfg.tuner)
+        self._load_tuner()
+        self._build_generator()
+        self.policy_version = cfg.policy_version
+        self.in_flight = InFlight()  # request id -> its sample, its arrival
+        self._arm = "off"
+        self._iteration = 0
+        self._idle_sent = True  # nothing to report until work arrives
+        self._start_weight_sync()
+        self._hidden_dtype = dtype_from_name(cfg.hidden_dtype)
+        self.episodes: Episodes | None = None  # the loop over turns: engine/episodes.py
+        self._env = cfg.environments[self.rank % len(cfg.environments)] if cfg.environments else ""
+        self.tokenizer = Tokenizer.from_dir(hub.resolve(cfg.model)) if cfg.environments else None
+        if self.tokenizer is not None:
+            self._start_episodes(self.tokenizer)
+        if cfg.warm_up:
+            self._warm_up()
+
+    def _load_tuner(self) -> None:
+        """The tuner, with what this rank's predecessor learned if it saved any (`_save_tuner`)."""
+        self.tuner = Tuner(self.config.tuner)
         self.tuner_path = Path(self.run_dir or ".") / "rollout" / f"rank-{self.rank}" / "tuner.json"
         if self.tuner_path.is_file():
             self.tuner.load_state_dict(json.loads(self.tuner_path.read_text()))
             self.log.info("tuner_restored", path=str(self.tuner_path))
+
+    def _build_generator(self) -> None:
+        """The generator and the drafters the tuner's arms need; `methods`: the arms that can run."""
+        cfg = self.config
         arms = self.tuner.arms
         deepest = max(arm.spec().verify_budget for arm in arms if arm.method != "off") if len(arms) > 1 else 0
         # An EAGLE head is worth holding only if it starts trained or will be trained online.
@@ -143,14 +169,8 @@ class RolloutActor(Actor):
         self._pending_drafter: DrafterUpdate | None = None  # the newest update, swapped in before decoding
         # Arms whose drafters are held ("self" replays recordings, which a rollout has none of).
         self.methods = {"off", *drafters} | ({"hybrid"} if {"ngram", "eagle"} <= drafters.keys() else set())
-        self.policy_version = cfg.policy_version
-        self._samples: dict[
-            str, tuple[int, int, str, int]
-        ] = {}  # request id -> (group, sample, learner, try)
-        self._queued_ns: dict[str, int] = {}  # request id -> arrival (monotonic ns), for its "sample" span
-        self._arm = "off"
-        self._iteration = 0
-        self._idle_sent = True  # nothing to report until work arrives
+
+    def _start_weight_sync(self) -> None:
         # Accepted buckets until their version is whole: written in place when idle, else staged.
         self.staging = WeightStaging(self.model, checksum, cuda_ipc.device_checksum)
         self._staged = self.staging.staged  # version -> bucket -> what is kept of it
@@ -163,24 +183,19 @@ class RolloutActor(Actor):
             device_checksum=cuda_ipc.device_checksum,
             version=self.policy_version,
         )
-        self._hidden_dtype = dtype_from_name(cfg.hidden_dtype)
-        self.episodes: Episodes | None = None  # the loop over turns: engine/episodes.py
-        self._env = cfg.environments[self.rank % len(cfg.environments)] if cfg.environments else ""
-        self.tokenizer = Tokenizer.from_dir(hub.resolve(cfg.model)) if cfg.environments else None
-        if self.tokenizer is not None:
-            # Episode ids name this process: a restarted rollout's never collide with its predecessor's,
-            # which its environment drops on RolloutUp (the same samples are dealt to it again).
-            incarnation = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
-            def wait(start: int, dur: int, **at: object) -> None:  # a turn's wait for its environment: a span
-                self.spans.add("env_wait", start, dur, self.policy_version, **at)
+    def _start_episodes(self, tokenizer: Tokenizer) -> None:
+        # Episode ids name this process: a restarted rollout's never collide with its predecessor's,
+        # which its environment drops on RolloutUp (the same samples are dealt to it again).
+        incarnation = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
-            self.episodes = Episodes(
-                self.generator, self.tokenizer, cfg.episodes, f"{self.name}@{incarnation}", on_wait=wait
-            )
-            self.send(self._env, RolloutUp(owner=self.name, incarnation=incarnation))
-        if cfg.warm_up:
-            self._warm_up()
+        def wait(start: int, dur: int, **at: object) -> None:  # a turn's wait for its environment: a span
+            self.spans.add("env_wait", start, dur, self.policy_version, **at)
+
+        self.episodes = Episodes(
+            self.generator, tokenizer, self.config.episodes, f"{self.name}@{incarnation}", on_wait=wait
+        )
+        self.send(self._env, RolloutUp(owner=self.name, incarnation=incarnation))
 
     def _warm_up(self) -> None:
         """Decodes max_batch synthetic requests for two iterations with each arm while the run's other actors
@@ -225,50 +240,49 @@ class RolloutActor(Actor):
         if msg.policy_version != self.policy_version:
             self.log.warning("policy_version_mismatch", group_id=msg.group_id, asked=msg.policy_version,
                              have=self.policy_version)  # fmt: skip
-        sampling = msg.sampling
         # A requeue after another rollout died asks for the missing samples alone (same seeds, same tokens).
-        samples = msg.sample_indices or range(msg.num_samples)
+        samples = [
+            Sample(msg.group_id, i, msg.learn_at, msg.attempt)
+            for i in msg.sample_indices or range(msg.num_samples)
+        ]
         ids = msg.prompt_ids
         if ids.dtype != torch.int64 or ids.dim() != 1:
             # Checked at the boundary: a float id would be truncated, a 2-D one would fail deep in the engine.
             why = f"prompt_ids must be a 1-D int64 tensor, got {ids.dtype} of shape {tuple(ids.shape)}"
             self.log.error("bad_request", group_id=msg.group_id, error=why)
-            for i in samples:
-                self._send_completion((msg.group_id, i, msg.learn_at, msg.attempt), [], [], "error", 0.0)
+            for sample in samples:
+                self._send_completion(sample, [], [], "error", 0.0)
             self._idle_sent = False
             return
         prompt = ids.tolist()
-        for i in samples:
-            request_id = f"{msg.group_id}:{i}"
-            if (old := self._samples.get(request_id)) is not None and old[3] < msg.attempt:
+        for sample in samples:
+            request_id = f"{msg.group_id}:{sample.index}"
+            if (old := self.in_flight.get(request_id)) is not None and old.attempt < msg.attempt:
                 self._supersede(request_id)
             try:
-                params = SamplingParams(
-                    temperature=sampling.temperature,
-                    top_p=sampling.top_p,
-                    top_k=sampling.top_k,
-                    max_tokens=sampling.max_tokens,
-                    stop_token_ids=tuple(sampling.stop_token_ids),
-                    seed=sample_seed(msg.seed, i),
-                )
-                if msg.row_json:  # an episode: its prompt is the environment's opening
-                    if self.episodes is None:
-                        raise ValueError("an episode's request, but this rollout has no environments")
-                    episode_id = self.episodes.begin(request_id, params, str(msg.group_id), msg.row_json)
-                    self.send(self._env, OpenEpisode(episode_id=episode_id, row_json=msg.row_json))
-                else:
-                    self.generator.add(Request(request_id=request_id, prompt_ids=prompt, params=params,
-                                               group_id=str(msg.group_id)))  # fmt: skip
+                self._admit(request_id, sampling_params(msg.sampling, msg.seed, sample.index), msg, prompt)
             except ValueError as exc:
                 # The coordinator waits for every sample: answer with an error completion, never silence.
-                self.log.error("bad_request", group_id=msg.group_id, sample_index=i, error=str(exc))
-                self._send_completion(
-                    (msg.group_id, i, msg.learn_at, msg.attempt), [], [], "error", 0.0, error=str(exc)
+                self.log.error(
+                    "bad_request", group_id=msg.group_id, sample_index=sample.index, error=str(exc)
                 )
+                self._send_completion(sample, [], [], "error", 0.0, error=str(exc))
                 continue
-            self._samples[request_id] = (msg.group_id, i, msg.learn_at, msg.attempt)
-            self._queued_ns[request_id] = time.monotonic_ns()
+            self.in_flight.add(request_id, sample)
         self._idle_sent = False
+
+    def _admit(
+        self, request_id: str, params: SamplingParams, msg: GenerateRequest, prompt: list[int]
+    ) -> None:
+        """Into the continuous batch, or, for a request with a dataset row, to its environment to open."""
+        if msg.row_json:  # an episode: its prompt is the environment's opening
+            if self.episodes is None:
+                raise ValueError("an episode's request, but this rollout has no environments")
+            episode_id = self.episodes.begin(request_id, params, str(msg.group_id), msg.row_json)
+            self.send(self._env, OpenEpisode(episode_id=episode_id, row_json=msg.row_json))
+        else:
+            self.generator.add(Request(request_id=request_id, prompt_ids=prompt, params=params,
+                                       group_id=str(msg.group_id)))  # fmt: skip
 
     def _supersede(self, request_id: str) -> None:
         """The same sample of an older try (its step was given up when its learner died): dropped, with no
@@ -279,8 +293,7 @@ class RolloutActor(Actor):
             )
         else:
             self.generator.abort(request_id)
-        self._samples.pop(request_id)
-        self._queued_ns.pop(request_id, None)
+        self.in_flight.pop(request_id)
         self.log.info("superseded", request=request_id)
 
     # -- episodes (engine/episodes.py drives the turns; the environment actor answers them) --------------
@@ -337,9 +350,10 @@ class RolloutActor(Actor):
         if finished.completion is not None:
             self._finish(finished.completion, finished)
             return
-        sample = self._samples.pop(finished.request_id)
-        self._queued_ns.pop(finished.request_id, None)
-        self.log.warning("episode_invalid", group_id=sample[0], sample_index=sample[1], error=finished.error)
+        sample, _ = self.in_flight.pop(finished.request_id)
+        self.log.warning(
+            "episode_invalid", group_id=sample.group_id, sample_index=sample.index, error=finished.error
+        )
         self._send_completion(sample, [], [], "error", 0.0, error=finished.error, **finished.counts())
 
     # -- updates --------------------------------------------------------------------------------------
@@ -438,24 +452,15 @@ class RolloutActor(Actor):
     # -- decoding -------------------------------------------------------------------------------------
 
     def step(self) -> bool:
+        """One decode iteration: what waits between iterations first (a weight version, a drafter swap,
+        Idle), then the tuner's arm for the live batch, the iteration, its record, and what it finished."""
         if self.staging.writing is not None:
             return False  # the parameters hold part of a version: wait for its other buckets
         if self._pending_drafter is not None:
             self._swap_drafter()
         generator = self.generator
         if not generator.has_unfinished() and not (self.episodes is not None and self.episodes.live):
-            if self.staging.ready is not None:
-                self._apply_weights()
-            if not self._idle_sent:
-                self._idle_sent = True
-                self._save_tuner()
-                # The step's KV cache and decode buffers go back to the host before the learner peaks (it
-                # trains while this rollout idles), and before Idle leases this core to a drafter.
-                release_freed_memory()
-                self.send(
-                    COORDINATOR, Idle(role=self.role, rank=self.rank, policy_version=self.policy_version)
-                )
-                self.log.info("idle", policy_version=self.policy_version, **memory_now())
+            self._idle()
             return False
         if self.episodes is not None:
             for request_id in self.episodes.expired():
@@ -471,9 +476,31 @@ class RolloutActor(Actor):
             self._arm = decision.arm
         self.log.info("tuner_decision", iteration=self._iteration, **decision.as_dict())
         outputs, it = timed_step(generator)
+        self._record(it, decision.arm, clean)
+        self._iteration += 1
+        self._commit(outputs)
+        return True
+
+    def _idle(self) -> None:
+        """Nothing in flight: a version whose buckets all came is applied, and Idle said once."""
+        if self.staging.ready is not None:
+            self._apply_weights()
+        if self._idle_sent:
+            return
+        self._idle_sent = True
+        self._save_tuner()
+        # The step's KV cache and decode buffers go back to the host before the learner peaks (it trains
+        # while this rollout idles), and before Idle leases this core to a drafter.
+        release_freed_memory()
+        self.send(COORDINATOR, Idle(role=self.role, rank=self.rank, policy_version=self.policy_version))
+        self.log.info("idle", policy_version=self.policy_version, **memory_now())
+
+    def _record(self, it: Iteration, arm: str, clean: bool) -> None:
+        """An iteration's spans, the tuner's rewards (throughput only from a `clean` one: no prefill),
+        a stale drafter's warning, and its `IterationStats` to the coordinator."""
         self.spans.add(
             "iteration", it.started_ns, it.ended_ns - it.started_ns, self.policy_version, batch=it.batch,
-            prefilling=it.prefilling, prefill_tokens=it.prefill_tokens, arm=decision.arm, drafted=it.drafted,
+            prefilling=it.prefilling, prefill_tokens=it.prefill_tokens, arm=arm, drafted=it.drafted,
             accepted=it.accepted, committed=it.committed,
         )  # fmt: skip
         if it.draft_ns:  # a speculative iteration: drafting, then the verify pass and commit
@@ -483,9 +510,9 @@ class RolloutActor(Actor):
                 "verify", drafted_at, it.ended_ns - drafted_at, self.policy_version, nodes=it.drafted
             )
         if clean:
-            self.tuner.record(it.batch, decision.arm, it.committed, it.seconds)
+            self.tuner.record(it.batch, arm, it.committed, it.seconds)
         # Acceptance needs no clean clock: prefill rows draft nothing, so every iteration's decodes count.
-        stale = self.tuner.record_acceptance(decision.arm, it.batch, it.accepted, it.drafted)
+        stale = self.tuner.record_acceptance(arm, it.batch, it.accepted, it.drafted)
         if stale is not None:
             self.log.warning(
                 "drafter_stale",
@@ -497,12 +524,15 @@ class RolloutActor(Actor):
         self.send(
             COORDINATOR,
             IterationStats(
-                rank=self.rank, iteration=self._iteration, batch_size=it.batch, arm=decision.arm,
+                rank=self.rank, iteration=self._iteration, batch_size=it.batch, arm=arm,
                 drafted=it.drafted, accepted=it.accepted, committed=it.committed, iter_s=it.seconds,
                 offered_at=it.offered_at, accepted_at=it.accepted_at,
             ),
         )  # fmt: skip
-        self._iteration += 1
+
+    def _commit(self, outputs: list[StepOutput]) -> None:
+        """What an iteration finished: completions out, ended episodes closed, ended turns to the
+        environment."""
         episodes = self.episodes
         for output in outputs:
             if output.completion is None:
@@ -519,65 +549,40 @@ class RolloutActor(Actor):
                 self._env,
                 Turn(episode_id=end.episode_id, turn=end.turn, text=end.text, token_ids=end.token_ids),
             )
-        return True
 
     def _finish(self, completion: Completion, episode: Finished | None = None) -> None:
-        sample = self._samples.pop(completion.request_id)
-        group_id, index = sample[:2]
-        queued = self._queued_ns.pop(completion.request_id, None)
+        sample, queued = self.in_flight.pop(completion.request_id)
         if queued is not None:  # from the request's arrival to its last token: the long-tail view's bar
             self.spans.add(
                 "sample",
                 queued,
                 time.monotonic_ns() - queued,
                 self.policy_version,
-                group=group_id,
-                index=index,
+                group=sample.group_id,
+                index=sample.index,
                 tokens=len(completion.token_ids),
                 finish=completion.finish_reason,
                 passes=completion.target_passes,
             )
-        passes = completion.target_passes
-        mask = completion.policy_mask
-        accept = (len(completion.token_ids) if mask is None else sum(mask)) / passes if passes else 0.0
         extra = {}
         if episode is not None:
             extra = {"prompt_ids": episode.prompt_ids, "env_reward": episode.reward, **episode.counts()}
-        self._send_completion(sample, completion.token_ids, completion.logprobs,
-                              completion.finish_reason, accept, mask=mask, **extra)  # fmt: skip
-        if not self.config.hidden_to:
-            return
-        # A multi-turn completion's hidden rows are its policy tokens': one window per run of them.
-        windows = policy_windows(completion) if mask is not None else [completion_window(completion)]
-        for token_ids, hidden, response_start in [w for w in windows if w is not None]:
-            msg = HiddenStates(
-                group_id=group_id,
-                sample_index=index,
-                token_ids=token_ids,
-                hidden=hidden.to(self._hidden_dtype),
-                response_start=response_start,
-                policy_version=self.policy_version,
-            )
-            for dest in self.config.hidden_to:
-                self.send(dest, msg)
+        self._send_completion(sample, completion.token_ids, completion.logprobs, completion.finish_reason,
+                              accept_length(completion), mask=completion.policy_mask, **extra)  # fmt: skip
+        if self.config.hidden_to:
+            for msg in hidden_states(completion, sample, self._hidden_dtype, self.policy_version):
+                for dest in self.config.hidden_to:
+                    self.send(dest, msg)
 
     def _send_completion(
-        self, sample: tuple[int, int, str, int], tokens: list[int], logprobs: list[float], reason: str,
-        accept: float, *, mask: list[bool] | None = None, prompt_ids: list[int] | None = None,
-        **episode: object,
+        self, sample: Sample, tokens: list[int], logprobs: list[float], reason: str, accept: float,
+        **fields: object,
     ) -> None:  # fmt: skip
         """To the learner rank that trains the group (with its text), else to the coordinator."""
-        group_id, index, learner, attempt = sample
-        msg = CompletionMsg(
-            group_id=group_id, sample_index=index, token_ids=torch.tensor(tokens, dtype=torch.int64),
-            logprobs=torch.tensor(logprobs, dtype=torch.float32), finish_reason=reason,  # type: ignore[arg-type]
-            policy_version=self.policy_version, accept_length=accept,
-            policy_mask=torch.tensor(mask or [], dtype=torch.bool),
-            prompt_ids=torch.tensor(prompt_ids or [], dtype=torch.int64),
-            **episode,  # type: ignore[arg-type]  # turns, env_reward, error
-            text=self._text(tokens) if learner else "", attempt=attempt,
-        )  # fmt: skip
-        self.send(learner or COORDINATOR, msg)
+        text = self._text(tokens) if sample.learner else ""
+        msg = completion_msg(sample, tokens, logprobs, reason, accept, policy_version=self.policy_version,
+                             text=text, **fields)  # type: ignore[arg-type]  # fmt: skip
+        self.send(sample.learner or COORDINATOR, msg)
 
     def _text(self, tokens: list[int]) -> str:  # loads the tokenizer at the first text
         if self.tokenizer is None:
