@@ -6,28 +6,26 @@ then nothing is drawn, because an empty axis reads as "measured, and zero". `dra
 The non-obvious choices: figures are `matplotlib.figure.Figure` objects on an Agg canvas, never pyplot,
 so no global state or GUI backend is touched (this module imports matplotlib at the top; `cli/report.py`
 imports it only after checking matplotlib is installed); every metrics field is read with `.get`, so an
-older run's metrics.jsonl draws what it has. What each chart shows: docs/report.md.
+older run's metrics.jsonl draws what it has (both in cli/report_figure.py, which every chart draws on).
+The speculation charts are in cli/report_speculation.py; what each chart shows: docs/report.md.
 """
 
 from __future__ import annotations
 
-import io
 import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
 
+from slipstream.cli.report_figure import figure, no_field, png, series, steps_axis
+from slipstream.cli.report_speculation import accept_position, drafter_loss, speculation
 from slipstream.cli.report_tail import long_tail
 from slipstream.cli.report_turns import multi_turn, turns
 
 if TYPE_CHECKING:
-    from matplotlib.axes import Axes
-
     from slipstream.cli.report import RunData
 
 PHASES = (("rollout_s", "rollout"), ("reward_s", "reward"), ("learn_s", "learn"), ("sync_s", "sync"))
@@ -70,74 +68,28 @@ def draw_all(run: RunData) -> list[Chart]:
         if isinstance(drawn, str):
             charts.append(Chart(spec.name, spec.title, spec.caption, missing=drawn))
         else:
-            charts.append(Chart(spec.name, spec.title, spec.caption, png=_png(drawn)))
+            charts.append(Chart(spec.name, spec.title, spec.caption, png=png(drawn)))
     return charts
 
 
-def _figure(width: float = 8.0, height: float = 4.0) -> Figure:
-    return Figure(figsize=(width, height), dpi=100, layout="constrained")
-
-
-def _png(fig: Figure) -> bytes:
-    FigureCanvasAgg(fig)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    return buf.getvalue()
-
-
-def _steps_axis(ax: Axes) -> None:
-    ax.set_xlabel("step")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.grid(alpha=0.3)
-
-
-def _series(run: RunData, key: str) -> tuple[list[int], list[Any]]:
-    """(steps, values) of the records that carry `key` with a non-null value."""
-    pairs = [(r["step"], r[key]) for r in run.records if r.get(key) is not None]
-    return [s for s, _ in pairs], [v for _, v in pairs]
-
-
-def _no_field(key: str) -> str:
-    return f"metrics.jsonl has no `{key}` field (a run recorded before it was)"
-
-
-def _bucket_key(bucket: str) -> int:
-    head = bucket.split("-")[0]
-    return int(head) if head.isdigit() else 1 << 30
-
-
-def _arm_colors(arms: Sequence[str]) -> dict[str, Any]:
-    import matplotlib
-
-    palette = matplotlib.colormaps["tab10"].colors
-    others = [a for a in arms if a != "off"]
-    colors: dict[str, Any] = {arm: palette[i % len(palette)] for i, arm in enumerate(others)}
-    colors["off"] = "lightgray"
-    return colors
-
-
-def _arm_order(arms: set[str]) -> list[str]:
-    return (["off"] if "off" in arms else []) + sorted(arms - {"off"})
-
-
 def reward(run: RunData) -> Figure | str:
-    steps, rewards = _series(run, "reward_mean")
+    steps, rewards = series(run, "reward_mean")
     if not steps:
-        return _no_field("reward_mean")
-    fig = _figure()
+        return no_field("reward_mean")
+    fig = figure()
     ax = fig.add_subplot()
     ax.plot(steps, rewards, "o-", label="reward (mean)")
     for key, style, label in (
         ("correct_share", "s-", "correct share (reward ≥ 1)"),
         ("nonzero_adv_share", "^:", "mixed groups (non-zero advantage)"),
     ):
-        s, v = _series(run, key)
+        s, v = series(run, key)
         if s:
             ax.plot(s, v, style, label=label, alpha=0.8 if key == "correct_share" else 0.6)
     ax.set_ylim(bottom=min(0.0, *rewards))
     ax.set_ylabel("reward / share of samples or groups")
     ax.set_title(f"reward {rewards[0]:.3f} → {rewards[-1]:.3f} over {len(steps)} steps")
-    _steps_axis(ax)
+    steps_axis(ax)
     ax.legend(loc="best", fontsize="small")
     return fig
 
@@ -148,7 +100,7 @@ def lengths(run: RunData) -> Figure | str:
     steps = sorted(run.lengths)
     data = [run.lengths[s] for s in steps]
     max_tokens = run.config.get("max_tokens")
-    fig = _figure()
+    fig = figure()
     ax = fig.add_subplot()
     if len(steps) <= BOX_STEPS:
         ax.boxplot(data, positions=steps, widths=0.6, showfliers=False, manage_ticks=False)
@@ -179,7 +131,7 @@ def lengths(run: RunData) -> Figure | str:
         ax.set_title(f"{counted} responses over {len(steps)} steps")
     ax.set_ylim(bottom=0)
     ax.set_ylabel("response tokens")
-    _steps_axis(ax)
+    steps_axis(ax)
     ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
     return fig
 
@@ -192,142 +144,12 @@ def _quantile(values: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def speculation(run: RunData) -> Figure | str:
-    arm_sets = [set((r.get("arms") or {}).keys()) for r in run.records]
-    all_arms = set().union(*arm_sets)
-    if not all_arms:
-        return _no_field("arms")
-    by_bucket_accept = [r.get("accept_by_batch") or {} for r in run.records]
-    if all_arms == {"off"} and not any(by_bucket_accept):
-        return "the run did not speculate: every decode iteration ran the `off` arm (a baseline run)"
-    per_bucket = any(r.get("arms_by_batch") for r in run.records)
-    if per_bucket:
-        for r in run.records:
-            for arms in (r.get("arms_by_batch") or {}).values():
-                all_arms |= set(arms)
-    arms = _arm_order(all_arms)
-    colors = _arm_colors(arms)
-    arm_buckets = {b for r in run.records for b in (r.get("arms_by_batch") or {})}
-    buckets = sorted(arm_buckets | {b for d in by_bucket_accept for b in d}, key=_bucket_key)
-    panels = sorted(arm_buckets, key=_bucket_key) if per_bucket else ["all"]
-    fig = _figure(max(8.0, 2.0 * len(panels) + 1.5), 6.5)
-    grid = fig.add_gridspec(2, len(panels), height_ratios=[1.2, 1])
-    top = fig.add_subplot(grid[0, :])
-    palette = _bucket_colors(len(buckets))
-    all_steps = [r["step"] for r in run.records]
-    for color, bucket in zip(palette, buckets, strict=True):
-        values = [(r.get("accept_by_batch") or {}).get(bucket, math.nan) for r in run.records]
-        top.plot(all_steps, values, "o-", color=color, label=f"batch {bucket}", alpha=0.85)
-    steps, speculated = _series(run, "spec_accept_length")
-    if steps and any(speculated):
-        # Where the drafts ran: the average over every iteration counts the tuner's plain ones as 1.0.
-        shares = [
-            r.get("spec_token_share") or 0.0 for r in run.records if r.get("spec_accept_length") is not None
-        ]
-        label = f"speculated iterations ({100 * sum(shares) / len(shares):.0f}% of tokens)"
-        top.plot(steps, [v or math.nan for v in speculated], "k-", linewidth=2.5, label=label)
-    steps, overall = _series(run, "accept_length")
-    if steps:
-        top.plot(steps, overall, "--", color="gray", linewidth=1.5, label="all iterations")
-    top.axhline(1.0, color="gray", linestyle=":", linewidth=1)
-    top.set_ylim(bottom=0.9)
-    top.set_ylabel("accept length\n(tokens / seq / target pass)")
-    top.set_title("accept length per batch-size bucket")
-    _steps_axis(top)
-    top.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
-    first: Axes | None = None
-    for i, panel in enumerate(panels):
-        ax = fig.add_subplot(grid[1, i], sharey=first) if first else fig.add_subplot(grid[1, i])
-        first = first or ax
-        counts = [
-            (
-                r["step"],
-                (r.get("arms_by_batch") or {}).get(panel, {}) if per_bucket else (r.get("arms") or {}),
-            )
-            for r in run.records
-        ]
-        bottom = [0.0] * len(counts)
-        for arm in arms:
-            shares = [c.get(arm, 0) / max(sum(c.values()), 1) for _, c in counts]
-            ax.bar(
-                [s for s, _ in counts],
-                shares,
-                bottom=bottom,
-                color=colors[arm],
-                width=0.8,
-                label=arm if i == 0 else None,
-            )
-            bottom = [b + s for b, s in zip(bottom, shares, strict=True)]
-        ax.set_title(f"batch {panel}" if per_bucket else "arm share, all batch sizes", fontsize="medium")
-        ax.set_ylim(0, 1)
-        _steps_axis(ax)
-        if i == 0:
-            ax.set_ylabel("share of iterations")
-        else:
-            ax.tick_params(labelleft=False)
-    handles, labels = first.get_legend_handles_labels() if first else ([], [])
-    fig.legend(
-        handles, labels, loc="outside lower center", ncols=len(arms), fontsize="small", title="tuner arm"
-    )
-    return fig
-
-
-def _bucket_colors(n: int) -> list[Any]:
-    import matplotlib
-
-    cmap = matplotlib.colormaps["viridis"]
-    return [cmap(0.1 + 0.8 * i / max(n - 1, 1)) for i in range(n)]
-
-
-def accept_position(run: RunData) -> Figure | str:
-    if not any("accept_by_position" in r for r in run.records):
-        return _no_field("accept_by_position")
-    steps, rows = _series(run, "accept_by_position")
-    rows_steps = [(s, row) for s, row in zip(steps, rows, strict=True) if row]
-    if not rows_steps:
-        return "accept_by_position is empty at every step: nothing was speculated"
-    depth = max(len(row) for _, row in rows_steps)
-    fig = _figure()
-    ax = fig.add_subplot()
-    rows_of = [r.get("accept_by_position") or [] for r in run.records]
-    for i, color in enumerate(_bucket_colors(depth)):
-        values = [row[i] if i < len(row) else math.nan for row in rows_of]
-        ax.plot([r["step"] for r in run.records], values, "o-", color=color, label=f"draft token {i + 1}")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_ylabel("share accepted")
-    ax.set_title(f"acceptance per draft position (k up to {depth})")
-    _steps_axis(ax)
-    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
-    return fig
-
-
-def drafter_loss(run: RunData) -> Figure | str:
-    if not any("drafter_loss" in r for r in run.records):
-        return _no_field("drafter_loss")
-    steps, losses = _series(run, "drafter_loss")
-    if not steps:
-        return "drafter_loss is null at every step: the drafter never trained (a baseline run, or no lease)"
-    fig = _figure()
-    ax = fig.add_subplot()
-    gapped = [math.nan if r.get("drafter_loss") is None else r["drafter_loss"] for r in run.records]
-    all_steps = [r["step"] for r in run.records]
-    ax.plot(all_steps, gapped, "o-", color="tab:purple")
-    ax.set_xlim(all_steps[0] - 0.5, all_steps[-1] + 0.5)  # steps it did not train on stay in view
-    ax.set_ylabel("drafter loss")
-    ax.set_title(
-        f"drafter loss {losses[0]:.3g} → {losses[-1]:.3g} "
-        f"(trained in {len(steps)} of {len(run.records)} steps)"
-    )
-    _steps_axis(ax)
-    return fig
-
-
 def idle(run: RunData) -> Figure | str:
-    steps, idle_s = _series(run, "idle_device_s")
+    steps, idle_s = series(run, "idle_device_s")
     if not steps:
-        return _no_field("idle_device_s")
+        return no_field("idle_device_s")
     reclaimed = [r.get("reclaimed_s") or 0.0 for r in run.records if r.get("idle_device_s") is not None]
-    fig = _figure()
+    fig = figure()
     ax = fig.add_subplot()
     ax.bar([s - 0.2 for s in steps], idle_s, width=0.4, color="tab:gray", label="idle")
     ax.bar([s + 0.2 for s in steps], reclaimed, width=0.4, color="tab:green", label="reclaimed (drafter)")
@@ -335,7 +157,7 @@ def idle(run: RunData) -> Figure | str:
     share = f" ({100 * total_back / total_idle:.0f}%)" if total_idle > 0 else ""
     ax.set_title(f"idle {total_idle:.1f} device-s, reclaimed {total_back:.1f}{share}")
     ax.set_ylabel("device-seconds")
-    _steps_axis(ax)
+    steps_axis(ax)
     ax.legend(loc="best", fontsize="small")
     return fig
 
@@ -343,9 +165,9 @@ def idle(run: RunData) -> Figure | str:
 def step_time(run: RunData) -> Figure | str:
     recs = [r for r in run.records if r.get("step_s") is not None]
     if not recs:
-        return _no_field("step_s")
+        return no_field("step_s")
     steps = [r["step"] for r in recs]
-    fig = _figure()
+    fig = figure()
     ax = fig.add_subplot()
     bottom = [0.0] * len(recs)
     segments = [(label, [r.get(key) or 0.0 for r in recs], PHASE_COLORS[label]) for key, label in PHASES]
@@ -367,7 +189,7 @@ def step_time(run: RunData) -> Figure | str:
         else "step time"
     )
     ax.set_ylabel("seconds")
-    _steps_axis(ax)
+    steps_axis(ax)
     ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
     return fig
 
@@ -375,12 +197,12 @@ def step_time(run: RunData) -> Figure | str:
 def reward_calls(run: RunData) -> Figure | str:
     recs = [r for r in run.records if r.get("reward_terms")]
     if not any("reward_terms" in r for r in run.records):
-        return _no_field("reward_terms")
+        return no_field("reward_terms")
     if not recs:
         return "no step recorded a reward call (the verifiers sent no RewardCalls)"
     steps = [r["step"] for r in recs]
     terms = sorted(set().union(*(r["reward_terms"] for r in recs)))
-    fig = _figure(8.0, 6.0)
+    fig = figure(8.0, 6.0)
     secs_ax, batch_ax = fig.subplots(2, 1, sharex=True)
     bottom = [0.0] * len(recs)
     for term in terms:
@@ -398,8 +220,8 @@ def reward_calls(run: RunData) -> Figure | str:
     batch_ax.set_ylabel("samples per call")
     batch_ax.set_ylim(bottom=0)
     batch_ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small")
-    _steps_axis(secs_ax)
-    _steps_axis(batch_ax)
+    steps_axis(secs_ax)
+    steps_axis(batch_ax)
     secs_ax.set_xlabel("")  # the shared axis is labelled once, below
     total, step_s = sum(bottom), sum(r.get("step_s") or 0.0 for r in recs)
     share = f", {total / step_s:.0%} of step time" if step_s else ""
@@ -408,16 +230,16 @@ def reward_calls(run: RunData) -> Figure | str:
 
 
 def sync(run: RunData) -> Figure | str:
-    steps, secs = _series(run, "sync_s")
+    steps, secs = series(run, "sync_s")
     if not steps:
-        return _no_field("sync_s")
-    fig = _figure()
+        return no_field("sync_s")
+    fig = figure()
     ax = fig.add_subplot()
     ax.bar(steps, secs, width=0.6, color="tab:red", alpha=0.8, label="sync seconds")
     ax.set_ylabel("seconds")
-    _steps_axis(ax)
+    steps_axis(ax)
     text = f"weight sync: mean {sum(secs) / len(secs):.2f} s a step"
-    byte_steps, sizes = _series(run, "sync_bytes")
+    byte_steps, sizes = series(run, "sync_bytes")
     if any(sizes):  # 0: not measured
         twin = ax.twinx()
         twin.plot(byte_steps, [b / 2**20 for b in sizes], "ko-", label="MiB pushed")
@@ -434,10 +256,10 @@ def sync(run: RunData) -> Figure | str:
 
 
 def mismatch(run: RunData) -> Figure | str:
-    steps, values = _series(run, "mismatch_logp_abs_max")
+    steps, values = series(run, "mismatch_logp_abs_max")
     if not steps:
-        return _no_field("mismatch_logp_abs_max")
-    fig = _figure()
+        return no_field("mismatch_logp_abs_max")
+    fig = figure()
     ax = fig.add_subplot()
     positive = [v for v in values if v > 0]
     # Whole decades around the data, at least up to 1e-2: steady fp32 noise reads as a flat line, not
@@ -454,7 +276,7 @@ def mismatch(run: RunData) -> Figure | str:
     ax.set_ylabel("max |Δ log-prob| (nats)")
     worst = max(values)
     ax.set_title(f"train–rollout log-prob mismatch: worst {worst:.2e} nats")
-    _steps_axis(ax)
+    steps_axis(ax)
     ax.legend(loc="best", fontsize="small")
     return fig
 
