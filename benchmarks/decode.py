@@ -385,6 +385,14 @@ def _rows(batch: int, arms: Sequence[Arm], rounds: list[list[Tally]]) -> list[De
     return rows
 
 
+def _eagle_dir(drafter: Path) -> Path:
+    """--drafter's directory: a shipped drafter's name or a directory; a ValueError naming it otherwise."""
+    try:
+        return hub.drafter_dir(drafter)
+    except ValueError as exc:
+        raise ValueError(f"--drafter {drafter}: not an exported EAGLE drafter: {exc}") from None
+
+
 def run(
     model: str | None = None,
     *,
@@ -402,17 +410,12 @@ def run(
     """Run the benchmark (see the module docstring). drafter: an exported EAGLE head; its rows
     (`EAGLE_ARMS`) are added to `arms`. temperature: of every request (> 0: the oracle rows need a
     sampled, keyed run to replay; a head trained at T = 0.7 is best measured there)."""
-    _check_workload(
-        temperature=temperature, batches=batches, threads=threads,
-        max_tokens=max_tokens, repeats=repeats, prompt_tokens=prompt_tokens,
-    )  # fmt: skip
+    _check_workload(temperature=temperature, batches=batches, threads=threads, max_tokens=max_tokens,
+                    repeats=repeats, prompt_tokens=prompt_tokens)  # fmt: skip
     if threads is not None:
         torch.set_num_threads(threads)
     if drafter is not None:
-        try:  # a shipped drafter's name or a directory
-            drafter = hub.drafter_dir(drafter)
-        except ValueError as exc:
-            raise ValueError(f"--drafter {drafter}: not an exported EAGLE drafter: {exc}") from None
+        drafter = _eagle_dir(drafter)
         arms = [*arms, *EAGLE_ARMS]
     started = time.perf_counter()
     name = model or DEFAULT_MODEL

@@ -169,18 +169,8 @@ def _check_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--seed must be in [0, 2**39), got {args.seed}")
 
 
-def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """The `generate` command; raises ValueError / OSError with a one-line message on bad input."""
-    out = out or sys.stdout
-    _check_options(args)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens
-    )
-    spec = spec_config(
-        args.spec, depth=args.depth, topk=args.topk, verify=args.verify, reproducible=args.reproducible
-    )
+def _spec_notes(args: argparse.Namespace) -> None:
+    """What --spec does that a user may not expect, said on stderr."""
     if args.spec == "auto":
         print(
             "slipstream generate: --spec auto picks ngram (the tuner that picks per batch size runs in the "
@@ -193,20 +183,38 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             "with probability q(x) only; add --reproducible for the ceiling",
             file=sys.stderr,
         )
+
+
+def _record_plain(model: Transformer, requests: list[Request], max_batch: int) -> dict[str, list[int]]:
+    """What plain decoding produces for `requests` with their very seeds (prompt + response by request
+    id): the script --spec self replays."""
+    recorded: dict[str, list[int]] = {}
+    plain = Generator.for_requests(model, requests, max_batch=max_batch)
+    with bar("recording plain run", len(requests)) as p:
+        done = run_requests(plain, requests, on_done=lambda *_: p.advance(), on_tokens=p.add_tokens)
+        for c in done:
+            recorded[c.request_id] = [*c.prompt_ids, *c.token_ids]
+    return recorded  # the generator and its KV cache go with this frame
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """The `generate` command; raises ValueError / OSError with a one-line message on bad input."""
+    out = out or sys.stdout
+    _check_options(args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens
+    )
+    spec = spec_config(
+        args.spec, depth=args.depth, topk=args.topk, verify=args.verify, reproducible=args.reproducible
+    )
+    _spec_notes(args)
     model, tokenizer, specs = _load(args.model, args.prompts)
     stops = tuple(sorted(tokenizer.stop_ids)) if tokenizer is not None else ()
     requests = make_requests(specs, replace(params, stop_token_ids=stops), args.seed)
 
-    recorded: dict[str, list[int]] = {}
-    if args.spec == "self":
-        # The oracle replays what plain decoding produced with the very same seeds.
-        plain = Generator.for_requests(model, requests, max_batch=args.max_batch)
-        with bar("recording plain run", len(requests)) as p:
-            done = run_requests(plain, requests, on_done=lambda *_: p.advance(), on_tokens=p.add_tokens)
-            for c in done:
-                recorded[c.request_id] = [*c.prompt_ids, *c.token_ids]
-        del plain  # its KV cache
-
+    recorded = _record_plain(model, requests, args.max_batch) if args.spec == "self" else {}
     generator = Generator.for_requests(
         model,
         requests,
