@@ -89,10 +89,13 @@ def test_two_nodes_train_over_curve_and_node_1_holds_the_learners_weights(
         assert time.monotonic() < deadline, "node 1's rollout never started"
         time.sleep(0.2)
     public = key_file.read_bytes().split()[0].decode()
-    intruder = subprocess.run(["ip", "netns", "exec", ns1, sys.executable, "-c", INTRUDER,
-                               f"tcp://{ip0}:{PORT}", public], capture_output=True, text=True)  # fmt: skip
-    assert intruder.returncode == 0, intruder.stderr
+    one_host = tmp_path / "one-host"
     try:
+        intruder = subprocess.Popen(["ip", "netns", "exec", ns1, sys.executable, "-c", INTRUDER,
+                                     f"tcp://{ip0}:{PORT}", public], stderr=subprocess.PIPE, text=True)  # fmt: skip
+        # The same run on one host, without an intruder (compared below), while the two nodes run.
+        uvloop.run(train.train(msgspec.structs.replace(cfg, nodes=[]), one_host))
+        assert intruder.wait(timeout=60) == 0, intruder.communicate()[1]
         assert head.wait(timeout=480) == 0, (tmp_path / "node0.out").read_text()[-3000:]
         assert agent.wait(timeout=60) == 0, (tmp_path / "node1.out").read_text()[-3000:]
     finally:
@@ -125,8 +128,6 @@ def test_two_nodes_train_over_curve_and_node_1_holds_the_learners_weights(
     # ... and the results are those of the same run on one host, without an intruder: every sample's tokens
     # and reward, at every step (reproducible mode), up to a keyed near tie (conftest). (Not the losses to
     # the last bit: the behaviour log-probs the loss reads agree to rounding only.)
-    one_host = tmp_path / "one-host"
-    uvloop.run(train.train(msgspec.structs.replace(cfg, nodes=[]), one_host))
     assert_same_samples(run_dir, one_host, 3)
 
 
