@@ -1,24 +1,18 @@
 """Continuous-batching generator over the native model and a slot KV cache.
 
-`Generator.step()` is one iteration: waiting requests take free cache slots, every running sequence that
-has a pending token decodes it, and what is left of the per-iteration token budget goes to prompt prefill
-in chunks, oldest request first; siblings with the same prompt (a GRPO group) prefill it once and copy its
-K/V, feeding only its last token themselves. All of it is one flat forward pass (`BatchLayout`). Sampling
-noise is keyed by (request seed, index of the new token), so a request's output does not depend on its batch.
+`Generator.step()` is one iteration: waiting requests take free cache slots, every running sequence with
+a pending token (sampled, returned, not yet fed through the model) decodes it, and what is left of the
+token budget prefills prompts in chunks, oldest first; siblings with one prompt (a GRPO group) prefill it
+once and copy its K/V. Sampling noise is keyed by (request seed, index of the new token), so a request's
+output does not depend on its batch. Speculative decoding (`SpecConfig`, `speculator.py`) makes the
+pending token the root of a draft verified losslessly; only the accepted path stays in the KV cache, and a
+run of accepted tokens is cut where plain decoding would stop. Drafters are held per method (`hold`).
 
-A sequence in decode state holds exactly one *pending* token: sampled, returned, not yet fed through the
-model. Speculative decoding (`SpecConfig`, `speculator.py`) makes it the root of a draft tree scored in the
-same pass as the prefill chunks, verified losslessly; only the accepted path stays in the KV cache
-(`KVCache.commit_path`), and a run of accepted tokens is cut where plain decoding would stop. Drafters are
-built by the caller and held per method (`drafters=`, `hold`); `set_spec` switches between them.
-
-Two ways to run an iteration, the same results: the dynamic pass above (the CPU's, tuned for it; its KV
-cache grows with the live batch), or, on CUDA (`static`), the pending tokens and their drafts in one
-fixed-shape step (`StaticStep`: sampling, verification and commit on the device, replayed as a CUDA graph)
-with prompts prefilled in eager passes of their own. Either way the host reads the sampled tokens and
-log-probs once an iteration, and a completion's hidden states once, when it finishes.
-Finish reasons: "stop" (a stop or EOS id, kept in token_ids: the policy must learn to emit it), "length"
-(max_tokens, or prompt + response filled the slot's max_len).
+Two paths, the same results (inputs packed by `pass_inputs.py`): one flat pass (`BatchLayout`; the CPU's,
+its cache grown with the live batch), or on CUDA (`static`) the pending tokens and drafts in a fixed-shape
+step (`StaticStep`, a replayed CUDA graph), prompts prefilled in eager passes of their own. The host reads
+tokens and log-probs once an iteration. Finish reasons: "stop" (a stop or EOS id, kept in token_ids: the
+policy must learn to emit it), "length" (max_tokens, or the slot's max_len filled).
 """
 
 from __future__ import annotations
@@ -36,13 +30,13 @@ from slipstream.engine.device import capabilities
 from slipstream.engine.drafters.base import Drafter
 from slipstream.engine.kv_cache import KVCache
 from slipstream.engine.model import Transformer
+from slipstream.engine.pass_inputs import FlatPass, step_rows
 from slipstream.engine.request import Completion, Request, StepOutput, run_requests
 from slipstream.engine.sampling import params_tensors, sample
 from slipstream.engine.scheduler import Running, Scheduler, keep_answer_states
 from slipstream.engine.speculator import SpecConfig, Speculator, verify_drafts
-from slipstream.engine.static_step import BATCH_BUCKETS, NODE_BUCKETS, PAGE_SIZE, StaticStep, StepRow
-from slipstream.engine.tree import tree_attention_mask
-from slipstream.engine.verify import EMPTY, Proposal, VerifyEntry
+from slipstream.engine.static_step import BATCH_BUCKETS, NODE_BUCKETS, PAGE_SIZE, StaticStep
+from slipstream.engine.verify import EMPTY, Proposal
 
 # Request, Completion, StepOutput and run_requests live in request.py; re-exported here.
 __all__ = ["Completion", "Generator", "Request", "SpecConfig", "StepOutput", "run_requests"]
@@ -88,31 +82,7 @@ class Generator:
         if token_budget <= num_slots:
             raise ValueError(f"token_budget ({token_budget}) must exceed num_slots ({num_slots})")
         self.model = model
-        weight = model.embed_tokens.weight
-        if static is None:
-            # SLIPSTREAM_STATIC_STEP=1 takes the fixed-shape path on any device (a CPU runs it eagerly): how
-            # the suite runs the Generator's tests over the path a GPU replays.
-            static = not grow_cache and (
-                capabilities(weight.device).cuda_graphs or os.environ.get("SLIPSTREAM_STATIC_STEP") == "1"
-            )
-        if static and grow_cache:
-            raise ValueError(
-                "static (fixed-shape) decoding needs a static KV cache: grow_cache must be False"
-            )
-        self.cache = KVCache.for_model(
-            model.config,
-            num_slots=num_slots,
-            max_len=max_len,
-            dtype=weight.dtype,
-            device=weight.device,
-            grow=not static and (weight.device.type != "cuda" if grow_cache is None else grow_cache),
-            page_size=PAGE_SIZE if static else 1,
-            dummy_slot=static,
-        )
-        self._static: StaticStep | None = None
-        if static:
-            batch, nodes = min(num_slots, BATCH_BUCKETS[-1]), min(1 + max_draft, NODE_BUCKETS[-1])
-            self._static = StaticStep(model, self.cache, max_batch=batch, max_nodes=nodes)
+        self.cache, self._static = _cache_and_step(model, num_slots, max_len, max_draft, grow_cache, static)
         self.token_budget = token_budget
         self.eos_token_ids = frozenset(model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.return_hidden = return_hidden
@@ -247,22 +217,14 @@ class Generator:
         budget = self.token_budget if budget is None else budget
         plan = [(seq, 1) for seq in decodes] + self.scheduler.prefill_plan(prefills, budget - len(decodes))
         self.last_prefill_tokens = sum(n for seq, n in plan[len(decodes) :])
-        input_ids: list[int] = []
-        logit_rows: list[int] = []
-        sampled: list[Running] = []
-        for seq, n in plan:
-            input_ids.extend(seq.tokens[seq.num_cached : seq.num_cached + n])
-            if seq.num_cached + n == len(seq.tokens):
-                logit_rows.append(len(input_ids) - 1)
-                sampled.append(seq)
-        layout = BatchLayout.build(
-            self.cache, [seq.slot for seq, _ in plan], [n for _, n in plan], logit_rows=logit_rows
-        )
-        logits, hidden = self._forward(input_ids, layout)
+        flat = FlatPass.plain(plan)
+        layout = flat.layout(self.cache)
+        logits, hidden = self._forward(flat.input_ids, layout)
         for seq, n in plan:
             seq.num_cached += n
         if self.speculator.needs_hidden:
             keep_answer_states(plan, hidden)
+        sampled = flat.emitting
         if not sampled:
             return []
         device = logits.device
@@ -319,46 +281,17 @@ class Generator:
             proposals = self._draft(decodes, draft_budget)
         plan = self.scheduler.prefill_plan(prefills, spare - sum(p.size for p in proposals))
         self.last_prefill_tokens = sum(n for _, n in plan)
-
-        input_ids: list[int] = []
-        sizes: list[int] = []
-        masks: list[Tensor | None] = []
-        logit_rows: list[int] = []
-        entries: list[VerifyEntry] = []  # decodes first, then prompts completed in this pass
-        emitting: list[Running] = []
-        for seq, proposal in zip(decodes, proposals, strict=True):
-            # Pass node 0 is the pending token, nodes 1.. the draft; a chain keeps the causal mask.
-            entries.append(VerifyEntry(len(logit_rows), proposal, seq.request.params, len(seq.tokens)))
-            emitting.append(seq)
-            logit_rows.extend(range(len(input_ids), len(input_ids) + proposal.size + 1))
-            input_ids.append(seq.tokens[-1])
-            input_ids.extend(proposal.tokens)
-            sizes.append(proposal.size + 1)
-            masks.append(None if proposal.parents is None else self._tree_mask(proposal))
-        for seq, n in plan:
-            input_ids.extend(seq.tokens[seq.num_cached : seq.num_cached + n])
-            sizes.append(n)
-            masks.append(None)
-            if seq.num_cached + n == len(seq.tokens):  # prompt done: its first token, an empty draft
-                entries.append(VerifyEntry(len(logit_rows), EMPTY, seq.request.params, len(seq.tokens)))
-                emitting.append(seq)
-                logit_rows.append(len(input_ids) - 1)
-        layout = BatchLayout.build(
-            self.cache,
-            [seq.slot for seq in decodes] + [seq.slot for seq, _ in plan],
-            sizes,
-            tree_masks=masks if any(m is not None for m in masks) else None,
-            logit_rows=logit_rows,
-        )
-        logits, hidden = self._forward(input_ids, layout)
+        flat = FlatPass.verify(decodes, proposals, plan, self.cache.device)
+        layout = flat.layout(self.cache)
+        logits, hidden = self._forward(flat.input_ids, layout)
         for seq, n in plan:
             seq.num_cached += n
         if self.speculator.needs_hidden:
-            keep_answer_states(plan, hidden, sum(sizes[: len(decodes)]))
-        results = verify_drafts(logits, entries, self.speculator.config.mode)
+            keep_answer_states(plan, hidden, sum(flat.sizes[: len(decodes)]))
+        results = verify_drafts(logits, flat.entries, self.speculator.config.mode)
         rows_hidden = self._logit_hidden(hidden, layout)
         outputs = []
-        for i, (seq, entry, result) in enumerate(zip(emitting, entries, results, strict=True)):
+        for i, (seq, entry, result) in enumerate(zip(flat.emitting, flat.entries, results, strict=True)):
             rows = [entry.row + node for node in result.nodes]
             output = self._extend(
                 seq,
@@ -408,17 +341,7 @@ class Generator:
                 # Stochastic drafts (a [n, V] distribution per draft) verify on the dynamic path: no
                 # drafter in this package makes them, and a buffer of B x N x V floats is not worth keeping.
                 return self._speculative_step(decodes, [], proposals)
-        rows = [
-            StepRow(
-                slot=seq.slot,
-                context=seq.num_cached,
-                params=seq.request.params,
-                tokens=[seq.tokens[-1], *proposal.tokens],
-                parents=proposal.parents,
-                rejection=spec.mode == "rejection" and proposal.size > 0 and not seq.request.params.greedy,
-            )
-            for seq, proposal in zip(decodes, proposals, strict=True)
-        ]
+        rows = step_rows(decodes, proposals, spec.mode == "rejection")
         result = step.run(rows)
         self._stats["target_passes"] += 1
         hidden = None
@@ -509,11 +432,6 @@ class Generator:
         self._stats["target_passes"] += 1
         return self.model(ids, layout.positions, layout, self.cache)
 
-    def _tree_mask(self, proposal: Proposal) -> Tensor:
-        """[n + 1, n + 1] visibility among a tree proposal's verify-pass nodes, on the cache's device."""
-        parents = torch.tensor(proposal.pass_parents(), dtype=torch.int64, device=self.cache.device)
-        return tree_attention_mask(parents, depth=max(proposal.depths()))
-
     def _logit_hidden(self, hidden: Tensor, layout: BatchLayout) -> Tensor | None:
         """[num_logits, hidden] states of the logit rows, on the model's device, if completions or drafters
         use them (a completion takes its own to the CPU once, when it finishes)."""
@@ -590,6 +508,41 @@ class Generator:
 
 STATIC_PREFILL_TOKENS = 8192
 """Prompt tokens a prefill pass of the fixed-shape path may take at least (its own pass, not a mixed one)."""
+
+
+def _cache_and_step(
+    model: Transformer,
+    num_slots: int,
+    max_len: int,
+    max_draft: int,
+    grow_cache: bool | None,
+    static: bool | None,
+) -> tuple[KVCache, StaticStep | None]:
+    """The generator's KV cache, and its fixed-shape step where it decodes in one (`Generator.__init__`
+    says how `grow_cache` and `static` choose)."""
+    weight = model.embed_tokens.weight
+    if static is None:
+        # SLIPSTREAM_STATIC_STEP=1 takes the fixed-shape path on any device (a CPU runs it eagerly): how
+        # the suite runs the Generator's tests over the path a GPU replays.
+        static = not grow_cache and (
+            capabilities(weight.device).cuda_graphs or os.environ.get("SLIPSTREAM_STATIC_STEP") == "1"
+        )
+    if static and grow_cache:
+        raise ValueError("static (fixed-shape) decoding needs a static KV cache: grow_cache must be False")
+    cache = KVCache.for_model(
+        model.config,
+        num_slots=num_slots,
+        max_len=max_len,
+        dtype=weight.dtype,
+        device=weight.device,
+        grow=not static and (weight.device.type != "cuda" if grow_cache is None else grow_cache),
+        page_size=PAGE_SIZE if static else 1,
+        dummy_slot=static,
+    )
+    if not static:
+        return cache, None
+    batch, nodes = min(num_slots, BATCH_BUCKETS[-1]), min(1 + max_draft, NODE_BUCKETS[-1])
+    return cache, StaticStep(model, cache, max_batch=batch, max_nodes=nodes)
 
 
 def _default_token_budget(num_slots: int, max_draft: int) -> int:
