@@ -34,6 +34,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from slipstream.actors.learner_samples import check_group, policy_samples, without_samples
 from slipstream.engine import hub
 from slipstream.engine.config import ModelConfig, dtype_from_name
 from slipstream.engine.device import capabilities, parse_device, require_device
@@ -59,10 +60,6 @@ from slipstream.runtime import cuda_ipc
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
 from slipstream.runtime.process import memory_now
-
-# This actor's own part (no actor in it), imported relatively: tests/test_layers.py takes every absolute
-# slipstream.actors.* import in actors/ for one actor importing another.
-from .learner_samples import check_group, policy_samples, without_samples
 
 STOP_BARRIER_S = 60.0  # how long a stopping rank waits for its peers before tearing down anyway
 
