@@ -15,29 +15,37 @@ request it cannot serve is answered with error completions naming the problem. M
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import uuid
-from pathlib import Path
+from functools import partial
 from typing import Literal
 
 import msgspec
 import torch
 
-from slipstream.engine import eagle_export, hub
+from slipstream.actors.rollout_samples import (
+    InFlight,
+    Sample,
+    accept_length,
+    completion_msg,
+    hidden_states,
+    requested,
+    sampling_params,
+)
+from slipstream.actors.rollout_tuning import HeadSwap, TunerFile, start_eagle
+from slipstream.engine import hub
+from slipstream.engine.arm_setup import held_drafters, max_draft, runnable_methods, warm_up_arms
 from slipstream.engine.config import dtype_from_name
 from slipstream.engine.device import parse_device, require_device
-from slipstream.engine.drafters import Drafter, EagleDrafter, NGramDrafter
-from slipstream.engine.eagle import EagleHead
+from slipstream.engine.drafters import EagleDrafter
 from slipstream.engine.episodes import EpisodeLimits, Episodes, Finished
 from slipstream.engine.generator import Completion, Generator, Request
 from slipstream.engine.iteration import Iteration, timed_step
 from slipstream.engine.request import StepOutput
 from slipstream.engine.sampling import SamplingParams
-from slipstream.engine.speculator import capture_graphs, warm_up
 from slipstream.engine.tokenizer import Tokenizer
-from slipstream.engine.tuner import STALE_METHODS, Tuner, TunerConfig
+from slipstream.engine.tuner import Tuner, TunerConfig
 from slipstream.engine.weight_receiver import WeightReceiver
 from slipstream.engine.weight_staging import WeightStaging
 from slipstream.engine.weights import load_model
@@ -58,10 +66,6 @@ from slipstream.runtime import cuda_ipc
 from slipstream.runtime.actor import COORDINATOR, Actor, handler
 from slipstream.runtime.codec import checksum
 from slipstream.runtime.process import memory_now, release_freed_memory
-
-# This actor's own part (no actor in it), imported relatively: tests/test_layers.py takes every absolute
-# slipstream.actors.* import in actors/ for one actor importing another.
-from .rollout_samples import InFlight, Sample, accept_length, completion_msg, hidden_states, sampling_params
 
 
 class RolloutActor(Actor):
@@ -135,40 +139,35 @@ class RolloutActor(Actor):
     def _load_tuner(self) -> None:
         """The tuner, with what this rank's predecessor learned if it saved any (`_save_tuner`)."""
         self.tuner = Tuner(self.config.tuner)
-        self.tuner_path = Path(self.run_dir or ".") / "rollout" / f"rank-{self.rank}" / "tuner.json"
-        if self.tuner_path.is_file():
-            self.tuner.load_state_dict(json.loads(self.tuner_path.read_text()))
-            self.log.info("tuner_restored", path=str(self.tuner_path))
+        self.tuner_file = TunerFile(self.run_dir, self.rank)
+        if self.tuner_file.restore(self.tuner):
+            self.log.info("tuner_restored", path=str(self.tuner_file.path))
 
     def _build_generator(self) -> None:
         """The generator and the drafters the tuner's arms need; `methods`: the arms that can run."""
         cfg = self.config
-        arms = self.tuner.arms
-        deepest = max(arm.spec().verify_budget for arm in arms if arm.method != "off") if len(arms) > 1 else 0
+        eagle = partial(start_eagle, cfg.drafter, self.model, self.log, num_slots=cfg.max_batch,
+                        max_len=cfg.max_len, draft_vocab=cfg.draft_vocab)  # fmt: skip
         # An EAGLE head is worth holding only if it starts trained or will be trained online.
-        eagle = any(arm.method in ("eagle", "hybrid") for arm in arms) and bool(cfg.drafter or cfg.hidden_to)
-        self.eagle: EagleDrafter | None = self._make_eagle() if eagle else None
-        drafters: dict[str, Drafter] = {}
-        # Held drafters observe every commit: plain decoding (arms ["off"]) pays for no n-gram tables.
-        if any(arm.method in ("ngram", "hybrid") for arm in arms):
-            drafters["ngram"] = NGramDrafter(device=self.model.lm_head_weight.device)
-        if self.eagle is not None:
-            drafters["eagle"] = self.eagle
+        drafters = held_drafters(self.tuner.arms, device=self.model.lm_head_weight.device,
+                                 eagle=eagle if cfg.drafter or cfg.hidden_to else None)  # fmt: skip
+        self.eagle: EagleDrafter | None = drafters.get("eagle")  # type: ignore[assignment]
         self.generator = Generator(
             self.model,
             num_slots=cfg.max_batch,
             max_len=cfg.max_len,
             token_budget=cfg.token_budget or None,  # None: sized for the deepest arm's drafts
-            max_draft=deepest,
+            max_draft=max_draft(self.tuner.arms),
             return_hidden=bool(cfg.hidden_to),
             drafters=drafters,
         )
         if narrowed := self.tuner.limit_nodes(self.generator.max_nodes):  # past the largest node bucket
             self.log.warning("tuner_arms_not_offered", arms=narrowed, max_nodes=self.generator.max_nodes)
-        self._retuned_version = 0 if self.eagle is None else self.eagle.version
-        self._pending_drafter: DrafterUpdate | None = None  # the newest update, swapped in before decoding
-        # Arms whose drafters are held ("self" replays recordings, which a rollout has none of).
-        self.methods = {"off", *drafters} | ({"hybrid"} if {"ngram", "eagle"} <= drafters.keys() else set())
+        self.head_swap: HeadSwap | None = None  # newer heads from the drafters, swapped in before decoding
+        if self.eagle is not None:
+            self.head_swap = HeadSwap(self.eagle, self.tuner, retune_versions=cfg.retune_drafter_versions,
+                                      log=self.log)  # fmt: skip
+        self.methods = runnable_methods(drafters)
 
     def _start_weight_sync(self) -> None:
         # Accepted buckets until their version is whole: written in place when idle, else staged.
@@ -201,34 +200,17 @@ class RolloutActor(Actor):
         """Decodes max_batch synthetic requests for two iterations with each arm while the run's other actors
         still start (`warm_up`); the draft vocabulary's counts and the tuner see none of it."""
         started, started_ns = time.perf_counter(), time.monotonic_ns()
+        cfg = self.config
         arms = [arm for arm in self.tuner.arms if arm.method in self.methods]
-        specs = [None if arm.method == "off" else arm.spec(self.config.spec_mode) for arm in arms]
-        if self.eagle is not None:
-            self.eagle.vocab.frozen = True
-        try:
-            warm_up(self.generator, specs, num_requests=self.config.max_batch, max_len=self.config.max_len)
-        finally:
-            if self.eagle is not None:
-                self.eagle.vocab.frozen = False
         # Every CUDA graph the run can meet, now, not on first use in a rollout's tail (docs/gpu.md).
-        caps = [self.tuner.max_batch(arm.name) or self.config.max_batch for arm in arms]
-        graphs = capture_graphs(self.generator, list(zip(specs, caps, strict=True)), self.eagle)
+        caps = [self.tuner.max_batch(arm.name) or cfg.max_batch for arm in arms]
+        graphs = warm_up_arms(self.generator, arms, caps, mode=cfg.spec_mode, eagle=self.eagle,
+                              num_requests=cfg.max_batch, max_len=cfg.max_len)  # fmt: skip
         self.spans.add("warm_up", started_ns, time.monotonic_ns() - started_ns, arms=len(arms), graphs=graphs)
         seconds = round(time.perf_counter() - started, 3)
         self.log.info(
             "warmed_up", arms=[a.name for a in arms], graphs=graphs, seconds=seconds, **memory_now()
         )
-
-    def _make_eagle(self) -> EagleDrafter:
-        cfg = self.config
-        kwargs = {"num_slots": cfg.max_batch, "max_len": cfg.max_len, "draft_vocab": cfg.draft_vocab}
-        if cfg.drafter:
-            drafter = eagle_export.load(cfg.drafter, self.model, **kwargs)
-            self.log.info("drafter_loaded", path=cfg.drafter, version=drafter.version)
-            return drafter
-        weight = self.model.lm_head_weight
-        head = EagleHead.for_target(self.model.config).to(device=weight.device, dtype=weight.dtype)
-        return EagleDrafter(head, self.model, **kwargs)
 
     def on_stop(self) -> None:
         self._save_tuner()
@@ -240,23 +222,18 @@ class RolloutActor(Actor):
         if msg.policy_version != self.policy_version:
             self.log.warning("policy_version_mismatch", group_id=msg.group_id, asked=msg.policy_version,
                              have=self.policy_version)  # fmt: skip
-        # A requeue after another rollout died asks for the missing samples alone (same seeds, same tokens).
-        samples = [
-            Sample(msg.group_id, i, msg.learn_at, msg.attempt)
-            for i in msg.sample_indices or range(msg.num_samples)
-        ]
+        samples = requested(msg)  # request id -> its sample
         ids = msg.prompt_ids
         if ids.dtype != torch.int64 or ids.dim() != 1:
             # Checked at the boundary: a float id would be truncated, a 2-D one would fail deep in the engine.
             why = f"prompt_ids must be a 1-D int64 tensor, got {ids.dtype} of shape {tuple(ids.shape)}"
             self.log.error("bad_request", group_id=msg.group_id, error=why)
-            for sample in samples:
+            for sample in samples.values():
                 self._send_completion(sample, [], [], "error", 0.0)
             self._idle_sent = False
             return
         prompt = ids.tolist()
-        for sample in samples:
-            request_id = f"{msg.group_id}:{sample.index}"
+        for request_id, sample in samples.items():
             if (old := self.in_flight.get(request_id)) is not None and old.attempt < msg.attempt:
                 self._supersede(request_id)
             try:
@@ -360,43 +337,10 @@ class RolloutActor(Actor):
 
     @handler
     def on_drafter_update(self, msg: DrafterUpdate, sender: str) -> None:
-        if self.eagle is None:
+        if self.head_swap is None:
             self.log.warning("drafter_update_unused", version=msg.version, why="no eagle arm configured")
             return
-        newest = self._pending_drafter.version if self._pending_drafter is not None else self.eagle.version
-        if msg.version <= newest:
-            self.log.info("drafter_update_stale", version=msg.version, have=newest)
-            return
-        # Only the newest update is kept, and swapped in before the next iteration: a drafter that publishes
-        # faster than this actor decodes costs a clone per update, never a swap per update.
-        # Clone: received tensors alias a frame or shared-memory slot that is recycled after this handler.
-        self._pending_drafter = msgspec.structs.replace(
-            msg, names=list(msg.names), tensors=[t.clone() for t in msg.tensors]
-        )
-
-    def _swap_drafter(self) -> None:
-        msg, self._pending_drafter = self._pending_drafter, None
-        assert msg is not None and self.eagle is not None
-        if len(msg.names) != len(msg.tensors) or checksum(msg.names, msg.tensors) != msg.checksum:
-            self.log.error("drafter_update_refused", version=msg.version, why="checksum mismatch")
-            return
-        try:
-            # Copies; live requests keep their cached pairs (a rebuild per update would cost more than it buys).
-            self.eagle.load_state(dict(zip(msg.names, msg.tensors, strict=True)), msg.version, rebuild=False)
-        except ValueError as exc:
-            self.log.error("drafter_update_refused", version=msg.version, why=str(exc))
-            return
-        # Only a new head gives a method benched as stale another chance: after a policy update alone the
-        # same head would only lag further.
-        revived = [m for m in STALE_METHODS if self.tuner.refresh(m) is not None]
-        retune = msg.version - self._retuned_version >= self.config.retune_drafter_versions
-        if retune:
-            # Only after a real change: every forget costs min_trials x hold iterations per bucket and arm.
-            self.tuner.forget("eagle")
-            self.tuner.forget("hybrid")
-            self._retuned_version = msg.version
-        self.log.info("drafter_swapped", version=msg.version, policy_version=msg.policy_version,
-                      retuned=retune, revived=revived)  # fmt: skip
+        self.head_swap.offer(msg)  # the newest only, swapped in before the next iteration
 
     @handler
     def on_weights(self, msg: WeightUpdate, sender: str) -> None:
@@ -456,8 +400,8 @@ class RolloutActor(Actor):
         Idle), then the tuner's arm for the live batch, the iteration, its record, and what it finished."""
         if self.staging.writing is not None:
             return False  # the parameters hold part of a version: wait for its other buckets
-        if self._pending_drafter is not None:
-            self._swap_drafter()
+        if self.head_swap is not None and self.head_swap.pending is not None:
+            self.head_swap.swap()
         generator = self.generator
         if not generator.has_unfinished() and not (self.episodes is not None and self.episodes.live):
             self._idle()
@@ -590,13 +534,8 @@ class RolloutActor(Actor):
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def _save_tuner(self) -> None:
-        try:
-            self.tuner_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.tuner_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.tuner.state_dict()))
-            os.replace(tmp, self.tuner_path)
-        except OSError as exc:
-            self.log.warning("tuner_save_failed", error=str(exc))
+        if (error := self.tuner_file.save(self.tuner)) is not None:
+            self.log.warning("tuner_save_failed", error=error)
 
 
 __all__ = ["RolloutActor"]

@@ -24,7 +24,7 @@ from slipstream.engine.generator import Completion
 from slipstream.engine.sampling import SamplingParams, sample_seed
 from slipstream.protocols.drafter import HiddenStates
 from slipstream.protocols.rollout import Completion as CompletionMsg
-from slipstream.protocols.rollout import SamplingSpec
+from slipstream.protocols.rollout import GenerateRequest, SamplingSpec
 
 
 class Sample(NamedTuple):
@@ -53,6 +53,13 @@ class InFlight:
     def pop(self, request_id: str) -> tuple[Sample, int | None]:
         """The request's sample and arrival, no longer held (KeyError if it was not)."""
         return self._samples.pop(request_id), self._queued_ns.pop(request_id, None)
+
+
+def requested(msg: GenerateRequest) -> dict[str, Sample]:
+    """The samples `msg` asks for, by request id: its group's all, or for a requeue after another rollout
+    died, the missing ones alone (same seeds, same tokens)."""
+    indices = msg.sample_indices or range(msg.num_samples)
+    return {f"{msg.group_id}:{i}": Sample(msg.group_id, i, msg.learn_at, msg.attempt) for i in indices}
 
 
 def sampling_params(sampling: SamplingSpec, seed: int, index: int) -> SamplingParams:
@@ -110,4 +117,12 @@ def hidden_states(
     ]
 
 
-__all__ = ["InFlight", "Sample", "accept_length", "completion_msg", "hidden_states", "sampling_params"]
+__all__ = [
+    "InFlight",
+    "Sample",
+    "accept_length",
+    "completion_msg",
+    "hidden_states",
+    "requested",
+    "sampling_params",
+]
