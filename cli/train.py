@@ -128,4 +128,7 @@ async def serve_node(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no run key at {key_file} after {join_timeout_s:g}s: is node 0 started?")
             await asyncio.sleep(0.5)
-    return await run_agent(cluster, run_dir, key_file=key_file, log=log, join_timeout_s=join_timeout_s)
+    return await run_agent(
+        cluster, run_dir, key_file=key_file, log=log, join_timeout_s=join_timeout_s,
+        head_timeout_s=cfg.faults.node_lost_s,
+    )  # fmt: skip

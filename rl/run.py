@@ -162,7 +162,9 @@ class Run:
         keys, key_file = None, None
         if self.cfg.transport.security == "curve":
             keys, key_file = run_keys(self.run_dir, keys_dir=keys_dir, create=keys_dir is None)
-        self.agents = AgentLauncher(cluster, curve=keys, log=self.log)
+        self.agents = AgentLauncher(
+            cluster, curve=keys, log=self.log, lost_after_s=self.cfg.faults.node_lost_s
+        )
         try:
             joined = await self.agents.wait_for_agents(join_timeout_s)
         except BaseException:

@@ -159,6 +159,10 @@ class FaultsSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     # A stopped process (no heartbeats) is caught in ~3 s regardless. 0 = off. There is no fixed deadline
     # for a learner step or a weight sync: a step takes what its batch takes while its actors progress.
     hang_s: Annotated[float, msgspec.Meta(ge=0.0)] = 300.0
+    # Across nodes: the head declares a node lost when its agent is silent this long (its actors restart on
+    # node 0), and an agent that hears no head this long stops its actors and exits. Agents beat every 1 s:
+    # at least 3 s, so one late beat never loses a node.
+    node_lost_s: Annotated[float, msgspec.Meta(ge=3.0)] = 10.0
 
 
 class NodeSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

@@ -28,6 +28,7 @@ def test_a_lost_nodes_rollout_and_drafter_move_to_node_0_and_the_run_completes(
         tiny_chat,
         steps=3,
         checkpoint_every=1,  # the moved drafter restarts from the run's newest checkpoint
+        faults={"node_lost_s": 4.0},  # node 1 is declared lost 4 s after its agent's last beat (default 10)
         rollout={"devices": 2, "verify_weights": True},
         nodes=[{"learners": 1, "verifiers": 1, "rollouts": 1}, {"rollouts": 1}],
     )
