@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from slipstream.actors import rollout as rollout_actor
+from slipstream.actors import rollout_samples  # where the rollout derives each sample's seed
 from slipstream.cli import generate as generate_cmd
 from slipstream.cli.main import main
 from slipstream.protocols.rollout import Completion, GenerateRequest, SamplingSpec
@@ -78,5 +78,7 @@ def test_generate_and_a_rollout_group_give_the_same_samples_for_one_seed(
         planted.setattr(generate_cmd, "sample_seed", lambda seed, index: seed * 2**32 + index)
         assert generated(capsys, model_dir, tmp_path) != group
     with monkeypatch.context() as planted:
-        planted.setattr(rollout_actor, "sample_seed", lambda seed, index: (seed << 20 | index) & (2**63 - 1))
+        planted.setattr(
+            rollout_samples, "sample_seed", lambda seed, index: (seed << 20 | index) & (2**63 - 1)
+        )
         assert rolled_out(model_dir, tmp_path / "planted") != group
