@@ -13,7 +13,8 @@ replays correctly at any other, and a split with no keys writes an empty partial
 merge weighs at zero. The g·n query rows of one kv head share a program (padded to 16 rows) so QKᵀ and
 PV are tensor-core dots.
 
-Dispatch: CUDA runs the Triton kernels; CPU runs `paged_attention_ref` (gather + masked softmax), except
+Dispatch: CUDA runs the Triton kernels through custom ops (opaque to graphs and torch.compile); CPU calls
+the same code without the op's dispatch, `paged_attention_ref` (gather + masked softmax), except
 under TRITON_INTERPRET=1 (set before this module is imported), where the kernels run on CPU tensors: that
 is how the CPU suite tests them. triton is optional: without it everything takes the torch path.
 """
@@ -436,7 +437,14 @@ def _paged_attention_triton(
     return out
 
 
-@torch.library.custom_op("slipstream::paged_attention", mutates_args=())
+def _plain_cpu(x: Tensor) -> bool:
+    """True where the custom op's dispatch buys nothing: a plain CPU tensor, no dispatch mode active (a
+    FakeTensor, an op trace and torch.compile's tracing all go through the op and its fake). There the
+    dispatch only costs: ~10 µs a call, and its first call imports torch._dynamo (~1.5 s of a rollout's
+    start-up). The same implementation runs either way."""
+    return type(x) is Tensor and x.device.type == "cpu" and torch._C._len_torch_dispatch_stack() == 0
+
+
 def paged_attention(
     q: Tensor,
     k_cache: Tensor,
@@ -459,6 +467,45 @@ def paged_attention(
     out [B, N, H, HD] in q's dtype (fp32 accumulation). splits: the split-KV constant (None:
     `num_splits` at the table's capacity); a graph should pass its bucket's value. Positions past the
     table's W·P are never read."""
+    if not _plain_cpu(q):
+        return _paged_attention_op(
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            ctx_lens,
+            tree_bits,
+            scale=scale,
+            page_size=page_size,
+            splits=splits,
+        )
+    with torch.no_grad():  # as through the op, which has no autograd formula
+        return _paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            ctx_lens,
+            tree_bits,
+            scale=scale,
+            page_size=page_size,
+            splits=splits,
+        )
+
+
+def _paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    ctx_lens: Tensor,
+    tree_bits: Tensor,
+    *,
+    scale: float,
+    page_size: int,
+    splits: int | None = None,
+) -> Tensor:
+    """`paged_attention` itself, with or without the custom op around it."""
     _check(q, k_cache, block_table, tree_bits, page_size)
     if triton_enabled(q.device) and q.dtype in TRITON_DTYPES:
         return _paged_attention_triton(
@@ -469,7 +516,25 @@ def paged_attention(
     )
 
 
-@paged_attention.register_fake
+@torch.library.custom_op("slipstream::paged_attention", mutates_args=())
+def _paged_attention_op(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_table: Tensor,
+    ctx_lens: Tensor,
+    tree_bits: Tensor,
+    *,
+    scale: float,
+    page_size: int,
+    splits: int | None = None,
+) -> Tensor:
+    return _paged_attention(
+        q, k_cache, v_cache, block_table, ctx_lens, tree_bits, scale=scale, page_size=page_size, splits=splits
+    )
+
+
+@_paged_attention_op.register_fake
 def _(
     q: Tensor,
     k_cache: Tensor,
@@ -500,13 +565,23 @@ def _store_kv_torch(
         flat.index_copy_(0, rows.view(-1), x.reshape(-1, hd).to(cache.dtype))
 
 
-@torch.library.custom_op("slipstream::store_kv", mutates_args=("k_cache", "v_cache"))
 def store_kv(
     k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor, positions: Tensor
 ) -> None:
     """Write token t's K/V (k, v [T, KVH, HD]) at (slots[t], :, positions[t]) of k_cache, v_cache
     [S, KVH, L, HD] (contiguous). slots, positions [T] int64 (or int32). No host reads; one Triton launch
     for K and V where `triton_enabled`, index_copy_ on a flat view otherwise."""
+    if not _plain_cpu(k_cache):
+        _store_kv_op(k_cache, v_cache, k, v, slots, positions)
+        return
+    with torch.no_grad():  # as through the op: a cache view written in place is no autograd's business
+        _store_kv(k_cache, v_cache, k, v, slots, positions)
+
+
+def _store_kv(
+    k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor, positions: Tensor
+) -> None:
+    """`store_kv` itself, with or without the custom op around it."""
     if not triton_enabled(k_cache.device):
         _store_kv_torch(k_cache, v_cache, k, v, slots, positions)
         return
@@ -523,6 +598,13 @@ def store_kv(
     )  # fmt: skip
 
 
-@store_kv.register_fake
+@torch.library.custom_op("slipstream::store_kv", mutates_args=("k_cache", "v_cache"))
+def _store_kv_op(
+    k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor, positions: Tensor
+) -> None:
+    _store_kv(k_cache, v_cache, k, v, slots, positions)
+
+
+@_store_kv_op.register_fake
 def _(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor, positions: Tensor) -> None:
     return None

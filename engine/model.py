@@ -340,7 +340,11 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Built on the meta device (load_model, load_head_parts: the weights come from a checkpoint) it is
+        # not initialised: nn.Embedding's random init runs there as a Python decomposition that imports
+        # torch._dynamo, ~1.5 s of every actor's start-up.
+        weight = torch.empty(config.vocab_size, config.hidden_size) if torch.empty(0).is_meta else None
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
