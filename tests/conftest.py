@@ -1,4 +1,5 @@
-"""Suite-wide fixtures: the device every component test runs on, and the `gpu` marker's skip.
+"""Suite-wide fixtures: the device every component test runs on, the `gpu` marker's skip, and the tiny
+chat model the real-process tests train.
 
 `device` parametrises a test over "cpu" and "cuda"; the cuda case carries the `gpu` marker and is skipped,
 with the reason, where torch sees no CUDA device. A test that takes `device` runs the same functions on
@@ -6,6 +7,8 @@ both: the CPU suite exercises the code path a GPU run uses.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +26,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template, built once for the suite: the model
+    of every real-process `train` test. Runs only read it (they write into their own run directories)."""
+    from tests.engine.conftest import build_chat_checkpoint
+
+    return build_chat_checkpoint(
+        tmp_path_factory.mktemp("tiny-chat"),
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,  # as SmolLM2: the head is the embedding, and its packed copy must follow
+    )
 
 
 @pytest.fixture(params=DEVICES)

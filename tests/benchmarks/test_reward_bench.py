@@ -13,9 +13,6 @@ import pytest
 from slipstream.benchmarks import reward
 from slipstream.cli.main import main
 from tests.benchmarks.test_bench_cli import _bench_parsers
-from tests.cli import conftest as cli_fixtures
-
-tiny_chat = cli_fixtures.tiny_chat  # a tiny random Llama with SmolLM2's tokenizer, as a fixture here too
 
 
 def test_the_schedule_is_abba() -> None:

@@ -1,5 +1,5 @@
-"""Fixtures of the `train` tests: a tiny random model with SmolLM2's tokenizer and chat template, and the
-3-step config they share (real processes, a real reasoning-gym scorer plus a length term)."""
+"""What the `train` tests share: the 3-step config (real processes, a real reasoning-gym scorer plus a
+length term) over the suite's `tiny_chat` model (tests/conftest.py), and comparing two runs' samples."""
 
 from __future__ import annotations
 
@@ -8,27 +8,16 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import pytest
 
 from slipstream.benchmarks.soak import near_tie
 from slipstream.rl import run_config
 from slipstream.tasks.rewards import reasoning_gym
-from tests.engine.conftest import build_chat_checkpoint
 
 
 def brevity(prompt: str, completion: str, **row: Any) -> float:
     """The task's own score, plus a term that differs between samples (a random model is never right, and
     never stops before max_tokens)."""
     return reasoning_gym(prompt, completion, **row) + (len(completion) % 3) / 2
-
-
-@pytest.fixture(scope="module")
-def tiny_chat(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_chat_checkpoint(
-        tmp_path_factory.mktemp("tiny-chat"),
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,  # as SmolLM2: the head is the embedding, and its packed copy must follow
-    )
 
 
 def config(model: Path, **overrides: Any) -> run_config.TrainConfig:

@@ -29,12 +29,10 @@ import msgspec
 import pytest
 
 from tests import netns
-from tests.cli import conftest as cli_fixtures
 from tests.cli.conftest import config
 
 pytestmark = pytest.mark.timeout(600)
 
-tiny_chat = cli_fixtures.tiny_chat  # the train tests' tiny model, as a fixture of this module too
 
 REPO = Path(__file__).resolve().parents[2]
 SBATCH = REPO / "deploy" / "slurm" / "train.sbatch"

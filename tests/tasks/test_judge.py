@@ -24,9 +24,7 @@ from slipstream.runtime.supervisor import ActorSpec
 from slipstream.tasks import judge
 from slipstream.tasks.judge import Judge
 from tests.actors.test_verifier import ROOT, Pools
-from tests.cli import conftest as cli_fixtures
 
-tiny_chat = cli_fixtures.tiny_chat  # a tiny random Llama with SmolLM2's tokenizer, as a fixture here too
 MODEL_ENV = "SLIPSTREAM_TEST_JUDGE_MODEL"  # the workers' judge model, set in the verifier's environment
 
 
