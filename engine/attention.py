@@ -494,17 +494,9 @@ def paged_attention(
 
 
 def _paged_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_table: Tensor,
-    ctx_lens: Tensor,
-    tree_bits: Tensor,
-    *,
-    scale: float,
-    page_size: int,
-    splits: int | None = None,
-) -> Tensor:
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, ctx_lens: Tensor, tree_bits: Tensor,
+    *, scale: float, page_size: int, splits: int | None = None,
+) -> Tensor:  # fmt: skip
     """`paged_attention` itself, with or without the custom op around it."""
     _check(q, k_cache, block_table, tree_bits, page_size)
     if triton_enabled(q.device) and q.dtype in TRITON_DTYPES:
@@ -518,17 +510,9 @@ def _paged_attention(
 
 @torch.library.custom_op("slipstream::paged_attention", mutates_args=())
 def _paged_attention_op(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_table: Tensor,
-    ctx_lens: Tensor,
-    tree_bits: Tensor,
-    *,
-    scale: float,
-    page_size: int,
-    splits: int | None = None,
-) -> Tensor:
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, ctx_lens: Tensor, tree_bits: Tensor,
+    *, scale: float, page_size: int, splits: int | None = None,
+) -> Tensor:  # fmt: skip
     return _paged_attention(
         q, k_cache, v_cache, block_table, ctx_lens, tree_bits, scale=scale, page_size=page_size, splits=splits
     )
@@ -536,17 +520,9 @@ def _paged_attention_op(
 
 @_paged_attention_op.register_fake
 def _(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_table: Tensor,
-    ctx_lens: Tensor,
-    tree_bits: Tensor,
-    *,
-    scale: float,
-    page_size: int,
-    splits: int | None = None,
-) -> Tensor:
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, ctx_lens: Tensor, tree_bits: Tensor,
+    *, scale: float, page_size: int, splits: int | None = None,
+) -> Tensor:  # fmt: skip
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
