@@ -412,3 +412,29 @@ def test_gpu_graph_replay_follows_new_contexts(shape: str, n: int) -> None:
 
 if __name__ == "__main__":  # the interpreter run behind `kernel_errors`
     print(json.dumps(_kernel_errors()))
+
+
+_NO_DYNAMO = """
+import sys, torch
+from slipstream.engine.weights import load_model
+from slipstream.engine.attention import paged_attention, store_kv
+load_model(sys.argv[1])  # built on the meta device, then loaded: no random init runs
+k_cache = torch.zeros(2, 1, 32, 8)
+v_cache = torch.zeros_like(k_cache)
+one = torch.zeros(1, dtype=torch.long)
+store_kv(k_cache, v_cache, torch.ones(1, 1, 8), torch.ones(1, 1, 8), one, one)
+out = paged_attention(torch.ones(1, 1, 1, 8), k_cache, v_cache, torch.zeros(1, 2, dtype=torch.long),
+                      one, torch.ones(1, 1, dtype=torch.long), scale=0.5, page_size=16)
+assert float(out.abs().sum()) > 0
+print("torch._dynamo" in sys.modules)
+"""
+
+
+def test_a_cpu_process_loads_a_model_and_attends_without_importing_dynamo(make_checkpoint) -> None:
+    """On plain CPU tensors the kernels run without their custom op's dispatch, whose first call imports
+    torch._dynamo (~1.5 s of every rollout's start-up, ~90 MB resident), and a model built on the meta
+    device skips nn.Embedding's random init, which imports it too. A fresh process, as an actor is."""
+    model = make_checkpoint("llama")
+    done = subprocess.run([sys.executable, "-c", _NO_DYNAMO, str(model)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False", "torch._dynamo was imported on the CPU path"
