@@ -467,30 +467,11 @@ def paged_attention(
     out [B, N, H, HD] in q's dtype (fp32 accumulation). splits: the split-KV constant (None:
     `num_splits` at the table's capacity); a graph should pass its bucket's value. Positions past the
     table's W·P are never read."""
+    args = (q, k_cache, v_cache, block_table, ctx_lens, tree_bits)
     if not _plain_cpu(q):
-        return _paged_attention_op(
-            q,
-            k_cache,
-            v_cache,
-            block_table,
-            ctx_lens,
-            tree_bits,
-            scale=scale,
-            page_size=page_size,
-            splits=splits,
-        )
+        return _paged_attention_op(*args, scale=scale, page_size=page_size, splits=splits)
     with torch.no_grad():  # as through the op, which has no autograd formula
-        return _paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            block_table,
-            ctx_lens,
-            tree_bits,
-            scale=scale,
-            page_size=page_size,
-            splits=splits,
-        )
+        return _paged_attention(*args, scale=scale, page_size=page_size, splits=splits)
 
 
 def _paged_attention(
