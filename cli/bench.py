@@ -427,6 +427,19 @@ def _scale(args: argparse.Namespace) -> int:
     return 0 if all(r.complete or r.skipped for r in result.rows) else 1
 
 
+def _startup_arguments(p: argparse.ArgumentParser) -> None:
+    _json(p, "StartupResult")
+    p.add_argument("--actors", type=int, default=4, help="actors started per round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per mode, exec'd and forked, A B B A")
+
+
+def _startup(args: argparse.Namespace) -> int:
+    from slipstream.benchmarks import startup
+
+    _print(startup.run(actors=args.actors, rounds=args.rounds), args.json, startup.render)
+    return 0
+
+
 # -- the command line ------------------------------------------------------------------------------------
 
 
@@ -513,6 +526,14 @@ BENCHES = {
         _scale_arguments,
         _scale,
     ),
+    "startup": Bench(
+        "actor start-up and restart: exec'd vs forked from a fork server",
+        "Starts --actors actors through a real supervisor, exec'd (SLIPSTREAM_FORK_SERVER=0) and "
+        "forked from a fork server (runtime/fork_server.py), alternating A B B A: seconds to every actor "
+        "Ready, seconds for one restart, CPU seconds of the processes started; medians and ratios.",
+        _startup_arguments,
+        _startup,
+    ),
 }
 """Every bench, in the order `slipstream bench --help` lists them."""
 
@@ -528,7 +549,7 @@ def add_parser(sub: Any) -> None:
     """The `bench` subcommand on `sub` (the `slipstream` command's subparsers), a subcommand per bench."""
     bench = sub.add_parser(
         "bench",
-        help="benchmarks printing JSON: transport, decode, rollout, e2e, soak, sync, gpu, reward, scale",
+        help="benchmarks printing JSON: transport, decode, rollout, e2e, soak, sync, gpu, reward, scale, startup",
         description="Benchmarks; each prints one JSON object with --json (fields: docs/benchmarks.md). "
         "`slipstream bench NAME --help` lists a bench's flags.",
     )

@@ -34,7 +34,8 @@ from slipstream.protocols.control import Heartbeat
 from slipstream.protocols.node import AgentHello, Exited, Kill, Launch, Launched, StopAgent
 from slipstream.runtime.cluster import AGENTS, CONTROL, EVENTS, Cluster, node_env
 from slipstream.runtime.codec import Codec, ProtocolError
-from slipstream.runtime.launcher import ActorLaunch, NodeLost, actor_command, spawn
+from slipstream.runtime.fork_server import ForkServers
+from slipstream.runtime.launcher import ActorLaunch, NodeLost, ProcessHandle, actor_command, spawn
 from slipstream.runtime.shm import cleanup as cleanup_shm
 from slipstream.runtime.transport import CurveKeys, make_socket, run_tag, start_authenticator
 
@@ -267,7 +268,8 @@ class _NodeAgent:
         self.ctx = zmq.asyncio.Context()
         self.sock, self.key_mtime = self._connect()
         self.codec = Codec()
-        self.children: dict[str, asyncio.subprocess.Process] = {}
+        self.children: dict[str, ProcessHandle] = {}
+        self.forks = ForkServers(log)  # actors forked, not exec'd, where they can be (runtime/fork_server.py)
         self.watchers: list[asyncio.Task[None]] = []
         self.hello = AgentHello(
             node=cluster.node_rank, host=socket.gethostname(), address=cluster.address, pid=os.getpid(),
@@ -358,7 +360,8 @@ class _NodeAgent:
         )  # fmt: skip
         try:
             env = {**node_env(cluster.address), **msg.env}
-            proc = await spawn(cmd, env=env, cpus=[c for c in msg.cpus if c in os.sched_getaffinity(0)])
+            cpus = [c for c in msg.cpus if c in os.sched_getaffinity(0)]
+            proc = await spawn(cmd, env=env, cpus=cpus, forks=self.forks)
         except OSError as e:
             await self.send(Launched(name=msg.name, pid=0, error=str(e)))
             return
@@ -367,7 +370,7 @@ class _NodeAgent:
         self.watchers.append(asyncio.create_task(self._watch(msg.name, proc)))
         await self.send(Launched(name=msg.name, pid=proc.pid))
 
-    async def _watch(self, name: str, proc: asyncio.subprocess.Process) -> None:
+    async def _watch(self, name: str, proc: ProcessHandle) -> None:
         """Tells the head when an actor exits, and with what code."""
         code = await proc.wait()
         self.log.info("actor_exited", actor=name, pid=proc.pid, code=code)
@@ -391,5 +394,6 @@ class _NodeAgent:
         for task in self.watchers:
             task.cancel()
         await asyncio.gather(*self.watchers, return_exceptions=True)
+        await self.forks.close()
         self.sock.close(linger=0)
         self.ctx.term()

@@ -19,9 +19,10 @@ import os
 import sys
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from slipstream.runtime.cluster import node_env
+from slipstream.runtime.fork_server import ForkServers
 
 __all__ = [
     "ONEDNN_CACHES",
@@ -136,9 +137,27 @@ class Launcher(Protocol):
 
 
 class LocalLauncher:
-    """Starts each actor as a child process of this one, on this host (node 0)."""
+    """Starts each actor on this host (node 0): forked from a fork server, or as a child process of this one."""
 
     nodes: Collection[int] = (0,)
+    log: Any = None
+    _forks: ForkServers | None = None
+
+    def __init__(self, log: Any = None) -> None:
+        self.log = log
+
+    @property
+    def forks(self) -> ForkServers:
+        """The fork servers this launcher's actors are forked from, made on first use (a subclass need not
+        call `__init__`)."""
+        if self._forks is None:
+            self._forks = ForkServers(self.log)
+        return self._forks
+
+    async def close(self) -> None:
+        """Stops the fork servers: after the actors they forked have exited."""
+        if self._forks is not None:
+            await self._forks.close()
 
     async def launch(self, a: ActorLaunch) -> ProcessHandle:
         if a.node not in self.nodes:
@@ -154,11 +173,17 @@ class LocalLauncher:
             ),
             env={**node_env(a.data_host), **a.env},
             cpus=a.cpus,
+            forks=self.forks,
         )
 
 
-async def spawn(cmd: list[str], *, env: dict[str, str], cpus: Collection[int]) -> asyncio.subprocess.Process:
-    """A child process running `cmd` with this process's environment plus `env`, pinned to `cpus`."""
+async def spawn(
+    cmd: list[str], *, env: dict[str, str], cpus: Collection[int], forks: ForkServers | None = None
+) -> ProcessHandle:
+    """A process running `cmd` with this process's environment plus `env`, pinned to `cpus`: forked by one of
+    `forks` where that can be done, else a child process of this one."""
+    if forks is not None and (forked := await forks.spawn(cmd, env=env, cpus=cpus)) is not None:
+        return forked
     pinned = set(cpus)
     return await asyncio.create_subprocess_exec(
         *cmd,
