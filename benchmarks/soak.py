@@ -34,7 +34,7 @@ import msgspec
 
 from slipstream.engine import hub
 from slipstream.protocols import samples_record
-from slipstream.runtime.process import parent_pid
+from slipstream.runtime.fork_server import launcher_pid
 from slipstream.runtime.transport import parse_actor_name
 
 __all__ = [
@@ -320,8 +320,8 @@ class _Actor:
                 self.pid = int(event["pid"])
 
     def live_pid(self, plan: SoakPlan) -> int | None:
-        """Its pid if it is up and a child of this process (no other process is ever killed)."""
-        if self.pid is None or self.pid in self.killed or parent_pid(self.pid) != os.getpid():
+        """Its pid if it is up and started by this process (no other process is ever killed)."""
+        if self.pid is None or self.pid in self.killed or launcher_pid(self.pid) != os.getpid():
             return None
         return self.pid
 

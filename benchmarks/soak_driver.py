@@ -6,8 +6,9 @@ the restarts, whether the current head has all its actors up. Meanwhile it makes
 random actor SIGKILLs (children of the current head or agent only, each at most `max_restarts` times, none
 in the last step), node 1's agent once, and the head once a checkpoint exists, then both nodes again with
 `--resume`. The non-obvious choice: an actor's process is found from its log (its newest "ready" pid) and
-killed only while its parent is a current node's command, so no kill hits a process the killed head left
-behind; a learner's death spends a restart of every rank, as its supervisor restarts them all. The bench
+killed only while a current node's command started it (its parent, or its fork server's), so no kill hits
+a process the killed head left behind; a learner's death spends a restart of every rank, as its supervisor
+restarts them all. The bench
 around it (the run without kills, the comparison, the result): benchmarks/soak_nodes.py.
 """
 
@@ -27,7 +28,8 @@ from pathlib import Path
 import msgspec
 
 from slipstream.benchmarks import soak
-from slipstream.runtime.process import MemorySampler, parent_pid, pid_alive
+from slipstream.runtime.fork_server import launcher_pid
+from slipstream.runtime.process import MemorySampler, pid_alive
 
 __all__ = ["HEAD_LOST_S", "Node", "NodeKill", "NodesPlan", "SoakDriver"]
 
@@ -166,11 +168,11 @@ class SoakDriver:
         return len(soak.metrics_records(self.run_dir))
 
     def live(self, name: str) -> tuple[int, int] | None:
-        """(pid, node) of `name`'s newest process if it is up and a child of a current node's command."""
+        """(pid, node) of `name`'s newest process if it is up and started by a current node's command."""
         pid = self.pids.get(name)
         if pid is None or pid in self.killed:
             return None
-        parent = parent_pid(pid)
+        parent = launcher_pid(pid)
         node = next((n.rank for n in self.nodes if n.running() and n.pid == parent), None)
         return None if node is None else (pid, node)
 

@@ -34,7 +34,9 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["ENV_SWITCH", "ForkServers", "ForkedProcess", "serve"]
+from slipstream.runtime.process import parent_pid
+
+__all__ = ["ENV_SWITCH", "ForkServers", "ForkedProcess", "launcher_pid", "serve"]
 
 ENV_SWITCH = "SLIPSTREAM_FORK_SERVER"  # "0": exec every actor
 MODULE = "slipstream.runtime"  # what an actor's command line runs: `python -m slipstream.runtime …`
@@ -76,6 +78,19 @@ _up = msgspec.msgpack.Decoder(_Ready | _Forked | _Refused | _Exited)
 def forkable(cmd: list[str]) -> bool:
     """Whether `cmd` is an actor's command line this interpreter could fork instead (runtime/launcher.py)."""
     return cmd[:3] == [sys.executable, "-m", MODULE] and sys.platform.startswith("linux")
+
+
+def launcher_pid(pid: int) -> int | None:
+    """The process that started actor `pid`: its parent, or where that is a fork server, the server's parent
+    (a supervisor or node agent). None if either is gone. For tools that must only touch a live run's actors."""
+    parent = parent_pid(pid)
+    if parent is None:
+        return None
+    try:
+        argv = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return parent_pid(parent) if argv[2:4] == [MODULE.encode(), b"--fork-server"] else parent
 
 
 class ForkedProcess:

@@ -292,3 +292,32 @@ def test_a_rollout_out_of_device_memory_is_restarted_with_half_its_batch(
     caps = [e["config"]["max_batch"] for e in events if e["event"] == "config"]
     assert caps == [4, 2]  # restarted with half its batch cap
     assert_same_samples(run, clean_run, steps=3)
+
+
+def test_a_rollout_killed_with_part_of_a_group_back_is_requeued_exactly_the_rest_under_their_own_indices(
+    tiny_chat: Path, clean_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requeue of a partial group, end to end: rollout:1 SIGKILLs itself right after one of a group's
+    completions went out while a higher-indexed sample of that group still decoded (tests/fixtures/
+    partial_requeue). The missing samples, which neither start at 0 nor count up from it, are dealt again
+    and decoded with their own seeds: the run's samples are the clean run's, each once. A rollout that
+    renumbered a requeue's indices from 0 would decode other samples under those keys."""
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "partial_requeue"
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(fixture), os.environ.get("PYTHONPATH")]))
+    )
+    marker = tmp_path / "partial-marker"
+    monkeypatch.setenv("SLIPSTREAM_TEST_PARTIAL", str(marker))
+    run = tmp_path / "partial"
+    # Bounded: with the requeue's indices renumbered, the group's missing sample never comes and the step
+    # waits for it (the clean run takes ~20 s here).
+    summary = uvloop.run(asyncio.wait_for(train.train(_config(tiny_chat), run), timeout=240))
+    assert marker.exists()  # the injection happened
+    killed = json.loads(marker.read_text())
+    missing = killed["decoding"]
+    assert killed["sent"] not in missing and missing != list(range(len(missing)))
+    steps = summary["steps"]
+    assert [s["policy_version"] for s in steps] == [1, 2, 3]
+    (where,) = [s for s in steps if "rollout:1" in s["restarts"]]
+    assert where["requeued"] >= len(missing)
+    assert_same_samples(run, clean_run, steps=3)

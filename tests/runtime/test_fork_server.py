@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import uvloop
 
-from slipstream.runtime.fork_server import ENV_SWITCH, ForkedProcess, ForkServers
+from slipstream.runtime.fork_server import ENV_SWITCH, ForkedProcess, ForkServers, launcher_pid
 from slipstream.runtime.process import parent_pid
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
 
@@ -50,6 +50,7 @@ def test_actors_are_forked_from_one_server_and_run_as_an_exec_d_actor_would(tmp_
             server = servers.pop()
             assert server is not None and "--fork-server" in cmdline(server)
             assert parent_pid(server) == os.getpid()
+            assert [launcher_pid(pid) for pid in pids] == [os.getpid()] * 2  # what a soak may kill
             for rank, pid in enumerate(pids):
                 argv = cmdline(pid)  # as ps shows an exec'd actor: its own command line, not the server's
                 assert argv[:5] == [sys.executable, "-m", "slipstream.runtime", "--actor", SINK], argv
