@@ -5,7 +5,7 @@
 Each round starts `--actors` actors through a real supervisor (the smoke Sink: the whole actor runtime,
 torch imported, no model), once with fork servers off (SLIPSTREAM_FORK_SERVER=0: every actor exec'd) and
 once on, the two modes alternating A B B A so a drift of the host's speed falls on both, and times: the
-start (the supervisor's construction to every actor Ready, the fork server's own start included), one
+start (the supervisor's construction to every actor Ready, a fork server's cold start included), one
 restart (a SIGKILLed actor to Ready again, no backoff), and the CPU seconds of every process the round
 started, fork server included (this process's reaped children and their descendants: getrusage). Medians
 per mode, then fork / exec ratios. The result is `StartupResult`; figures: docs/benchmarks.md.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import msgspec
 
-from slipstream.runtime.fork_server import ENV_SWITCH
+from slipstream.runtime.fork_server import ENV_SWITCH, stop_servers
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
 
 ACTOR = "slipstream.cli.smoke:Sink"
@@ -74,8 +74,10 @@ def _mode(forked: bool, run_dir: Path, actors: int) -> tuple[float, float, float
     before = os.environ.get(ENV_SWITCH)
     os.environ[ENV_SWITCH] = "1" if forked else "0"
     try:
+        stop_servers()  # a cold start, as a run's first actors meet it
         cpu = _children_cpu_s()
         start, restart = asyncio.run(_round(run_dir, actors))
+        stop_servers()  # reaped: its CPU counts in this round's
         return start, restart, _children_cpu_s() - cpu
     finally:
         if before is None:

@@ -6,14 +6,13 @@ An exec'd actor spends ~1 s of CPU importing torch before it can shake hands: fi
 stdout/stderr (passed over the socket), its own session, its cores, the caller's cwd, and its argv, which
 ps and /proc/PID/cmdline show as the exec'd command line would be; then it runs `host.main`. The
 non-obvious choices: one server per distinct environment, so whatever is read at interpreter or library
-start (PYTHONPATH, OMP_*, LD_PRELOAD, a sitecustomize) is what an exec'd actor would have seen; and the
-server starts no Python thread and never initialises CUDA, so a child may. The server reaps its children
-and reports each exit with asyncio's return-code convention (-N: killed by signal N). Off the Linux
-platform, or with SLIPSTREAM_FORK_SERVER=0, every actor is exec'd (runtime/launcher.py `spawn`).
+start (PYTHONPATH, OMP_*, LD_PRELOAD, a sitecustomize) is what an exec'd actor would have seen; servers
+belong to the process, not to one launcher (a test session's supervisors, a bench's runs share them); and
+a server starts no Python thread and never initialises CUDA, so a child may. It reaps its children and
+reports each exit with asyncio's return-code convention (-N: killed by signal N). Off Linux, or with
+SLIPSTREAM_FORK_SERVER=0, every actor is exec'd (runtime/launcher.py `spawn`).
 
-    forks = ForkServers(log)
-    proc = await forks.spawn(cmd, env=env, cpus=[0])   # None: not forked (exec it), `forks.why_not` says why
-    await forks.close()                                # after its actors have exited
+    proc = await ForkServers(log).spawn(cmd, env=env, cpus=[0])   # None: not forked here (exec it)
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ import msgspec
 
 from slipstream.runtime.process import parent_pid
 
-__all__ = ["ENV_SWITCH", "ForkServers", "ForkedProcess", "launcher_pid", "serve"]
+__all__ = ["ENV_SWITCH", "ForkServers", "ForkedProcess", "launcher_pid", "serve", "stop_servers"]
 
 ENV_SWITCH = "SLIPSTREAM_FORK_SERVER"  # "0": exec every actor
 MODULE = "slipstream.runtime"  # what an actor's command line runs: `python -m slipstream.runtime …`
@@ -99,6 +99,7 @@ class ForkedProcess:
     def __init__(self, pid: int, loop: asyncio.AbstractEventLoop) -> None:
         self.pid = pid
         self.returncode: int | None = None
+        self._loop = loop
         self._exited: asyncio.Future[int] = loop.create_future()
 
     async def wait(self) -> int:
@@ -114,124 +115,190 @@ class ForkedProcess:
             os.kill(self.pid, sig)
 
     def _exit(self, code: int) -> None:
+        """From the server's reader thread: the exit, seen now, and told to the waiters in their loop."""
         if self.returncode is None:
             self.returncode = code
-            self._exited.set_result(code)
+            _in_loop(self._loop, self._exited, code)
+
+
+def _in_loop(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any], value: Any) -> None:
+    def resolve() -> None:
+        if not fut.done():
+            fut.set_result(value)
+
+    with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits any more
+        loop.call_soon_threadsafe(resolve)
+
+
+# A server is started from this thread, which lives as long as the process: the kernel's PDEATHSIG follows
+# the thread that forked a process, and a server outlives the event loop (or worker thread) that asked first.
+_keeper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fork-server-keeper")
+_servers: dict[tuple[tuple[str, str], ...], _Server] = {}  # by environment; shared by every launcher here
+_lock = threading.Lock()
+_MAX_IDLE = 4  # servers without children kept for later launches; past it the oldest idle one stops
 
 
 class _Server:
-    """One fork server process, for one environment, and the children it forked."""
+    """One fork server process, for one environment, shared by every launcher of this process. A reader
+    thread takes its messages and hands each answer to the event loop that asked."""
 
-    def __init__(self, env: dict[str, str]) -> None:
-        self.loop = asyncio.get_running_loop()
+    def __init__(self, key: tuple[tuple[str, str], ...], env: dict[str, str]) -> None:
+        self.key = key
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock = ours
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", MODULE, "--fork-server", str(theirs.fileno()), "-" * _CMDLINE_ROOM],
-            env=env,
-            pass_fds=[theirs.fileno()],
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # Ctrl-C reaches the coordinator alone, as for an exec'd actor
-        )
-        theirs.close()
-        self.sock.setblocking(False)
-        self.ready: asyncio.Future[int] = self.loop.create_future()
-        self.pending: dict[int, asyncio.Future[ForkedProcess]] = {}
-        self.children: dict[int, ForkedProcess] = {}
-        self.next_req = 0
+        try:
+            self.proc = _keeper.submit(_start, env, theirs.fileno()).result()
+        finally:
+            theirs.close()
+        self.ready = threading.Event()
         self.why_not = ""
-        self.loop.add_reader(self.sock.fileno(), self._on_readable)
+        self.next_req = 0
+        self.pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[int]]] = {}
+        self.children: dict[int, ForkedProcess] = {}
+        self.early: dict[int, int] = {}  # exits read before the launcher registered the child
+        threading.Thread(target=self._read, name=f"fork-server-{self.proc.pid}", daemon=True).start()
 
     async def fork(self, argv: list[str], cpus: Collection[int]) -> ForkedProcess | None:
-        if not self.why_not:
-            try:
-                await asyncio.wait_for(asyncio.shield(self.ready), _START_TIMEOUT_S)
-            except (TimeoutError, OSError) as e:
-                self._lost(f"did not start: {e or type(e).__name__}")
+        if not self.ready.is_set() and not await asyncio.to_thread(self.ready.wait, _START_TIMEOUT_S):
+            self._lost("did not start in time")
         if self.why_not:
             return None
-        self.next_req += 1
-        req = self.next_req
-        answer: asyncio.Future[ForkedProcess] = self.loop.create_future()
-        self.pending[req] = answer
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[int] = loop.create_future()
+        with _lock:
+            self.next_req += 1
+            req = self.next_req
+            self.pending[req] = (loop, answer)
         body = _encode(_Fork(req=req, argv=argv, cwd=os.getcwd(), cpus=sorted(cpus)))
         try:
             socket.send_fds(self.sock, [body], [1, 2])  # what an exec'd child inherits (not sys.stderr's)
-            return await answer
         except OSError as e:  # the server is gone, or fd 1 or 2 is closed (then exec)
-            self.pending.pop(req, None)
+            with _lock:
+                self.pending.pop(req, None)
             self.why_not = self.why_not or f"fork request failed: {e}"
             return None
+        pid = await answer
+        if pid <= 0:
+            return None  # refused, or the server was lost meanwhile
+        child = ForkedProcess(pid, loop)
+        with _lock:
+            code = self.early.pop(pid, None)
+            if code is None and not self.why_not:
+                self.children[pid] = child
+        if code is not None or self.why_not:
+            child._exit(-signal.SIGKILL if code is None else code)
+        return child
 
-    def _on_readable(self) -> None:
+    def idle(self) -> bool:
+        return not self.children and not self.pending
+
+    def _read(self) -> None:
         while True:
             try:
                 body = self.sock.recv(4096)
-            except BlockingIOError:
-                return
             except OSError as e:
                 self._lost(f"its socket failed: {e}")
-                return
+                break
             if not body:
-                self._lost(f"exited ({self.proc.poll()})")
-                return
+                self._lost("exited")
+                break
             try:
                 msg = _up.decode(body)
             except msgspec.DecodeError as e:
                 self._lost(f"sent a malformed message: {e}")
-                return
+                break
             self._dispatch(msg)
+        self.proc.wait()  # reaped
 
     def _dispatch(self, msg: _Ready | _Forked | _Refused | _Exited) -> None:
-        if isinstance(msg, _Ready) and not self.ready.done():
-            self.ready.set_result(msg.pid)
-        elif isinstance(msg, _Forked):
-            child = self.children[msg.pid] = ForkedProcess(msg.pid, self.loop)
-            if (answer := self.pending.pop(msg.req, None)) is not None and not answer.done():
-                answer.set_result(child)
-        elif isinstance(msg, _Refused):
-            self.why_not = msg.why
-            if (answer := self.pending.pop(msg.req, None)) is not None and not answer.done():
-                answer.set_exception(OSError(msg.why))
-        elif isinstance(msg, _Exited) and (child := self.children.pop(msg.pid, None)) is not None:
-            child._exit(msg.code)
+        if isinstance(msg, _Ready):
+            self.ready.set()
+        elif isinstance(msg, _Forked | _Refused):
+            if isinstance(msg, _Refused):
+                self.why_not = msg.why
+            with _lock:
+                waiter = self.pending.pop(msg.req, None)
+            if waiter is not None:
+                _in_loop(*waiter, msg.pid if isinstance(msg, _Forked) else 0)
+        elif isinstance(msg, _Exited):
+            with _lock:
+                child = self.children.pop(msg.pid, None)
+                if child is None:
+                    self.early[msg.pid] = msg.code
+            if child is not None:
+                child._exit(msg.code)
 
     def _lost(self, why: str) -> None:
-        """The server is gone: its children die with it (PDEATHSIG), waiters hear so."""
-        self.why_not = self.why_not or f"the fork server {why}"
-        with contextlib.suppress(ValueError, OSError):
-            self.loop.remove_reader(self.sock.fileno())
-        if not self.ready.done():
-            self.ready.set_exception(OSError(self.why_not))
-            self.ready.exception()  # retrieved: a server closed before any fork is no error to report
-        for answer in self.pending.values():
-            if not answer.done():
-                answer.set_exception(OSError(self.why_not))
-        self.pending.clear()
-        for child in self.children.values():
+        """The server is gone: its children die with it (PDEATHSIG), waiters hear so; the next launch
+        with its environment starts a new one."""
+        with _lock:
+            self.why_not = self.why_not or f"the fork server {why}"
+            if _servers.get(self.key) is self:
+                del _servers[self.key]
+            pending, self.pending = list(self.pending.values()), {}
+            children, self.children = list(self.children.values()), {}
+        self.ready.set()
+        for waiter in pending:
+            _in_loop(*waiter, 0)
+        for child in children:
             child._exit(-signal.SIGKILL)
-        self.children.clear()
 
-    async def close(self) -> None:
-        self._lost("was closed")
-        self.sock.close()  # EOF: the server exits (and any child still alive dies with it)
-        for _ in range(100):
-            if self.proc.poll() is not None:
-                return
-            await asyncio.sleep(0.05)
-        self.proc.kill()
-        await asyncio.to_thread(self.proc.wait)
+    def stop(self) -> None:
+        """EOF to the server, which exits (taking any child still alive with it); the reader reaps it."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+
+def _start(env: dict[str, str], fd: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", MODULE, "--fork-server", str(fd), "-" * _CMDLINE_ROOM],
+        env=env,
+        pass_fds=[fd],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,  # Ctrl-C reaches the coordinator alone, as for an exec'd actor
+    )
+
+
+def _server_for(env: dict[str, str]) -> _Server:
+    """This process's server for `env`, started if there is none; idle ones past `_MAX_IDLE` stopped."""
+    key = tuple(sorted(env.items()))
+    with _lock:
+        server = _servers.get(key)
+        idle = [s for k, s in _servers.items() if k != key and s.idle()]
+    if server is None:
+        ours = _Server(key, env)
+        with _lock:
+            server = _servers.setdefault(key, ours)
+        if server is not ours:  # another launch started one meanwhile
+            ours.stop()
+    for old in idle[: max(0, len(idle) - _MAX_IDLE + 1)]:
+        old.stop()
+    return server
+
+
+def stop_servers(timeout_s: float = 10.0) -> None:
+    """Stops every fork server of this process and waits for each to exit (their children die with them);
+    the next launch starts afresh. For a bench that times a cold start, and a test that needs none."""
+    with _lock:
+        servers = list(_servers.values())
+        _servers.clear()
+    for server in servers:
+        server.stop()
+    for server in servers:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.proc.wait(timeout_s)
 
 
 class ForkServers:
-    """A launcher's fork servers, one per environment its actors run with; started on first use."""
+    """How a launcher forks its actors: from this process's fork server for each actor's environment,
+    started on first use and shared with every other launcher here (a test session's supervisors, a
+    bench's runs)."""
 
     def __init__(self, log: Any = None) -> None:
         self.log = log
         self.why_not = "" if sys.platform.startswith("linux") else "fork servers run on Linux only"
         if os.environ.get(ENV_SWITCH, "1") == "0":
             self.why_not = f"{ENV_SWITCH}=0"
-        self._servers: dict[tuple[tuple[str, str], ...], _Server] = {}
 
     async def spawn(
         self, cmd: list[str], *, env: Mapping[str, str], cpus: Collection[int]
@@ -240,26 +307,22 @@ class ForkServers:
         where it cannot be forked (the caller execs it)."""
         if self.why_not or not forkable(cmd):
             return None
-        full = {**os.environ, **env}
-        key = tuple(sorted(full.items()))
-        server = self._servers.get(key)
-        if server is None:
-            try:
-                server = self._servers[key] = _Server(full)
-            except OSError as e:
-                self.why_not = f"the fork server did not start: {e}"
-                return None
+        try:
+            server = _server_for({**os.environ, **env})
+        except OSError as e:
+            self._unavailable(f"the fork server did not start: {e}")
+            return None
         proc = await server.fork(cmd[3:], cpus)
         if proc is None:
-            if self.log is not None:
-                self.log.warning("fork_server_unavailable", why=server.why_not)
-            self.why_not = server.why_not  # every later actor is exec'd: one warning, no retries
+            self._unavailable(server.why_not)
         return proc
 
+    def _unavailable(self, why: str) -> None:
+        if self.log is not None:
+            self.log.warning("fork_server_unavailable", why=why)
+
     async def close(self) -> None:
-        """Stops every server (each takes any child still alive with it)."""
-        servers, self._servers = list(self._servers.values()), {}
-        await asyncio.gather(*(s.close() for s in servers))
+        """Nothing to stop: the servers are this process's, shared, and stop with it."""
 
 
 # -- the server process ------------------------------------------------------------------------------
