@@ -36,7 +36,15 @@ import msgspec
 
 from slipstream.runtime.process import parent_pid
 
-__all__ = ["ENV_SWITCH", "ForkServers", "ForkedProcess", "launcher_pid", "serve", "stop_servers"]
+__all__ = [
+    "ENV_SWITCH",
+    "ForkServers",
+    "ForkedProcess",
+    "is_fork_server",
+    "launcher_pid",
+    "serve",
+    "stop_servers",
+]
 
 ENV_SWITCH = "SLIPSTREAM_FORK_SERVER"  # "0": exec every actor
 MODULE = "slipstream.runtime"  # what an actor's command line runs: `python -m slipstream.runtime …`
@@ -80,17 +88,22 @@ def forkable(cmd: list[str]) -> bool:
     return cmd[:3] == [sys.executable, "-m", MODULE] and sys.platform.startswith("linux")
 
 
+def is_fork_server(pid: int) -> bool:
+    """Whether process `pid` is a fork server (from its command line); False if it is gone."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return argv[2:4] == [MODULE.encode(), b"--fork-server"]
+
+
 def launcher_pid(pid: int) -> int | None:
     """The process that started actor `pid`: its parent, or where that is a fork server, the server's parent
     (a supervisor or node agent). None if either is gone. For tools that must only touch a live run's actors."""
     parent = parent_pid(pid)
     if parent is None:
         return None
-    try:
-        argv = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    return parent_pid(parent) if argv[2:4] == [MODULE.encode(), b"--fork-server"] else parent
+    return parent_pid(parent) if is_fork_server(parent) else parent
 
 
 class ForkedProcess:

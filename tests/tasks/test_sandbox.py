@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from slipstream.runtime.fork_server import is_fork_server
 from slipstream.tasks import sandbox as sandbox_module
 from slipstream.tasks.code_tasks import CODE_TASK, PROBLEMS, HiddenTests, code_prompt, code_rows, extract_code
 from slipstream.tasks.datasets import load_rows
@@ -64,9 +65,9 @@ def host_checked() -> Iterator[None]:
 
 
 def our_children() -> set[str]:
-    return set(
-        subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
-    )
+    """This process's children, but fork servers: those are the process's, kept for later launches."""
+    pids = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
+    return {pid for pid in pids if not is_fork_server(int(pid))}
 
 
 def solution(body: str) -> str:
