@@ -394,6 +394,5 @@ class _NodeAgent:
         for task in self.watchers:
             task.cancel()
         await asyncio.gather(*self.watchers, return_exceptions=True)
-        await self.forks.close()
         self.sock.close(linger=0)
         self.ctx.term()

@@ -334,9 +334,6 @@ class ForkServers:
         if self.log is not None:
             self.log.warning("fork_server_unavailable", why=why)
 
-    async def close(self) -> None:
-        """Nothing to stop: the servers are this process's, shared, and stop with it."""
-
 
 # -- the server process ------------------------------------------------------------------------------
 

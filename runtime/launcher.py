@@ -148,16 +148,11 @@ class LocalLauncher:
 
     @property
     def forks(self) -> ForkServers:
-        """The fork servers this launcher's actors are forked from, made on first use (a subclass need not
-        call `__init__`)."""
+        """How this launcher forks its actors (the servers are the process's), made on first use: a subclass
+        need not call `__init__`."""
         if self._forks is None:
             self._forks = ForkServers(self.log)
         return self._forks
-
-    async def close(self) -> None:
-        """Stops the fork servers: after the actors they forked have exited."""
-        if self._forks is not None:
-            await self._forks.close()
 
     async def launch(self, a: ActorLaunch) -> ProcessHandle:
         if a.node not in self.nodes:

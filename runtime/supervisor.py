@@ -102,11 +102,7 @@ class Supervisor:
         self.handshake_timeout_s = handshake_timeout_s
         self.log = log
         self.trace = trace  # actors record spans into RUN/spans/ (runtime/spans.py)
-        # Starts node 0's actors (this host); one made here is closed here (its fork servers) at shutdown.
-        self._own_launcher: LocalLauncher | None = None
-        if launcher is None:
-            launcher = self._own_launcher = LocalLauncher(log)
-        self.launcher: Launcher = launcher
+        self.launcher: Launcher = launcher or LocalLauncher(log)  # starts node 0's actors (this host)
         self.remote = remote  # starts the other nodes' actors (runtime/agent.py), in a multi-node run
         self.cluster = cluster or Cluster()
         # With the run's key every socket of the run is CURVE (multi-node runs); refused peers are logged.
@@ -523,8 +519,6 @@ class Supervisor:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.control.close()
         self._proxy.stop()
-        if self._own_launcher is not None:
-            await self._own_launcher.close()
         cleanup_shm(run_tag(self.run_dir))  # segments of actors that died holding them
 
     async def __aenter__(self) -> Supervisor:

@@ -134,7 +134,6 @@ def test_a_forked_child_writes_to_the_callers_stderr_as_it_is_at_the_fork(tmp_pa
         finally:
             os.dup2(saved, 2)
             os.close(saved)
-            await forks.close()
         return codes
 
     assert uvloop.run(main()) == [2, 2]
