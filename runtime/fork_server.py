@@ -34,7 +34,7 @@ from typing import Any
 
 import msgspec
 
-from slipstream.runtime.process import parent_pid
+from slipstream.runtime.process import die_with_parent, parent_pid
 
 __all__ = [
     "ENV_SWITCH",
@@ -342,10 +342,7 @@ def serve(fd: int) -> int:
     """The fork server's loop (`python -m slipstream.runtime --fork-server FD`): preload, then fork on request
     until the socket closes; returns the exit code."""
     sock = socket.socket(fileno=fd)
-    parent = os.getppid()
-    _set_pdeathsig()
-    if os.getppid() != parent:
-        return 3  # the launcher died before prctl took effect
+    die_with_parent(os.getppid())
     import slipstream.runtime.host  # noqa: F401  the runtime, msgspec, zmq
 
     try:
@@ -463,8 +460,3 @@ def _set_cmdline(argv: list[str]) -> None:
         if start and end > start:
             data = "\0".join(argv).encode()[: end - start - 1].ljust(end - start, b"\0")
             ctypes.memmove(start, data, len(data))
-
-
-def _set_pdeathsig() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG

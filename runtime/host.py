@@ -17,7 +17,6 @@ heap memory is kept for reuse (`keep_freed_memory`) before anything allocates: d
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib
 import os
 import signal
@@ -40,7 +39,7 @@ from slipstream.runtime.codec import Codec, ProtocolError
 from slipstream.runtime.config import ConfigError, convert
 from slipstream.runtime.inbox import Inbox
 from slipstream.runtime.io_thread import ActorIO, PushOutbox
-from slipstream.runtime.process import keep_freed_memory, peak_gpu_mb, peak_rss_mb
+from slipstream.runtime.process import die_with_parent, keep_freed_memory, peak_gpu_mb, peak_rss_mb
 from slipstream.runtime.shm import ShmArena
 from slipstream.runtime.spans import SpanRecorder, span_path
 from slipstream.runtime.transport import (
@@ -79,14 +78,6 @@ def import_actor(path: str) -> type[Actor]:
     return cls
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if parent_pid and os.getppid() != parent_pid:
-        os._exit(3)  # the parent died before prctl took effect
-
-
 EXIT_OUT_OF_MEMORY = 12
 """The exit code of an actor whose loop ran out of device memory (torch.OutOfMemoryError): ENOMEM's."""
 
@@ -122,7 +113,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Runs one actor process from its command line: handshake, build, serve; returns its exit code."""
     args = _parse(argv)
-    _die_with_parent(args.parent_pid)
+    die_with_parent(args.parent_pid)
     # Every role allocates and frees large buffers per step (activations, weight pushes): reuse the pages.
     keep_freed_memory()
     cls = import_actor(args.actor)

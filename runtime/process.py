@@ -12,6 +12,7 @@ the (dynamic) mmap threshold is a fresh mmap whose pages fault in, zeroed, on ev
 (docs/training.md, "The learner's kernel time"). An idle process hands it back with
 `release_freed_memory`; `memory_now` reports resident size, heap in use and heap kept. `pin_threads` pins
 every thread of the process (`sched_setaffinity(0)` moves only the caller; an OpenMP pool would stay).
+`die_with_parent`: an actor dies with its launcher, a fork server with its own.
 """
 
 from __future__ import annotations
@@ -228,6 +229,16 @@ class MemorySampler:
             self.peak_mb = total
             self.at_peak_mb = {key: round(mb, 1) for key, mb in sorted(split.items())}
         return total
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent dies (PR_SET_PDEATHSIG, Linux); exits at once with code 3 if
+    `parent_pid` (when given) is no longer its parent, gone before the request took effect."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if parent_pid and os.getppid() != parent_pid:
+        os._exit(3)
 
 
 def parent_pid(pid: int) -> int | None:
