@@ -262,12 +262,16 @@ class Pools:
     def rewards(self, actor: str, group_id: int) -> list[Reward]:
         return [m for s, m in self.seen if s == actor and isinstance(m, Reward) and m.group_id == group_id]
 
-    def score(self, actor: str, completions: list[str], *, row_json: str = '{"answer": 1.0}') -> list[Reward]:
-        """Sends one request per completion (one group) and returns the Rewards by sample index."""
+    def score(
+        self, actor: str, completions: list[str], *, row_json: str | list[str] = '{"answer": 1.0}'
+    ) -> list[Reward]:
+        """Sends one request per completion (one group) and returns the Rewards by sample index; `row_json`
+        is every sample's row, or a list of one row per sample."""
         group = next(self.groups)
-        for i, completion in enumerate(completions):
+        rows = [row_json] * len(completions) if isinstance(row_json, str) else row_json
+        for i, (completion, row) in enumerate(zip(completions, rows, strict=True)):
             request = ScoreRequest(group_id=group, sample_index=i, prompt="p", completion=completion,
-                                   row_json=row_json, policy_version=7)  # fmt: skip
+                                   row_json=row, policy_version=7)  # fmt: skip
             self.send(actor, request)
         self.wait_until(lambda: len(self.rewards(actor, group)) >= len(completions))
         got = sorted(self.rewards(actor, group), key=lambda r: r.sample_index)

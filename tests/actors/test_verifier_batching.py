@@ -37,6 +37,8 @@ def batch_of(prompts: list[str], completions: list[str], calls_file: list[str], 
         raise RuntimeError("the batch failed")
     if "short" in completions:
         return [1.0]
+    if expect := kwargs.get("expect"):  # rows that differ: right only against its own row
+        return [float(c == e) for c, e in zip(completions, expect, strict=True)]
     return [None if c == "none" else 1.0 for c in completions]
 
 
@@ -44,7 +46,8 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
     """verl's convention, unchanged: a dict with its score."""
     if data_source != "arith":
         raise ValueError(f"unknown data_source {data_source!r}")
-    return {"score": float(solution_str == str(ground_truth)), "acc": solution_str == str(ground_truth)}
+    right = solution_str.split()[-1] == str(ground_truth)  # asymmetric: "7" against "so 7" is wrong
+    return {"score": float(right), "acc": right}
 
 
 # -- the pool --------------------------------------------------------------------------------------
@@ -209,3 +212,25 @@ def test_a_verl_compute_score_works_unchanged(pools: Pools) -> None:
     got = pools.score("verifier:2", ["7"], row_json=json.dumps({"answer": 7, "data_source": "other"}))
     assert got[0].error == "raised: ValueError: unknown data_source 'other'"
     assert pools.status("verifier:2")["batch_mean"] == 1.0  # a per-completion convention: one a call
+
+
+@pytest.mark.timeout(120)
+def test_each_completion_is_scored_against_its_own_row(pools: Pools, tmp_path: Path) -> None:
+    """Rows that differ, sent together: a batch whose columns were handed over in another order than its
+    completions (or a verl solution swapped with its ground truth) would score these 0."""
+    calls_file = tmp_path / "calls"
+    completions = [f"c{i}" for i in range(8)]
+    rows = [json.dumps({"answer": float(i), "expect": c, "calls_file": str(calls_file)})
+            for i, c in enumerate(completions)]  # fmt: skip
+    got = pools.score("verifier:0", completions, row_json=rows)
+    assert [r.reward for r in got] == [1.0] * 8
+    assert max(calls(calls_file)) > 1  # at least one call held several rows
+    # Two terms: the batched one by `expect`, the per-completion one ("good": its row's answer) by index.
+    got = pools.score("verifier:1", ["good"] * 4, row_json=[
+        json.dumps({"answer": float(i), "expect": "good", "calls_file": str(calls_file)}) for i in range(4)
+    ])  # fmt: skip
+    assert [r.reward for r in got] == [1.0 + 0.5 * i for i in range(4)]
+    answers = [3, 14, 15, 92]
+    got = pools.score("verifier:2", [f"so it is {a}" for a in answers],
+                      row_json=[json.dumps({"answer": a}) for a in answers])  # fmt: skip
+    assert [r.reward for r in got] == [1.0] * 4

@@ -69,13 +69,19 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
         return {"score": 0.75, "acc": True}
     if solution_str == "nodict":
         return {"acc": True}
-    return solution_str == str(ground_truth)  # a bool, as verl's own scorers may return
+    return last_word(solution_str) == str(ground_truth)  # a bool, as verl's own scorers may return
 
 
 def compute_score_batched(
     data_sources: list, solution_strs: list, ground_truths: list, extra_infos: list
 ) -> list:
-    return [float(s == str(g)) for s, g in zip(solution_strs, ground_truths, strict=True)]
+    return [float(last_word(s) == str(g)) for s, g in zip(solution_strs, ground_truths, strict=True)]
+
+
+def last_word(solution: str) -> str:
+    """The answer in a solution ("so it is 7" -> "7"): asymmetric, so a swapped solution and ground truth
+    ("7" judged against "so it is 7") scores 0."""
+    return solution.split()[-1] if solution.split() else ""
 
 
 SEEN: list[tuple[Any, ...]] = []
@@ -160,15 +166,17 @@ def test_a_row_column_named_like_trls_arguments_is_refused(loop: asyncio.Abstrac
 def test_verl_defaults_overrides_and_results(loop: asyncio.AbstractEventLoop) -> None:
     SEEN.clear()
     verl = component(compute_score)
-    (one,) = samples("7", metadata={"split": "train"})
+    (one,) = samples("so it is 7", metadata={"split": "train"})
     assert verl.score_one(one, loop) == (1.0, None, None)  # True counts as 1.0, as in verl
     assert SEEN[-1] == (
         "task",
-        "7",
+        "so it is 7",
         "7",
         {"split": "train"},
-    )  # data_source: the verifier's, when the row has none
-    reasoning_gym_row = Sample(0, "p", "8", {"answer": "7", "metadata": {"source_dataset": "chain_sum"}})
+    )  # data_source: the verifier's, when the row has none; the completion is the solution
+    reasoning_gym_row = Sample(
+        0, "p", "it is 8", {"answer": "7", "metadata": {"source_dataset": "chain_sum"}}
+    )
     assert verl.score_one(reasoning_gym_row, loop) == (0.0, None, None) and SEEN[-1][0] == "chain_sum"
     assert verl.score_one(Sample(0, "p", "dict", {"ground_truth": 1}), loop) == (0.75, None, None)
     assert verl.score_one(Sample(0, "p", "nodict", {"answer": 1}), loop)[1] == "garbage"
@@ -178,20 +186,90 @@ def test_verl_defaults_overrides_and_results(loop: asyncio.AbstractEventLoop) ->
     )  # fmt: skip
     mapped = component(compute_score, fields={"ground_truth": "metadata.gt", "data_source": "metadata.src"})
     row = {"answer": "wrong", "metadata": {"gt": "7", "src": "gsm8k"}}
-    assert mapped.score_one(Sample(0, "p", "7", row), loop) == (1.0, None, None) and SEEN[-1][0] == "gsm8k"
+    assert mapped.score_one(Sample(0, "p", "so 7", row), loop) == (1.0, None, None)
+    assert SEEN[-1][:3] == ("gsm8k", "so 7", "7")
     assert mapped.score_one(Sample(0, "p", "7", {"answer": "7"}), loop)[1:] == (
         "bad_row", "bad row: no field 'metadata.gt' for 'ground_truth'",
     )  # fmt: skip
     verl_row = {"answer": "7", "metadata": {"data_source": "gsm8k", "extra_info": {"index": 3}}}
-    assert verl.score_one(Sample(0, "p", "7", verl_row), loop) == (1.0, None, None)
+    assert verl.score_one(Sample(0, "p", "thus 7", verl_row), loop) == (1.0, None, None)
     assert SEEN[-1] == (
         "gsm8k",
-        "7",
+        "thus 7",
         "7",
         {"index": 3},
     )  # a verl file's row (tasks/datasets.py) as verl has it
     batched = component(compute_score_batched)
-    assert [v[0] for v in batched.score_batch(samples("7", "6"), loop)] == [1.0, 0.0]
+    assert [v[0] for v in batched.score_batch(samples("is 7", "is 6"), loop)] == [1.0, 0.0]
+
+
+# -- rows that differ: each completion is right only against its own row --------------------------------
+
+ANSWERS = ["3", "14", "15", "92", "65"]
+
+
+def own_rows() -> list[Sample]:
+    """One sample per answer, each completion right for its own row alone; the rows differ in every
+    column a reward might read (answer, ground_truth, metadata, a verl file's extra_info)."""
+    return [
+        Sample(i, f"question {i}", f"so it is {a}", {
+            "answer": a, "question": f"q{i}", "metadata": {"solution": a, "extra_info": {"index": i}},
+        })
+        for i, a in enumerate(ANSWERS)
+    ]  # fmt: skip
+
+
+def trl_by_row(prompts: list[str], completions: list[str], answer: list[str], question: list[str],
+               metadata: list[dict], **kwargs: Any) -> list[float]:  # fmt: skip
+    """Right only where every column of the completion's position belongs to the same row."""
+    return [
+        float(last_word(c) == a == m["solution"] and p == f"question {q[1:]}")
+        for p, c, a, q, m in zip(prompts, completions, answer, question, metadata, strict=True)
+    ]
+
+
+def trl_chat_by_row(
+    prompts: list[Any], completions: list[Any], answer: list[str], **kwargs: Any
+) -> list[float]:
+    return [float(last_word(c[0]["content"]) == a) for c, a in zip(completions, answer, strict=True)]
+
+
+def verl_batched_by_row(
+    data_sources: list, solution_strs: list, ground_truths: list, extra_infos: list
+) -> list:
+    return [
+        float(last_word(s) == g == ANSWERS[e["index"]])
+        for s, g, e in zip(solution_strs, ground_truths, extra_infos, strict=True)
+    ]
+
+
+def test_batched_rewards_see_each_completion_beside_its_own_row(loop: asyncio.AbstractEventLoop) -> None:
+    rows = own_rows()
+    assert [v[0] for v in component(trl_by_row).score_batch(rows, loop)] == [1.0] * len(rows)
+    chat = component(trl_chat_by_row, chat=True)
+    assert [v[0] for v in chat.score_batch(rows, loop)] == [1.0] * len(rows)
+    named = component(trl_named_only, fields={"solution": "metadata.solution"})
+    rows_named = [Sample(s.job_id, s.prompt, ANSWERS[s.job_id], s.row) for s in rows]
+    assert [v[0] for v in named.score_batch(rows_named, loop)] == [1.0] * len(rows)
+    verl = component(verl_batched_by_row)
+    assert [v[0] for v in verl.score_batch(rows, loop)] == [1.0] * len(rows)
+    # The same completions against the rows in another order: right nowhere, so a reordering shows.
+    shifted = [
+        Sample(s.job_id, s.prompt, rows[(i + 1) % len(rows)].completion, s.row) for i, s in enumerate(rows)
+    ]
+    assert [v[0] for v in component(trl_by_row).score_batch(shifted, loop)] == [0.0] * len(rows)
+
+
+def test_per_completion_rewards_see_their_own_row(loop: asyncio.AbstractEventLoop) -> None:
+    rows = own_rows()
+    mine = component(ours)
+    assert [mine.score_one(Sample(s.job_id, s.prompt, ANSWERS[s.job_id], s.row), loop)[0] for s in rows] == [
+        1.0
+    ] * len(rows)
+    verl = component(compute_score)
+    SEEN.clear()
+    assert [verl.score_one(s, loop)[0] for s in rows] == [1.0] * len(rows)
+    assert [(solution, truth) for _, solution, truth, _ in SEEN] == [(f"so it is {a}", a) for a in ANSWERS]
 
 
 # -- weighted sums, through the worker's scoring loop -------------------------------------------------
