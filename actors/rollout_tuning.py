@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import torch
 
 from slipstream.engine import eagle_export
 from slipstream.engine.drafters import EagleDrafter
@@ -65,7 +66,11 @@ def start_eagle(path: str, target: Transformer, log: Any, **kwargs: Any) -> Eagl
         log.info("drafter_loaded", path=path, version=drafter.version)
         return drafter
     weight = target.lm_head_weight
-    head = EagleHead.for_target(target.config).to(device=weight.device, dtype=weight.dtype)
+    # The same untrained head in every rollout and restart: the process's own generator is seeded from
+    # the OS (runtime/process.py, fresh_random_state), and a head's init should not depend on it.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        head = EagleHead.for_target(target.config).to(device=weight.device, dtype=weight.dtype)
     return EagleDrafter(head, target, **kwargs)
 
 

@@ -420,8 +420,6 @@ def _child(req: _Fork, fds: list[int], *, closing: list[int]) -> None:
         _set_cmdline([sys.executable, "-m", MODULE, *argv])
         sys.argv = [sys.argv[0], *argv]
         sys.orig_argv = [sys.executable, "-m", MODULE, *argv]
-        if "numpy" in sys.modules:  # an exec'd process seeds numpy's global generator afresh
-            sys.modules["numpy"].random.seed()
         from slipstream.runtime.host import main
 
         code = main(argv)

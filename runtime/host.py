@@ -39,7 +39,13 @@ from slipstream.runtime.codec import Codec, ProtocolError
 from slipstream.runtime.config import ConfigError, convert
 from slipstream.runtime.inbox import Inbox
 from slipstream.runtime.io_thread import ActorIO, PushOutbox
-from slipstream.runtime.process import die_with_parent, keep_freed_memory, peak_gpu_mb, peak_rss_mb
+from slipstream.runtime.process import (
+    die_with_parent,
+    fresh_random_state,
+    keep_freed_memory,
+    peak_gpu_mb,
+    peak_rss_mb,
+)
 from slipstream.runtime.shm import ShmArena
 from slipstream.runtime.spans import SpanRecorder, span_path
 from slipstream.runtime.transport import (
@@ -117,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     # Every role allocates and frees large buffers per step (activations, weight pushes): reuse the pages.
     keep_freed_memory()
     cls = import_actor(args.actor)
+    fresh_random_state()  # after the imports: torch's generator exists from its import on
     keys = CurveKeys.load(Path(args.curve_key)) if args.curve_key else None
     log = logs.configure(
         role=cls.role,

@@ -12,7 +12,8 @@ the (dynamic) mmap threshold is a fresh mmap whose pages fault in, zeroed, on ev
 (docs/training.md, "The learner's kernel time"). An idle process hands it back with
 `release_freed_memory`; `memory_now` reports resident size, heap in use and heap kept. `pin_threads` pins
 every thread of the process (`sched_setaffinity(0)` moves only the caller; an OpenMP pool would stay).
-`die_with_parent`: an actor dies with its launcher, a fork server with its own.
+`die_with_parent`: an actor dies with its launcher, a fork server with its own. `fresh_random_state`: an
+actor's global generators (numpy's, torch's) seeded from the OS, forked or exec'd alike.
 """
 
 from __future__ import annotations
@@ -239,6 +240,19 @@ def die_with_parent(parent_pid: int) -> None:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
     if parent_pid and os.getppid() != parent_pid:
         os._exit(3)
+
+
+def fresh_random_state() -> None:
+    """Seeds numpy's and torch's global generators (where they exist) from the OS's entropy, so no two
+    actors, nor an actor and its restart, draw the same numbers from them."""
+    # A forked actor starts from its fork server's generators (torch's always exists there): without
+    # this, a user's reward or environment drawing from one of them repeats another actor's draws.
+    # Slipstream's own randomness is keyed, never drawn from these. `random` needs nothing: Python
+    # reseeds it in a child of os.fork; numpy.random, imported lazily, seeds itself at its import.
+    if (numpy_random := sys.modules.get("numpy.random")) is not None:
+        numpy_random.seed()
+    if (torch := sys.modules.get("torch")) is not None:
+        torch.seed()
 
 
 def parent_pid(pid: int) -> int | None:

@@ -107,6 +107,7 @@ class Outcome(msgspec.Struct, tag=True, array_like=True, frozen=True):
 def worker_main(conn: Connection, spec: bytes) -> None:
     """A worker process: load the reward's terms, then score batches from `conn` until the actor closes it."""
     _die_with_the_actor()
+    _fresh_random_state()  # before the reward loads: a class reward may draw as it is built
     encoder = msgspec.msgpack.Encoder()
     terms = msgspec.msgpack.decode(spec, type=WorkerSpec)
     try:
@@ -180,6 +181,16 @@ def _record(
         failed[job.job_id] = (named(verdict, c.name) if many else verdict, c.name)
     else:
         parts[job.job_id][c.name] = verdict[0]
+
+
+def _fresh_random_state() -> None:
+    """Seeds the global generators a reward may draw from (numpy's, torch's where imported) from the OS:
+    workers fork from one forkserver, so where it has them (a sitecustomize, a preloaded library) each
+    worker would repeat its siblings' draws, and a restarted worker its predecessor's. Python reseeds
+    `random` in a child of os.fork itself."""
+    for name in ("numpy.random", "torch"):  # numpy.random is imported lazily, seeded from the OS then
+        if (module := sys.modules.get(name)) is not None:
+            module.seed()
 
 
 def _die_with_the_actor() -> None:

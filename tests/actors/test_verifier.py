@@ -94,6 +94,27 @@ def start_helper(pid_file: str) -> None:
     os.replace(pid_file + ".tmp", pid_file)  # whole or absent: the test polls for it
 
 
+def draws(prompt: str, completion: str, *, draws_dir: str, **row: Any) -> float:
+    """Writes this worker's first draws from each global generator to `draws_dir`, by pid; "hang" hangs."""
+    if completion == "hang":
+        time.sleep(600)
+    path = Path(draws_dir, f"{os.getpid()}.json")
+    if not path.exists():
+        import random
+
+        import torch
+
+        drawn = {
+            "random": random.random(),
+            "numpy": float(np.random.random()),
+            "torch": float(torch.rand(())),
+        }
+        path.with_suffix(".tmp").write_text(json.dumps(drawn))
+        path.with_suffix(".tmp").replace(path)
+    time.sleep(0.3)  # long enough that a request sent beside it goes to the other worker
+    return 1.0
+
+
 async def async_reward(prompt: str, completion: str, **row: Any) -> float:
     await asyncio.sleep(0)
     return 0.25
@@ -524,3 +545,36 @@ def test_a_reward_worker_holds_the_reward_and_not_the_actor_runtime(pools: Pools
     which multiprocessing re-imports in every child)."""
     (reward,) = pools.score("verifier:2", ["good"])
     assert reward.error is None and reward.reward == 0.0
+
+
+@pytest.mark.timeout(180)
+def test_reward_workers_and_their_replacements_draw_different_numbers(tmp_path: Path) -> None:
+    """Workers fork from one forkserver: where it holds numpy's or torch's generator (here a sitecustomize
+    draws from both as every process starts), each worker is seeded afresh from the OS, or every worker and
+    every replacement of a killed one would draw what its siblings drew."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import numpy.random\nimport torch\n\nnumpy.random.random()\ntorch.rand(1)\n"
+    )
+    verifier = spec("tests.actors.test_verifier:draws", 0, workers=2, timeout_s=TIMEOUT_S)
+    verifier = msgspec.structs.replace(
+        verifier, env={"PYTHONPATH": os.pathsep.join((str(site), verifier.env["PYTHONPATH"]))}
+    )
+    out = tmp_path / "draws"
+    out.mkdir()
+    row = json.dumps({"draws_dir": str(out)})
+    pools = Pools(tmp_path / "run", [verifier])
+    try:
+        assert [r.reward for r in pools.score("verifier:0", ["draw", "draw"], row_json=row)] == [1.0, 1.0]
+        got = pools.score("verifier:0", ["hang", "hang"], row_json=row)  # both workers killed, replaced
+        assert all(r.error == f"timeout after {TIMEOUT_S} s" for r in got)
+        assert [r.reward for r in pools.score("verifier:0", ["draw", "draw"], row_json=row)] == [1.0, 1.0]
+        assert pools.status("verifier:0")["restarts"] == 2
+    finally:
+        pools.close()
+    drawn = [json.loads(p.read_text()) for p in out.glob("*.json")]
+    assert len(drawn) == 4, drawn  # two workers, then their two replacements
+    for generator in ("random", "numpy", "torch"):
+        values = [d[generator] for d in drawn]
+        assert len(set(values)) == len(values), (generator, drawn)

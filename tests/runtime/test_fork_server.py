@@ -6,14 +6,19 @@ Servers are the process's: a test may find one an earlier test started (same env
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import random
 import signal
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 import uvloop
 
+from slipstream.runtime.actor import Actor
 from slipstream.runtime.fork_server import ENV_SWITCH, ForkedProcess, ForkServers, launcher_pid
 from slipstream.runtime.process import parent_pid
 from slipstream.runtime.supervisor import ActorSpec, Supervisor
@@ -21,6 +26,24 @@ from slipstream.runtime.supervisor import ActorSpec, Supervisor
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork servers run on Linux only")
 
 SINK = "slipstream.cli.smoke:Sink"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Draws(Actor):
+    """Writes its first draws from each global generator a reward or environment might use, by pid."""
+
+    role = "draws"
+
+    def on_start(self) -> None:
+        draws = {
+            "random": random.random(),
+            "numpy": float(np.random.random()),
+            "torch": float(torch.rand(())),
+        }
+        path = Path(self.run_dir, "draws", f"{os.getpid()}.json")
+        path.parent.mkdir(exist_ok=True)
+        path.with_suffix(".tmp").write_text(json.dumps(draws))
+        path.with_suffix(".tmp").replace(path)
 
 
 def cmdline(pid: int) -> list[str]:
@@ -163,3 +186,51 @@ def test_a_killed_server_takes_its_actors_with_it_and_a_restart_forks_from_a_new
             await sup.shutdown(reason="test")
 
     uvloop.run(main())
+
+
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "exec_d"])
+def test_actors_and_their_restarts_draw_different_numbers_from_every_global_generator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, forked: bool
+) -> None:
+    """Forked actors start from their server's state, and torch seeds its generator with a constant in every
+    process: each actor (and each restart) is seeded from the OS at start, whichever way it was started."""
+    if not forked:
+        monkeypatch.setenv(ENV_SWITCH, "0")
+    # A site whose start-up draws from numpy (as a sitecustomize or a preloaded library may): the server's
+    # numpy generator then exists before it forks, as torch's always does.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import numpy.random\n\nnumpy.random.random()\n")
+    pythonpath = os.pathsep.join(p for p in (str(site), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    draws = "tests.runtime.test_fork_server:Draws"
+
+    def written() -> dict[str, dict[str, float]]:
+        return {p.stem: json.loads(p.read_text()) for p in (tmp_path / "draws").glob("*.json")}
+
+    async def main() -> list[int]:
+        sup = Supervisor(tmp_path, heartbeat_s=0.25, restart_backoff_s=0.0)
+        try:
+            specs = [ActorSpec(actor=draws, rank=r, env={"PYTHONPATH": pythonpath}) for r in range(3)]
+            await sup.start(specs)
+            pids = [sup.pid(f"draws:{r}") for r in range(3)]
+            assert (parent_pid(pids[0]) != os.getpid()) is forked
+            for _ in range(2):  # a restart of rank 0, twice
+                sup.kill("draws:0")
+                await asyncio.wait_for(sup.deaths.get(), 10)
+                await sup.restart("draws:0")
+                pids.append(sup.pid("draws:0"))
+            for _ in range(200):
+                if len(written()) == len(pids):
+                    break
+                await asyncio.sleep(0.05)
+            return pids
+        finally:
+            await sup.shutdown(reason="test")
+
+    pids = uvloop.run(main())
+    assert len(set(pids)) == 5
+    got = written()
+    assert sorted(got) == sorted(map(str, pids))
+    for generator in ("random", "numpy", "torch"):
+        values = [d[generator] for d in got.values()]
+        assert len(set(values)) == len(values), (generator, got)
