@@ -13,6 +13,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -115,6 +116,94 @@ def test_how_a_misbehaving_run_ends(host_checked: None) -> None:
     assert early.status == "crashed" and "no verdict" in early.detail
     printed = box.run("def add(a, b):\n    print('PASSED', a)\n    return 0", "add", tests)
     assert printed.status == "failed" and printed.passed == 1 and "PASSED 2" in printed.detail
+
+
+TIGHT = Limits(wall_s=4.0, cpu_s=1, memory_mb=128, processes=5, file_mb=1, open_files=20)
+PROBES = """
+import errno, os, resource, socket, time
+
+def limits():
+    names = ("RLIMIT_CPU", "RLIMIT_AS", "RLIMIT_NPROC", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_CORE")
+    read = [list(resource.getrlimit(getattr(resource, n))) for n in names]
+    return read + [[name for _, name in socket.if_nameindex()], os.getuid() != 0, os.getgid() != 0]
+
+def refused(e):
+    return errno.errorcode.get(e.errno, str(e.errno))
+
+def write(megabytes):
+    try:
+        with open("big", "wb") as f:
+            for _ in range(megabytes):
+                f.write(bytes(1 << 20))
+    except OSError as e:
+        return [os.path.getsize("big") >> 20, refused(e)]
+    return [megabytes, None]
+
+def allocate(megabytes):
+    try:
+        return len(bytearray(megabytes << 20)) >> 20
+    except MemoryError:
+        return "MemoryError"
+
+def fork(cap):
+    made = 0
+    while made < cap:
+        try:
+            pid = os.fork()
+        except OSError as e:
+            return [made, refused(e)]
+        if pid == 0:
+            time.sleep(30)
+            os._exit(0)
+        made += 1
+    return [made, None]
+
+def open_files(cap):
+    held = []
+    while len(held) < cap:
+        try:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError as e:
+            return [held[-1] if held else None, refused(e)]
+    return [held[-1], None]
+
+def connect():
+    try:
+        socket.create_connection(("127.0.0.1", 9), timeout=1).close()
+    except OSError as e:
+        return refused(e)
+    return None
+
+def spin():
+    while True:
+        pass
+"""
+
+
+@pytest.mark.timeout(120)
+def test_each_limit_holds_inside_the_sandbox(host_checked: None) -> None:
+    """The limits read back from inside, then each one met: the expected values come from `TIGHT`, not from
+    what the sandbox sets (a limit it dropped reads back as the host's and is never met)."""
+    box = Sandbox(TIGHT, check=False)
+    mb = 1 << 20
+
+    def returns(entry: str, args: list[Any], expected: Any) -> None:
+        result = box.run(PROBES, entry, [{"args": args, "expected": expected}])
+        assert result.status == "passed", (entry, result.detail)
+
+    returns("limits", [], [
+        [TIGHT.cpu_s, TIGHT.cpu_s + 1], [TIGHT.memory_mb * mb] * 2, [TIGHT.processes] * 2,
+        [TIGHT.file_mb * mb] * 2, [TIGHT.open_files] * 2, [0, 0], ["lo"], True, True,
+    ])  # fmt: skip
+    returns("write", [TIGHT.file_mb + 2], [TIGHT.file_mb, "EFBIG"])  # a file past the cap: EFBIG
+    returns("allocate", [TIGHT.memory_mb // 4], TIGHT.memory_mb // 4)
+    returns("allocate", [TIGHT.memory_mb], "MemoryError")
+    returns("fork", [4 * TIGHT.processes], [TIGHT.processes - 1, "EAGAIN"])  # the code's process is one
+    returns("open_files", [4 * TIGHT.open_files], [TIGHT.open_files - 1, "EMFILE"])
+    returns("connect", [], "ENETUNREACH")  # its own network namespace: a loopback, down
+    spun = box.run(PROBES, "spin", [{"args": [], "expected": None}])  # CPU time: SIGXCPU before the wall
+    assert spun.status == "crashed" and "killed by SIGXCPU" in spun.detail, spun
+    assert spun.elapsed_s < TIGHT.wall_s
 
 
 @pytest.mark.timeout(60)
