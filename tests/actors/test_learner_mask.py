@@ -1,6 +1,7 @@
 """The learner's side of a multi-turn record: each Completion's policy mask crosses the wire (codec), into
 the group the learner assembles and the samples record a restarted learner replays from, and into
-`PolicySample.policy_mask`, so an environment's tokens stay out of the loss. A planted learner that drops the masks trains on them, and the update differs."""
+`PolicySample.policy_mask`, so an environment's tokens stay out of the loss: the update reads nothing at
+them (their rollout log-probs can be anything), and a learner that drops the masks trains on them."""
 
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ RESPONSES = [[9, 10, 11, 40, 41, 42, 12, 13], [14, 15, 16, 40, 41, 42, 17]]
 MASKS = [[True] * 3 + [False] * 3 + [True] * 2, [True] * 3 + [False] * 3 + [True]]
 
 
-def group(*, masks: bool = True) -> ScoredGroup:
-    logp = [torch.tensor([0.0 if not m else -1.5 for m in mask]) for mask in MASKS]
+def group(*, masks: bool = True, behaviour: list[list[float]] | None = None) -> ScoredGroup:
+    """The two-sample group; `behaviour` its rollout log-probs (default 0.0 at observations, -1.5 else)."""
+    if behaviour is None:
+        behaviour = [[0.0 if not m else -1.5 for m in mask] for mask in MASKS]
+    logp = [torch.tensor(b) for b in behaviour]
     return ScoredGroup(
         step=0, group_id=0, prompt_ids=torch.tensor(PROMPT),
         response_ids=[torch.tensor(r) for r in RESPONSES], behaviour_logprobs=logp, rewards=[1.0, 0.0],
@@ -85,3 +89,28 @@ def test_a_planted_unmasked_observation_changes_the_update(tmp_path: Path) -> No
     planted, planted_tokens = grads(group(masks=False))  # what a learner that ignores the masks trains
     assert tokens == 9 and planted_tokens == 15
     assert not torch.allclose(masked, planted)
+
+
+def test_the_update_reads_nothing_at_an_environments_tokens(tmp_path: Path) -> None:
+    """Whatever the rollout's log-probs say at the observation tokens, the gradient is the same, bitwise; the
+    same change at one policy token changes it. A loss that weighed the observation tokens (even with the
+    token count right) would scale each by its ratio to those log-probs."""
+    model_dir = build_checkpoint(tmp_path / "tiny")
+    # No ratio here is clipped (the tiny model's log-probs are about -5): every token counts, with its ratio.
+    loss = LossConfig(eps_low=0.99, eps_high=100.0)
+
+    def grads(observation: float, policy: float, first_policy: float | None = None) -> torch.Tensor:
+        behaviour = [[policy if m else observation for m in mask] for mask in MASKS]
+        if first_policy is not None:
+            behaviour[0][0] = first_policy
+        samples, _ = policy_samples([group(behaviour=behaviour)], loss)
+        trainer = PolicyTrainer(
+            load_model(model_dir), loss=loss, optim=OptimConfig(lr=1e-3, max_grad_norm=1e9)
+        )
+        assert trainer.step(samples)["tokens"] == 9
+        return torch.cat([p.grad.reshape(-1) for p in trainer.params])
+
+    base = grads(observation=-4.0, policy=-5.0)
+    assert torch.equal(base, grads(observation=-6.5, policy=-5.0))
+    assert torch.equal(base, grads(observation=0.0, policy=-5.0))
+    assert not torch.allclose(base, grads(observation=-4.0, policy=-5.0, first_policy=-5.5))  # it can tell

@@ -63,15 +63,26 @@ def test_a_batch_is_scored_in_one_generate_call_and_each_score_is_p_yes(
     assert calls == [3] and j.calls == 1
     assert all(s is not None and 0.0 <= s <= 1.0 for s in scores)
     # The same number from a plain forward pass over each prompt alone: the hidden row the engine keeps
-    # is the one that sampled the first token, and batching changes nothing.
+    # is the one that sampled the first token, and batching changes nothing. The prompt's text, and which
+    # vocabulary entries say yes and which no, are written here, not taken from the code under test.
     e = j.engine
+    yes_ids, no_ids = vocabulary_ids(e.tokenizer, "yes"), vocabulary_ids(e.tokenizer, "no")
+    assert (set(e.yes_ids), set(e.no_ids)) == (yes_ids, no_ids) and len(yes_ids) >= 4
     for score, ref, answer in zip(scores, REFERENCES, ["5", "41", "Paris, surely"], strict=True):
-        ids = judge.judge_prompt(e.tokenizer, "", ref, answer)
+        text = f'Is "{answer}" the same as "{ref}"? Answer Yes or No.'
+        ids = e.tokenizer.apply_chat_template([{"role": "user", "content": text}])
         with torch.inference_mode():
             logprobs = torch.log_softmax(e.model.forward_train(torch.tensor([ids]))[0, -1], dim=-1)
-        yes = torch.logsumexp(logprobs[list(e.yes_ids)], 0)
-        no = torch.logsumexp(logprobs[list(e.no_ids)], 0)
+        yes = torch.logsumexp(logprobs[sorted(yes_ids)], 0)
+        no = torch.logsumexp(logprobs[sorted(no_ids)], 0)
         assert score == pytest.approx(float(torch.sigmoid(yes - no)), abs=1e-4)
+
+
+def vocabulary_ids(tokenizer: Any, word: str) -> set[int]:
+    """The ids of the byte-level BPE vocabulary entries "word", "Word", "WORD", " word", " Word" (a space is
+    "Ġ" there), looked up by their text in the vocabulary."""
+    spellings = (word, word.capitalize(), word.upper(), f"Ġ{word}", f"Ġ{word.capitalize()}")
+    return {tokenizer.token_to_id(s) for s in spellings} - {None}
 
 
 def test_the_model_loads_once_per_process(tiny_chat: Path) -> None:
