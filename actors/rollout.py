@@ -24,6 +24,7 @@ from typing import Literal
 import msgspec
 import torch
 
+from slipstream.actors.rollout_history import RolloutHistory
 from slipstream.actors.rollout_samples import (
     InFlight,
     Sample,
@@ -38,9 +39,10 @@ from slipstream.engine import hub
 from slipstream.engine.arm_setup import held_drafters, max_draft, runnable_methods, warm_up_arms
 from slipstream.engine.config import dtype_from_name
 from slipstream.engine.device import parse_device, require_device
-from slipstream.engine.drafters import EagleDrafter
+from slipstream.engine.drafters import EagleDrafter, SuffixDrafter
 from slipstream.engine.episodes import EpisodeLimits, Episodes, Finished
 from slipstream.engine.generator import Completion, Generator, Request
+from slipstream.engine.history import HistoryConfig
 from slipstream.engine.iteration import Iteration, timed_step
 from slipstream.engine.request import StepOutput
 from slipstream.engine.sampling import SamplingParams
@@ -100,6 +102,8 @@ class RolloutActor(Actor):
         # Multi-turn episodes (issue 42): the environment actors (this rollout's is rank % len) and their caps.
         environments: list[str] = []
         episodes: EpisodeLimits = EpisodeLimits()
+        # Earlier steps' responses kept per prompt for the "history" and "cascade" arms (none without them).
+        history: HistoryConfig = HistoryConfig()
 
         def __post_init__(self) -> None:
             parse_device(self.device)
@@ -150,8 +154,15 @@ class RolloutActor(Actor):
                         max_len=cfg.max_len, draft_vocab=cfg.draft_vocab)  # fmt: skip
         # An EAGLE head is worth holding only if it starts trained or will be trained online.
         drafters = held_drafters(self.tuner.arms, device=self.model.lm_head_weight.device,
-                                 eagle=eagle if cfg.drafter or cfg.hidden_to else None)  # fmt: skip
+                                 eagle=eagle if cfg.drafter or cfg.hidden_to else None,
+                                 history=cfg.history)  # fmt: skip
         self.eagle: EagleDrafter | None = drafters.get("eagle")  # type: ignore[assignment]
+        suffix = drafters.get("history")
+        self.history = (
+            RolloutHistory(suffix, self.run_dir, self.rank, self.log)
+            if isinstance(suffix, SuffixDrafter)
+            else None
+        )
         self.generator = Generator(
             self.model,
             num_slots=cfg.max_batch,
@@ -214,6 +225,8 @@ class RolloutActor(Actor):
 
     def on_stop(self) -> None:
         self._save_tuner()
+        if self.history is not None:
+            self.history.close()
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -233,6 +246,8 @@ class RolloutActor(Actor):
             self._idle_sent = False
             return
         prompt = ids.tolist()
+        if self.history is not None and not msg.row_json:
+            self.history.admit(msg.group_id, prompt, msg.policy_version)
         for request_id, sample in samples.items():
             if (old := self.in_flight.get(request_id)) is not None and old.attempt < msg.attempt:
                 self._supersede(request_id)
@@ -433,6 +448,8 @@ class RolloutActor(Actor):
             return
         self._idle_sent = True
         self._save_tuner()
+        if self.history is not None:
+            self.log.info("history", **self.history.idle())
         # The step's KV cache and decode buffers go back to the host before the learner peaks (it trains
         # while this rollout idles), and before Idle leases this core to a drafter.
         release_freed_memory()
@@ -470,7 +487,7 @@ class RolloutActor(Actor):
             IterationStats(
                 rank=self.rank, iteration=self._iteration, batch_size=it.batch, arm=arm,
                 drafted=it.drafted, accepted=it.accepted, committed=it.committed, iter_s=it.seconds,
-                offered_at=it.offered_at, accepted_at=it.accepted_at,
+                offered_at=it.offered_at, accepted_at=it.accepted_at, draft_s=it.draft_ns / 1e9,
             ),
         )  # fmt: skip
 
@@ -513,6 +530,8 @@ class RolloutActor(Actor):
             extra = {"prompt_ids": episode.prompt_ids, "env_reward": episode.reward, **episode.counts()}
         self._send_completion(sample, completion.token_ids, completion.logprobs, completion.finish_reason,
                               accept_length(completion), mask=completion.policy_mask, **extra)  # fmt: skip
+        if self.history is not None and episode is None:
+            self.history.finished(sample.group_id, completion.token_ids, completion.finish_reason)
         if self.config.hidden_to:
             for msg in hidden_states(completion, sample, self._hidden_dtype, self.policy_version):
                 for dest in self.config.hidden_to:

@@ -113,8 +113,8 @@ class HeadSwap:
         revived = [m for m in STALE_METHODS if self.tuner.refresh(m) is not None]
         retune = msg.version - self._retuned_version >= self.retune_versions
         if retune:  # only after a real change: every forget costs min_trials x hold iterations a bucket
-            self.tuner.forget("eagle")
-            self.tuner.forget("hybrid")
+            for method in STALE_METHODS:
+                self.tuner.forget(method)
             self._retuned_version = msg.version
         self.log.info("drafter_swapped", version=msg.version, policy_version=msg.policy_version,
                       retuned=retune, revived=revived)  # fmt: skip

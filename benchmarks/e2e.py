@@ -38,6 +38,7 @@ from slipstream.engine.policy_train import OptimConfig, PolicySample, PolicyTrai
 from slipstream.engine.weights import load_model
 from slipstream.protocols import samples_record
 from slipstream.protocols.learner import ScoredGroup
+from slipstream.rl.step import pool_arm_tables
 from slipstream.runtime.process import MemorySampler, parent_pid
 from slipstream.runtime.turns import Turns
 
@@ -78,6 +79,12 @@ class RunFigures(msgspec.Struct, frozen=True, kw_only=True):
     # per batch-size bucket, the mean over the steps that speculated there of their accept length (decode
     # iterations only: on a multi-turn run, policy tokens; an environment's answer is prefilled)
     accept_by_batch: dict[str, float] = {}
+    # Per epoch of the dataset (a step's epoch is its first prompt's): {epoch, steps, step_s, rollout_s
+    # (means), accept_length (token-weighted)}. A multi-epoch run drafts from history from the second on.
+    epochs: list[dict[str, float]] = []
+    # arm -> batch-size bucket -> {iterations, accept_length, draft_ms_per_token, token_share, tokens_per_s}
+    # over every step (the steps' tables pooled: `arm_table` in rl/step.py)
+    arm_table: dict[str, dict[str, dict[str, float]]] = {}
     turns_mean: float = 0.0  # policy turns per sample, the mean of the steps' means (0: single-turn)
     turns_max: int = 0
     # What reached the coordinator a step (its `inbound` events, rl/coordinator.py), the mean over the
@@ -123,6 +130,11 @@ class E2EResult(msgspec.Struct, frozen=True, kw_only=True):
     rounds: int = 1  # 2: S B then B S; slipstream/baseline above are round 1's, the speedups pool rounds
     speedup_step_each: list[float] = []  # per round
     speedup_rollout_each: list[float] = []
+    # Per epoch, the rounds pooled: {epoch, steps, speedup_step, speedup_rollout, accept_length (Slipstream's)}
+    epochs: list[dict[str, float]] = []
+    # Over the epochs after the first (where a multi-epoch run has history to draft from); 0.0 with one epoch
+    speedup_step_later_epochs: float = 0.0
+    speedup_rollout_later_epochs: float = 0.0
 
 
 def run(
@@ -179,7 +191,37 @@ def run(
         rounds=rounds,
         speedup_step_each=[round(b.step_s / s.step_s, 3) for s, b in zip(slip, base, strict=True)],
         speedup_rollout_each=[round(b.rollout_s / s.rollout_s, 3) for s, b in zip(slip, base, strict=True)],
+        **_epoch_speedups(slip, base),
     )
+
+
+def _epoch_speedups(slip: list[RunFigures], base: list[RunFigures]) -> dict[str, Any]:
+    """Per epoch, the speedups of the rounds' pooled mean times, and over every epoch after the first."""
+
+    def pooled(runs: list[RunFigures], epochs: set[int], key: str) -> float:
+        cells = [(e["steps"], e[key]) for f in runs for e in f.epochs if e["epoch"] in epochs]
+        return sum(n * v for n, v in cells) / max(sum(n for n, _ in cells), 1)
+
+    numbers = sorted({int(e["epoch"]) for f in slip for e in f.epochs})
+    out: list[dict[str, float]] = []
+    for epoch in numbers:
+        steps = sum(int(e["steps"]) for e in slip[0].epochs if e["epoch"] == epoch)
+        out.append({
+            "epoch": epoch, "steps": steps,
+            "speedup_step": round(pooled(base, {epoch}, "step_s") / pooled(slip, {epoch}, "step_s"), 3),
+            "speedup_rollout": round(pooled(base, {epoch}, "rollout_s") / pooled(slip, {epoch}, "rollout_s"), 3),
+            "accept_length": round(pooled(slip, {epoch}, "accept_length"), 3),
+        })  # fmt: skip
+    later = set(numbers[1:])
+    if not later:
+        return {"epochs": out}
+    return {
+        "epochs": out,
+        "speedup_step_later_epochs": round(pooled(base, later, "step_s") / pooled(slip, later, "step_s"), 3),
+        "speedup_rollout_later_epochs": round(
+            pooled(base, later, "rollout_s") / pooled(slip, later, "rollout_s"), 3
+        ),
+    }
 
 
 def _taking_turns(
@@ -297,6 +339,8 @@ def run_figures(
         for bucket, accept in (s.get("accept_by_batch") or {}).items():
             accepts.setdefault(bucket, []).append(float(accept))
     return RunFigures(
+        epochs=epoch_figures(steps, summary.get("config") or {}),
+        arm_table=pool_arm_tables(steps),
         wall_s=round(wall_s, 1),
         step_s=mean("step_s"),
         rollout_s=mean("rollout_s"),
@@ -325,6 +369,25 @@ def run_figures(
         peak_pss_mb_total=round(memory.peak_mb, 1) if memory is not None else 0.0,
         peak_pss_mb=memory.at_peak_mb if memory is not None else {},
     )
+
+
+def epoch_figures(steps: list[dict[str, Any]], config: dict[str, Any]) -> list[dict[str, float]]:
+    """Per epoch of the dataset: its steps' mean step and rollout seconds and token-weighted accept length.
+    A step's epoch is its first prompt's (`prompts_per_step` x step // `dataset_size`)."""
+    per_step, size = int(config.get("prompts_per_step", 1)), int(config.get("dataset_size", 0))
+    by_epoch: dict[int, list[dict[str, Any]]] = {}
+    for s in steps:
+        by_epoch.setdefault(s["step"] * per_step // size if size > 0 else 0, []).append(s)
+    out = []
+    for epoch, group in sorted(by_epoch.items()):
+        tokens = sum(s["tokens"] for s in group)
+        out.append({
+            "epoch": epoch, "steps": len(group),
+            "step_s": round(statistics.fmean(s["step_s"] for s in group), 3),
+            "rollout_s": round(statistics.fmean(s["rollout_s"] for s in group), 3),
+            "accept_length": round(sum(s["accept_length"] * s["tokens"] for s in group) / max(tokens, 1), 3),
+        })  # fmt: skip
+    return out
 
 
 def coordinator_inbound(run_dir: Path) -> list[dict[str, Any]]:
@@ -474,6 +537,12 @@ def render(result: E2EResult) -> str:
     if result.slipstream.step0_accept_by_batch:
         each = ", ".join(f"batch {b}: {a:.2f}" for b, a in result.slipstream.step0_accept_by_batch.items())
         lines.append(f"step 0 accept length where it speculated: {each}")
+    for e in result.epochs if len(result.epochs) > 1 else ():
+        lines.append(f"epoch {e['epoch']}: speedup step {e['speedup_step']}x, rollout {e['speedup_rollout']}x, "
+                     f"accept length {e['accept_length']}")  # fmt: skip
+    if result.speedup_step_later_epochs:
+        lines.append(f"epochs after the first: speedup step {result.speedup_step_later_epochs}x, rollout "
+                     f"{result.speedup_rollout_later_epochs}x")  # fmt: skip
     cost = result.learner
     lines.append(
         f"speedup: step {result.speedup_step}x, rollout {result.speedup_rollout}x; identical samples in "

@@ -95,11 +95,27 @@ def _decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--drafter", type=Path, default=None,
                    help="an exported EAGLE head (a directory or a shipped name): adds eagle rows")  # fmt: skip
+    p.add_argument("--history", type=Path, default=None,
+                   help="a run directory: replay its last step with the history arms (HistoryResult)")  # fmt: skip
+    p.add_argument(
+        "--step", type=int, default=None, help="with --history: the step replayed (default: the last)"
+    )
 
 
 def _decode(args: argparse.Namespace) -> int:
     from slipstream.benchmarks import decode
 
+    if args.history is not None:
+        from slipstream.benchmarks import decode_history
+
+        if args.threads is not None:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        replayed = decode_history.run(args.history, step=args.step, batches=_ints(args.batches, "--batches")
+                                      or (1, 4), repeats=args.repeats, drafter=args.drafter, log=not args.json)  # fmt: skip
+        _print(replayed, args.json, decode_history.render)
+        return 0
     result = decode.run(
         args.model,
         batches=_ints(args.batches, "--batches") or decode.DEFAULT_BATCHES,

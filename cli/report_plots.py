@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from matplotlib.figure import Figure
 
+from slipstream.cli.report_arms import arm_table
 from slipstream.cli.report_figure import figure, no_field, png, series, steps_axis
 from slipstream.cli.report_speculation import accept_position, drafter_loss, speculation
 from slipstream.cli.report_tail import long_tail
@@ -320,6 +321,14 @@ CHARTS: tuple[ChartSpec, ...] = (
         "broken drafter shows here first: every position falls towards 0 (accept length towards 1.0) with "
         "no error anywhere.",
         accept_position,
+    ),
+    ChartSpec(
+        "arms",
+        "What each arm bought and cost",
+        "Per tuner arm and batch-size bucket over the run: decode iterations, accept length (tokens per "
+        "sequence per target pass), drafting time per drafted token, the arm's share of decoded tokens, and "
+        "committed tokens per decode second.",
+        arm_table,
     ),
     ChartSpec(
         "drafter_loss",

@@ -16,25 +16,36 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
-from slipstream.engine.drafters import Drafter, EagleDrafter, NGramDrafter
+from slipstream.engine.drafters import Drafter, EagleDrafter, NGramDrafter, SuffixDrafter
 from slipstream.engine.generator import Generator
-from slipstream.engine.speculator import SpecMode, capture_graphs, warm_up
+from slipstream.engine.history import HistoryConfig
+from slipstream.engine.speculator import COMPOSITE, SpecMode, capture_graphs, warm_up
 from slipstream.engine.tuner_config import Arm
 
 __all__ = ["held_drafters", "max_draft", "runnable_methods", "warm_up_arms"]
 
 
 def held_drafters(
-    arms: Sequence[Arm], *, device: torch.device, eagle: Callable[[], EagleDrafter] | None
+    arms: Sequence[Arm],
+    *,
+    device: torch.device,
+    eagle: Callable[[], EagleDrafter] | None,
+    history: HistoryConfig | None = None,
 ) -> dict[str, Drafter]:
     """The drafters `arms` draft with, by method: "ngram" (on `device`) if an arm drafts n-grams (or the
-    hybrid), "eagle" built by `eagle` if an arm runs a head (or the hybrid) and a head is worth holding
-    (`eagle` given)."""
+    hybrid), "history" as `history` says (defaults if None) if an arm drafts from it (or the cascade), "eagle"
+    built by `eagle` if an arm runs a head (or a composite) and a head is worth holding (`eagle` given)."""
     methods = {arm.method for arm in arms}
-    head = eagle() if eagle is not None and methods & {"eagle", "hybrid"} else None
+    needs = methods | {part for m in methods & set(COMPOSITE) for part in COMPOSITE[m]}
+    head = eagle() if eagle is not None and "eagle" in needs else None
     drafters: dict[str, Drafter] = {}
-    if methods & {"ngram", "hybrid"}:
+    if "ngram" in needs:
         drafters["ngram"] = NGramDrafter(device=device)
+    if "history" in needs:
+        cfg = history if history is not None else HistoryConfig()
+        drafters["history"] = SuffixDrafter(
+            cfg.build(), max_extend=cfg.max_extend, growth=cfg.growth, device=device
+        )
     if head is not None:
         drafters["eagle"] = head
     return drafters
@@ -46,8 +57,9 @@ def max_draft(arms: Sequence[Arm]) -> int:
 
 
 def runnable_methods(held: Collection[str]) -> set[str]:
-    """The methods that can run on drafters `held`: "off" always, "hybrid" with both n-gram and EAGLE."""
-    return {"off", *held} | ({"hybrid"} if {"ngram", "eagle"} <= set(held) else set())
+    """The methods that can run on drafters `held`: "off" always, a composite (hybrid, cascade) with both of
+    its parts."""
+    return {"off", *held} | {m for m, parts in COMPOSITE.items() if set(parts) <= set(held)}
 
 
 def warm_up_arms(

@@ -58,10 +58,13 @@ __all__ = [
     "warm_up",
 ]
 
-Method = Literal["off", "ngram", "self", "eagle", "hybrid"]
+Method = Literal["off", "ngram", "self", "eagle", "hybrid", "history", "cascade"]
 SpecMode = Literal["rejection", "reproducible"]
-DRAFTER_METHODS = ("ngram", "self", "eagle")
-"""The methods a drafter is held for; "hybrid" drafts with the held "ngram" and "eagle" drafters."""
+DRAFTER_METHODS = ("ngram", "self", "eagle", "history")
+"""The methods a drafter is held for; "hybrid" drafts with the held "ngram" and "eagle" drafters, "cascade"
+with the held "history" drafter (viewed with the group's siblings) and "eagle"."""
+COMPOSITE = {"hybrid": ("ngram", "eagle"), "cascade": ("history", "eagle")}
+"""Methods that draft with two held drafters: the first's draft where it has one, else the second's."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,8 +73,10 @@ class SpecConfig:
 
     method: Method = "off"
     """"off" (plain decoding), "ngram" (prompt-group lookup), "self" (replay of recorded outputs: the
-    benchmark ceiling), "eagle" (a trained draft head, passed in as the drafter) or "hybrid" (n-gram where
-    it has a match, else the EAGLE head: `drafters.hybrid`)."""
+    benchmark ceiling), "eagle" (a trained draft head, passed in as the drafter), "hybrid" (n-gram where
+    it has a match, else the EAGLE head: `drafters.hybrid`), "history" (earlier steps' responses to the
+    prompt: `drafters.suffix`) or "cascade" (history and the group's siblings where they match, else the
+    EAGLE head)."""
     depth: int = 4
     """Draft tokens per pass (chain) or tree depth."""
     topk: int = 1
@@ -128,7 +133,11 @@ class Speculator:
     def hold(self, method: str, drafter: Drafter) -> None:
         """Hold `drafter` for `method` (one of `DRAFTER_METHODS`), replacing the one held for it, if any."""
         if method not in DRAFTER_METHODS:
-            also = ' ("hybrid" drafts with the held ngram and eagle drafters)' if method == "hybrid" else ""
+            also = (
+                f" ({method!r} drafts with the held {' and '.join(COMPOSITE[method])} drafters)"
+                if method in COMPOSITE
+                else ""
+            )
             raise ValueError(
                 f"a drafter is held for one of {', '.join(DRAFTER_METHODS)}, not {method!r}{also}"
             )
@@ -142,7 +151,7 @@ class Speculator:
     def set(self, spec: SpecConfig | None) -> None:
         """Speculate with `spec` from the next draft on (None or method "off": plain decoding)."""
         spec = spec if spec is not None else SpecConfig()
-        needed = {"off": (), "hybrid": ("ngram", "eagle")}.get(spec.method, (spec.method,))
+        needed = {"off": (), **COMPOSITE}.get(spec.method, (spec.method,))
         missing = [method for method in needed if method not in self.drafters]
         if missing:
             held = ", ".join(map(repr, self.drafters)) or "none"
@@ -176,11 +185,13 @@ class Speculator:
             state = states[i]
             keyed = spec.mode == "reproducible" or state.params.greedy
             asked_states.append(state if state.keyed == keyed else replace(state, keyed=keyed))
-        drafter = (
-            HybridDrafter(self.drafters["ngram"], self.drafters["eagle"])
-            if spec.method == "hybrid"
-            else self.drafters[spec.method]
-        )
+        if spec.method == "hybrid":
+            drafter: Drafter = HybridDrafter(self.drafters["ngram"], self.drafters["eagle"])
+        elif spec.method == "cascade":
+            history = self.drafters["history"]
+            drafter = HybridDrafter(getattr(history, "with_siblings", history), self.drafters["eagle"])
+        else:
+            drafter = self.drafters[spec.method]
         drafts = drafter.propose(asked_states, spec.depth, spec.topk, spec.verify_budget)
         if len(drafts) != len(asked):
             raise ValueError(f"drafter returned {len(drafts)} drafts for {len(asked)} requests")
@@ -335,7 +346,12 @@ def capture_graphs(
     graphs = generator.capture_graphs(plans)
     rounds = None if eagle is None else eagle.rounds
     for spec, rows in plans:
-        if rounds is not None and spec is not None and spec.method in ("eagle", "hybrid") and spec.topk == 1:
+        if (
+            rounds is not None
+            and spec is not None
+            and spec.method in ("eagle", "hybrid", "cascade")
+            and spec.topk == 1
+        ):
             graphs += rounds.capture(rows, range(1, spec.depth + 1))
     return graphs
 

@@ -51,7 +51,7 @@ Available = Callable[[str], bool] | Collection[str] | None
 _STATE_VERSION = 3
 PLAIN_WINDOW = 8
 """Recent "off" iteration times kept per batch size for the plain cost model."""
-STALE_METHODS = ("eagle", "hybrid")
+STALE_METHODS = ("eagle", "hybrid", "cascade")
 """Methods whose drafter is a trained head that a newer one replaces, so a stale one can be benched until then
 (an n-gram table has no successor: a spell of text without repeats would bench it for good)."""
 
@@ -83,7 +83,7 @@ class StaleDrafter:
     """Why a drafter method is benched: its acceptance over its last `TunerConfig.stale_window` iterations."""
 
     method: str
-    """"eagle" or "hybrid"."""
+    """"eagle", "hybrid" or "cascade"."""
     acceptance: float
     """Accepted draft tokens per sequence per pass over the window (below `TunerConfig.stale_accept`)."""
     iterations: int

@@ -3,7 +3,8 @@
 Apart from the bandit (`tuner.py`), so a config can be parsed, checked and embedded in a YAML section
 without it.
 
-Arm grammar (`TunerConfig.arms`): ``off`` or ``METHOD[:dD][kK][vV]``: METHOD ngram, eagle, hybrid or self; D
+Arm grammar (`TunerConfig.arms`): ``off`` or ``METHOD[:dD][kK][vV]``: METHOD ngram, eagle, hybrid, history,
+cascade or self; D
 the depth (default 4), K the top-k (1 = a chain), V the verify budget (0 = depth * topk), as in `SpecConfig`.
 Names are canonical (``ngram`` → ``ngram:d4``). Examples: ``ngram:d3``, ``eagle:d6``, ``eagle:d4k4v16``.
 `TunerConfig.__post_init__` checks every field and names it in its error, so a bad YAML value fails at load.
@@ -21,7 +22,7 @@ from slipstream.engine.speculator import SpecConfig, SpecMode
 __all__ = ["OFF", "Arm", "TunerConfig", "is_int", "parse_arm"]
 
 _ARM = re.compile(
-    r"(?P<method>ngram|eagle|hybrid|self)(?::(?:d(?P<d>\d+))?(?:k(?P<k>\d+))?(?:v(?P<v>\d+))?)?"
+    r"(?P<method>ngram|eagle|hybrid|history|cascade|self)(?::(?:d(?P<d>\d+))?(?:k(?P<k>\d+))?(?:v(?P<v>\d+))?)?"
 )
 
 
@@ -32,7 +33,7 @@ class Arm:
     name: str
     """Canonical spec string, e.g. "eagle:d4k4v16": the arm's key in decisions, logs and state."""
     method: str
-    """"off", "ngram", "eagle" or "self"."""
+    """"off", "ngram", "eagle", "hybrid", "history", "cascade" or "self"."""
     depth: int = 4
     topk: int = 1
     verify: int = 0
@@ -60,7 +61,7 @@ def parse_arm(text: str) -> Arm:
     m = _ARM.fullmatch(text) if isinstance(text, str) else None
     if m is None:
         raise ValueError(
-            f"{text!r} is not an arm: expected off or (ngram|eagle|self)[:dD][kK][vV], e.g. eagle:d4k4v16"
+            f"{text!r} is not an arm: expected off or (ngram|eagle|hybrid|history|cascade|self)[:dD][kK][vV], e.g. eagle:d4k4v16"
         )
     method = m.group("method")
     depth, topk, verify = (int(m.group(g) or default) for g, default in (("d", 4), ("k", 1), ("v", 0)))

@@ -143,6 +143,7 @@ class IterationStats(Message, frozen=True, kw_only=True):
     # and those whose token there was accepted.
     offered_at: list[NonNeg] = []
     accepted_at: list[NonNeg] = []
+    draft_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # of iter_s, drafting (0: a plain iteration)
 
 
 MESSAGES: tuple[type[Message], ...] = (SamplingSpec, GenerateRequest, Completion, IterationStats)

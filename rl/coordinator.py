@@ -92,6 +92,7 @@ class Coordinator:
         lease_threads: int = 1,
         restart: bool = False,
         policy_version: int = 0,
+        homes: dict[str, str] | None = None,
         recover_learners: Callable[[], Awaitable[None]] | None = None,
         spans: SpanRecorder = NULL_RECORDER,
         log: Any = None,
@@ -104,6 +105,8 @@ class Coordinator:
         )
         self.restart = restart
         self.policy_version = policy_version  # the version every rollout holds (what a restarted one needs)
+        # Prompt key -> the rollout that decoded it last (it holds the prompt's history): where it is dealt next.
+        self.homes: dict[str, str] = dict(homes or {})
         self.recover_learners = recover_learners
         self.spans = spans  # the step's phases and device windows (runtime/spans.py)
         self.log = log
@@ -226,7 +229,7 @@ class Coordinator:
     def _on_iteration(self, sender: str, msg: IterationStats) -> None:
         self.metrics.add_iteration(
             msg.batch_size, msg.arm, msg.accepted, msg.offered_at, msg.accepted_at,
-            iter_s=msg.iter_s, committed=msg.committed,
+            iter_s=msg.iter_s, committed=msg.committed, drafted=msg.drafted, draft_s=msg.draft_s,
         )  # fmt: skip
         if self._step is not None and self._step.on_iteration is not None:
             self._step.on_iteration(sender, msg)

@@ -137,8 +137,8 @@ class Run:
                 self.sup, rollouts=self.rollouts, drafters=drafter_of, lease_cpus=lease_cpus,
                 verifiers=verifiers, learners=learners, environments=environment_names(cfg),
                 restart=True,  # a dead rollout, verifier or drafter is restarted and dealt its work again
-                policy_version=self.start, recover_learners=self.recover_learners, spans=self.spans,
-                log=self.log,
+                policy_version=self.start, homes=self.state.get("homes"), recover_learners=self.recover_learners,
+                spans=self.spans, log=self.log,
             )
         )  # fmt: skip
         if self.start > 0:  # the resumed learner hands its weights to the fresh rollouts first
@@ -315,7 +315,8 @@ class Run:
         self.spans.add("step", _ns(work.started), _ns(time.monotonic() - work.started), work.step)
         if work.checkpoint:
             # Relative to the run directory: a run moved or resumed from elsewhere still finds it.
-            state = {"step": work.step + 1, "checkpoint": work.checkpoint, "data": work.data_cursor}
+            state = {"step": work.step + 1, "checkpoint": work.checkpoint, "data": work.data_cursor,
+                     "homes": dict(self.coord.homes)}  # fmt: skip
             run_dir_files.write_state(run_dir, state)
             run_dir_files.prune_checkpoints(run_dir, cfg.keep_checkpoints)
             self.last_checkpoint = time.monotonic()

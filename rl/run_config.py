@@ -19,6 +19,7 @@ import msgspec
 from slipstream.engine import hub
 from slipstream.engine.episodes import EpisodeLimits
 from slipstream.engine.grpo import LossConfig
+from slipstream.engine.history import HistoryConfig
 from slipstream.engine.policy_train import OptimConfig
 from slipstream.engine.sampling import GROUP_BITS, MAX_SEED
 from slipstream.engine.tuner_config import TunerConfig
@@ -47,6 +48,9 @@ class RolloutSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
     # The rollouts' policy dtype: "" = bfloat16 on cuda, the checkpoint's own on cpu. The learner keeps fp32
     # masters and pushes in this dtype.
     dtype: Literal["", "float32", "bfloat16", "float16"] = ""
+    # What a rollout keeps of earlier steps' responses per prompt, and how the "history" and "cascade" arms
+    # draft from it (engine/history.py); kept only where an arm drafts from it.
+    history: HistoryConfig = HistoryConfig()
 
 
 class DrafterSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

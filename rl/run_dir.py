@@ -58,6 +58,9 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     decode_by_batch: dict[str, list[float]] = {}
     # per draft depth: the share of sequence-passes whose draft reached it that accepted its token
     accept_by_position: list[float] = []
+    # tuner arm -> batch-size bucket -> {iterations, accept_length, draft_ms_per_token, token_share,
+    # tokens_per_s}: what each arm bought and cost where it ran (rl/step.py `arm_table`)
+    arm_table: dict[str, dict[str, dict[str, float]]] = {}
     drafter_loss: float | None = None  # the drafter's newest training loss in the step (None: none trained)
     sync_bytes: int = 0  # one copy of the pushed policy (push dtype); same-host rollouts share it
     # Across nodes: bytes the step's pushes sent to other hosts (deltas where a base was held), and what full

@@ -168,6 +168,7 @@ def _rollout_specs(
                 verify_applied_weights=cfg.rollout.verify_weights,
                 environments=environments,
                 episodes=cfg.environment.limits(),
+                history=cfg.rollout.history,
             ),
             threads=slot.threads,
             hang_s=cfg.faults.hang_s,

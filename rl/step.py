@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from slipstream.engine.history import prompt_key
 from slipstream.protocols.learner import SampleReceipt
 from slipstream.protocols.reward import CallTotals
 from slipstream.protocols.rollout import Completion, GenerateRequest, IterationStats
@@ -30,7 +31,17 @@ from slipstream.rl.recovery import ActorDiedError
 if TYPE_CHECKING:
     from slipstream.rl.coordinator import Coordinator
 
-__all__ = ["BATCH_BUCKETS", "Arrival", "RolloutStep", "StepMetrics", "batch_bucket", "rollout_step"]
+__all__ = [
+    "BATCH_BUCKETS",
+    "Arrival",
+    "RolloutStep",
+    "StepMetrics",
+    "arm_cells",
+    "batch_bucket",
+    "deal_plan",
+    "pool_arm_tables",
+    "rollout_step",
+]
 
 T = TypeVar("T")
 
@@ -76,6 +87,9 @@ class StepMetrics:
     duplicates: int = 0  # completions and rewards dropped: their (group, sample) had come back already
     # reward term -> [calls, samples, seconds, largest call, invalid], summed over the verifiers' RewardCalls
     reward_calls: dict[str, list[float]] = field(default_factory=dict)
+    # arm -> batch-size bucket -> [iterations, sequence-iterations, accepted, drafted, committed, seconds,
+    # drafting seconds]: what each arm bought and cost where the tuner ran it
+    by_arm: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
     @property
     def accept_length(self) -> float:
@@ -92,10 +106,15 @@ class StepMetrics:
         accepted_at: Sequence[int] = (),
         iter_s: float = 0.0,
         committed: int = 0,
+        drafted: int = 0,
+        draft_s: float = 0.0,
     ) -> None:
         """One decode iteration's IterationStats (a prefill-only pass, batch 0, says nothing here)."""
         if batch_size <= 0:
             return
+        cell = self.by_arm.setdefault(arm, {}).setdefault(batch_bucket(batch_size), [0, 0, 0, 0, 0, 0.0, 0.0])
+        for i, value in enumerate((1, batch_size, accepted, drafted, committed, iter_s, draft_s)):
+            cell[i] += value
         self.iterations += 1
         self.accepted += accepted
         self.sequence_iterations += batch_size
@@ -144,6 +163,14 @@ class StepMetrics:
             for name, (calls, samples, seconds, top, invalid) in sorted(self.reward_calls.items())
         }  # fmt: skip
 
+    def arm_table(self) -> dict[str, dict[str, dict[str, float]]]:
+        """Per arm and batch-size bucket, `arm_cells`: what each arm bought and cost where it ran."""
+        raw = {
+            arm: {label: dict(zip(ARM_COUNTS, cell, strict=True)) for label, cell in _in_bucket_order(cells)}
+            for arm, cells in sorted(self.by_arm.items())
+        }
+        return arm_cells(raw)
+
     def accept_by_position(self) -> list[float]:
         """Per draft depth: the share of sequence-passes whose draft reached it that accepted its token."""
         return [round(took / offered, 4) if offered else 0.0 for offered, took in self.positions]
@@ -172,6 +199,76 @@ class StepMetrics:
 
 
 BATCH_BUCKETS = ("1", "2", "3-4", "5-8", "9-16", "17-32", "33+")
+ARM_COUNTS = ("iterations", "sequences", "accepted", "drafted", "committed", "seconds", "draft_s")
+"""What an arm table's cell counts: decode iterations, sequence-iterations, accepted and drafted tokens,
+committed tokens, decode seconds and, of those, drafting seconds."""
+
+
+def arm_cells(raw: Mapping[str, Mapping[str, Mapping[str, float]]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Arm -> bucket -> its counts (`ARM_COUNTS`) and what they say: accept_length (tokens per sequence per
+    target pass), draft_ms_per_token (drafting time per drafted token), token_share (of every arm's
+    committed tokens) and tokens_per_s (committed per decode second). Tables of several steps pool by
+    summing their counts first."""
+    total = sum(cell["committed"] for cells in raw.values() for cell in cells.values())
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for arm, cells in raw.items():
+        out[arm] = {}
+        for label, c in cells.items():
+            counts = {k: round(float(c[k]), 4) for k in ARM_COUNTS}
+            counts.update(
+                accept_length=round(1.0 + c["accepted"] / c["sequences"], 3) if c["sequences"] else 0.0,
+                draft_ms_per_token=round(1e3 * c["draft_s"] / c["drafted"], 4) if c["drafted"] else 0.0,
+                token_share=round(c["committed"] / total, 4) if total else 0.0,
+                tokens_per_s=round(c["committed"] / c["seconds"], 2) if c["seconds"] else 0.0,
+            )
+            out[arm][label] = counts
+    return out
+
+
+def pool_arm_tables(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """The `arm_table`s of several steps' records pooled: their counts summed, then read again."""
+    sums: dict[str, dict[str, dict[str, float]]] = {}
+    for record in records:
+        for arm, buckets in (record.get("arm_table") or {}).items():
+            for bucket, cell in buckets.items():
+                into = sums.setdefault(arm, {}).setdefault(bucket, dict.fromkeys(ARM_COUNTS, 0.0))
+                for key in ARM_COUNTS:
+                    into[key] += cell.get(key, 0.0)
+    return arm_cells(sums)
+
+
+def deal_plan(
+    requests: Sequence[GenerateRequest],
+    rollouts: Sequence[str],
+    cost: Callable[[GenerateRequest], float],
+    homes: Mapping[int, str],
+) -> dict[int, str]:
+    """Group id -> the rollout it is dealt to: longest first to the least loaded (greedy LPT), except that a
+    group goes to its home (`homes`: the rollout that decoded its prompt last, which holds the prompt's
+    history) when that keeps the home within the plain deal's largest load. If the homes' plan ends above
+    that load, the plain one is used: affinity never costs balance by the cost model."""
+    order = sorted(requests, key=cost, reverse=True)
+
+    def plan(use_homes: bool) -> tuple[dict[int, str], float]:
+        load = dict.fromkeys(rollouts, 0.0)
+        out: dict[int, str] = {}
+        for request in order:
+            c = cost(request)
+            home = homes.get(request.group_id, "") if use_homes else ""
+            if home in load and load[home] + c <= bound:
+                target = home
+            else:
+                target = min(load, key=lambda name: (load[name], name))
+            load[target] += c
+            out[request.group_id] = target
+        return out, max(load.values(), default=0.0)
+
+    bound = float("inf")
+    plain, bound = plan(use_homes=False)
+    if not any(homes.get(r.group_id, "") in rollouts for r in requests):
+        return plain
+    near, top = plan(use_homes=True)
+    return near if top <= bound else plain
 
 
 def _in_bucket_order(cells: dict[str, T]) -> list[tuple[str, T]]:
@@ -225,12 +322,16 @@ class RolloutStep:
         return await anext(self._stream_of)
 
     async def _deal(self) -> None:
-        """Whole groups to the rollout actors, longest first to the least loaded (a greedy balance)."""
+        """Whole groups to the rollout actors (`deal_plan`: balanced, each prompt where it was decoded last)."""
         coord = self.coord
+        keys = {g: prompt_key(r.prompt_ids.tolist()) for g, r in self.requests.items()}
+        plan = deal_plan(list(self.requests.values()), coord.rollouts, self.cost,
+                         {g: coord.homes.get(k, "") for g, k in keys.items()})  # fmt: skip
         load = dict.fromkeys(coord.rollouts, 0.0)
-        for request in sorted(self.requests.values(), key=self.cost, reverse=True):
-            target = min(load, key=lambda name: (load[name], name))
+        for group_id, target in plan.items():
+            request = self.requests[group_id]
             load[target] += self.cost(request)
+            coord.homes[keys[group_id]] = target
             self.ledger.deal(target, [(request.group_id, i) for i in range(request.num_samples)])
             await coord.sup.send(target, request)
         for name in [r for r, work in load.items() if work == 0]:

@@ -85,6 +85,7 @@ def step_record(
         arms_by_batch={bucket: dict(arms) for bucket, arms in m.arms_by_batch.items()},
         decode_by_batch=m.decode_seconds_by_batch(),
         accept_by_position=m.accept_by_position(),
+        arm_table=m.arm_table(),
         drafter_loss=None if m.drafter_loss is None else round(m.drafter_loss, 5),
         idle_device_s=round(m.idle_device_s, 3),
         reclaimed_s=round(m.reclaimed_s, 3),

@@ -1,5 +1,6 @@
 """Drafters: the interface (`base`), the model-free n-gram drafter, the EAGLE drafter (which runs the head
-of `engine/eagle.py`), the oracle (benchmark ceiling) and the hybrid (n-gram where it matches, else EAGLE).
+of `engine/eagle.py`), the oracle (benchmark ceiling), the history drafter (earlier steps' responses to the prompt, `suffix`) and
+the hybrid (one drafter's draft where it has one, else the EAGLE head's).
 """
 
 from slipstream.engine.drafters.base import Draft, Drafter, DraftState, stack_chains
@@ -7,6 +8,7 @@ from slipstream.engine.drafters.eagle import EagleDrafter
 from slipstream.engine.drafters.hybrid import HybridDrafter
 from slipstream.engine.drafters.ngram import NGramDrafter
 from slipstream.engine.drafters.oracle import OracleDrafter
+from slipstream.engine.drafters.suffix import SuffixDrafter
 
 __all__ = [
     "Draft",
@@ -16,5 +18,6 @@ __all__ = [
     "HybridDrafter",
     "NGramDrafter",
     "OracleDrafter",
+    "SuffixDrafter",
     "stack_chains",
 ]

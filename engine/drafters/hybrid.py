@@ -1,5 +1,5 @@
 """The "hybrid" drafter: per request, the n-gram draft where the group's tables hold a match, else the EAGLE
-head's.
+head's. The "cascade" arm is the same with the history drafter's view over history and siblings in front.
 
 Why: in a GRPO rollout the two drafters are right in different places. Where a response repeats its prompt
 or a sibling (the common case in the tail, and in degenerate loops) an n-gram chain is long, free to make
@@ -22,7 +22,8 @@ __all__ = ["HybridDrafter"]
 
 
 class HybridDrafter(Drafter):
-    """N-gram draft where one exists, the EAGLE head's elsewhere (see the module docstring)."""
+    """The first drafter's draft where it has one (n-gram, or history and siblings), the EAGLE head's elsewhere
+    (see the module docstring)."""
 
     name = "hybrid"
     uses_hidden = True

@@ -9,7 +9,7 @@ A proposal uses the longest n that matches, merges the continuations of its most
 occurrences into a trie counting occurrences per node, and drafts the best `verify` nodes by count, at most
 `topk` children per node (topk == 1: the most frequent continuation, as a chain). Drafts are
 deterministic (point masses). Keyed rows (reproducible mode, T > 0) draft a chain that, where the
-continuations branch, follows the sampler's own race with the counts as the distribution (`_keyed_chain`).
+continuations branch, follows the sampler's own race with the counts as the distribution (`keyed_chain`).
 Tables are host lists; only a proposal's two small tensors are made, on `device`. More in docs/engine.md,
 "N-gram drafter".
 """
@@ -25,7 +25,7 @@ from torch import Tensor
 from slipstream.engine.drafters.base import Draft, Drafter, DraftState
 from slipstream.engine.sampling import keyed_exponential
 
-__all__ = ["NGramDrafter"]
+__all__ = ["NGramDrafter", "keyed_chain", "trie_draft"]
 
 
 @dataclass
@@ -127,11 +127,11 @@ class NGramDrafter(Drafter):
             if matches:
                 conts = [group.docs[d][p : p + depth] for d, p in matches[-self.max_matches :]]
                 if topk == 1 and state.keyed and not state.params.greedy:
-                    tokens, parents = _keyed_chain(
+                    tokens, parents = keyed_chain(
                         conts, min(depth, verify), state.params.seed, state.position
                     )
                 else:
-                    tokens, parents = _trie_draft(conts, topk, verify)
+                    tokens, parents = trie_draft(conts, topk, verify)
                 return Draft(
                     torch.tensor(tokens, dtype=torch.int64, device=self.device),
                     torch.tensor(parents, dtype=torch.int64, device=self.device),
@@ -139,7 +139,7 @@ class NGramDrafter(Drafter):
         return Draft.empty(self.device)
 
 
-def _keyed_chain(
+def keyed_chain(
     continuations: list[list[int]], length: int, seed: int, position: int
 ) -> tuple[list[int], list[int]]:
     """A chain through the continuations' trie that, where they branch, follows the child the sampler's own
@@ -165,7 +165,7 @@ def _keyed_chain(
     return tokens, list(range(-1, len(tokens) - 1))
 
 
-def _trie_draft(continuations: list[list[int]], topk: int, verify: int) -> tuple[list[int], list[int]]:
+def trie_draft(continuations: list[list[int]], topk: int, verify: int) -> tuple[list[int], list[int]]:
     """Merge continuations (oldest first) into a trie; keep the best `verify` nodes, `topk` per parent:
     (tokens, parents) in topological order."""
     node_of: dict[tuple[int, int], int] = {}  # (parent, token) -> trie node

@@ -27,6 +27,7 @@ ALL_CHARTS = [
     "lengths",
     "speculation",
     "accept_position",
+    "arms",
     "drafter_loss",
     "idle",
     "step_time",
@@ -74,6 +75,12 @@ def _record(step: int, *, new_fields: bool, baseline: bool = False) -> dict[str,
             "9-16": {"off": 40, "ngram:d3": 10},
         }
         rec["accept_by_position"] = [0.7, 0.4 - 0.1 * step, 0.2]
+        counts = {"iterations": 4, "sequences": 4, "accepted": 4 + step, "drafted": 12, "committed": 8 + step,
+                  "seconds": 0.2, "draft_s": 0.004}  # fmt: skip
+        rec["arm_table"] = {
+            "cascade:d8": {"1": counts},
+            "off": {"1": {**counts, "accepted": 0, "drafted": 0}},
+        }
         rec["drafter_loss"] = None if step == 0 else 2.0 - 0.3 * step
         rec["sync_bytes"] = 270_000_000
         # A batched judge (its last step's calls all of 6) and a per-completion exact match, 2 s a step.
@@ -195,12 +202,12 @@ def test_an_untraced_older_run_says_what_it_did_not_record(tmp_path: Path) -> No
     result = report.build_report(run, out)
 
     missing = {c.name: c.missing for c in result.charts if c.missing}
-    assert set(missing) == {"accept_position", "drafter_loss", "reward_calls", "long_tail"}
+    assert set(missing) == {"accept_position", "arms", "drafter_loss", "reward_calls", "long_tail"}
     assert "tracing was off (trace: false)" in missing["long_tail"]
     assert "accept_by_position" in missing["accept_position"]
     assert "no `reward_terms` field" in missing["reward_calls"]
     page = result.html.read_text()
-    assert page.count("not recorded in this run") == 4 and "<th>reward calls</th>" not in page
+    assert page.count("not recorded in this run") == 5 and "<th>reward calls</th>" not in page
     linked, embedded = _pngs_in(page)
     assert linked == {f"{c.name}.png" for c in result.charts if c.png} and len(embedded) == len(linked)
     assert not (out / "long_tail.png").exists()

@@ -15,19 +15,22 @@ import asyncio
 import json
 import os
 import signal
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 import uvloop
 
+from slipstream.actors.rollout_history import journal_path
 from slipstream.cli import train
+from slipstream.engine.history import read_journal
 from slipstream.protocols.control import SaveCheckpoint
 from slipstream.protocols.learner import TrainStep
 from slipstream.rl import run_config
 from slipstream.runtime.process import pid_alive
 from slipstream.runtime.supervisor import Supervisor
-from tests.cli.conftest import assert_same_samples, config
+from tests.cli.conftest import assert_same_samples, config, recorded_samples
 from tests.runtime.test_supervisor_restart import Events
 
 pytestmark = pytest.mark.timeout(600)
@@ -84,9 +87,10 @@ def _config(tiny_chat: Path) -> run_config.TrainConfig:
     # Four slots a rollout: the one dealt 2 groups (8 samples) decodes them one after the other, so the other
     # rollout's device idles for about half of every step, and a lease (in step 0 first) is certain. With 8
     # slots both finished 48 tokens in lockstep, and in a loaded CI run step 0's window was 1 ms: no lease.
-    return config(
-        tiny_chat, faults={"restart_backoff_s": 0.1}, rollout={"verify_weights": True, "max_batch": 4}
-    )
+    # The history arms too: a restarted rollout replays its journal of earlier steps' responses.
+    arms = ["off", "ngram:d3", "cascade:d4"]
+    return config(tiny_chat, faults={"restart_backoff_s": 0.1},
+                  rollout={"verify_weights": True, "max_batch": 4, "tuner": {"arms": arms}})  # fmt: skip
 
 
 def test_a_killed_rollout_and_verifier_are_restarted_and_nothing_is_lost(
@@ -142,6 +146,18 @@ def test_a_killed_rollout_and_verifier_are_restarted_and_nothing_is_lost(
     clean_steps = json.loads((clean / "summary.json").read_text())["steps"]
     assert [s["reward_mean"] for s in steps][:tie] == [s["reward_mean"] for s in clean_steps][:tie]
     assert all(s["invalid"] == 0 for s in steps)
+    # The restarted rollout replayed the history its predecessor journaled (step 0's responses at least),
+    # and between them the rollouts hold each response of the run at most once, as sampled.
+    replayed = [e for e in events if e["event"] == "history_replayed"]  # the first process had none
+    assert replayed and replayed[0]["replayed"] >= 4  # rollout:1 decoded a group of 4 in step 0
+    journals = [read_journal(journal_path(faulty, rank))[0] for rank in range(2)]
+    held = Counter((r.version, tuple(r.tokens[r.start :])) for records in journals for r in records)
+    sampled = Counter(
+        (step, tuple(tokens)) for (step, _, _), (tokens, _, _) in recorded_samples(faulty, 3).items()
+    )
+    # A response sent in the microseconds between its completion and its journal write would be missing
+    # (drafts change, never samples): allowed once; never a stranger, never a second copy.
+    assert not held - sampled and sum(held.values()) >= sum(sampled.values()) - 1
 
 
 def test_a_hung_rollout_is_detected_killed_and_its_work_requeued(

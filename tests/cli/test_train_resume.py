@@ -26,7 +26,9 @@ import pytest
 import torch
 import uvloop
 
+from slipstream.actors.rollout_history import journal_path
 from slipstream.cli import train
+from slipstream.engine.history import History, read_journal
 from slipstream.runtime.process import pid_alive
 from tests.cli.conftest import config
 
@@ -82,7 +84,10 @@ def test_a_killed_coordinator_resumes_where_it_stopped(tiny_chat: Path, tmp_path
             for i in range(ROWS)
         )
     )
-    cfg = config(tiny_chat, task=str(rows), reward=f"{__name__}:parity", steps=4, checkpoint_every=1)
+    # The history arms: each rollout keeps earlier steps' responses per prompt in its journal.
+    rollout = {"verify_weights": True, "tuner": {"arms": ["off", "ngram:d3", "history:d4", "cascade:d4"]}}
+    cfg = config(tiny_chat, task=str(rows), reward=f"{__name__}:parity", steps=4, checkpoint_every=1,
+                 rollout=rollout)  # fmt: skip
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     config_file = tmp_path / "run.yaml"  # JSON is YAML
     config_file.write_text(json.dumps(msgspec.to_builtins(cfg)))
@@ -106,6 +111,13 @@ def test_a_killed_coordinator_resumes_where_it_stopped(tiny_chat: Path, tmp_path
         assert time.monotonic() < deadline, f"orphans left: {[p for p in orphans if pid_alive(p)]}"
         time.sleep(0.2)
 
+    # A kill late in a step leaves its responses in the journals; the resume redoes that step, so it must
+    # drop them (here planted: one response of the step the resume starts at, 2, in each journal).
+    for rank in range(2):
+        history = History(tail=0)
+        history.open_journal(journal_path(killed, rank))
+        history.add("planted", 2, [], [1, 2, 3])
+        history.close()
     resumed = _cli("--resume", str(killed))
     out, _ = resumed.communicate(timeout=400)
     assert resumed.returncode == 0, out.decode()[-3000:]
@@ -122,6 +134,13 @@ def test_a_killed_coordinator_resumes_where_it_stopped(tiny_chat: Path, tmp_path
         [p for p, i, _ in step if i == 0] for step in want
     ]
     assert got == want  # the same tokens: the same weights, optimizer moments and seeds after the resume
+    # Each rollout's history (its journal): the resumed run dropped what it redid, and each prompt was dealt
+    # where the uninterrupted run dealt it (the homes are in the checkpoint's state), so every rollout holds
+    # what the uninterrupted one holds: from the resume on, both draft from the same earlier responses.
+    for rank in range(2):
+        got_h, want_h = (sorted((r.key, r.version, r.tokens) for r in read_journal(journal_path(run, rank))[0])
+                         for run in (killed, whole))  # fmt: skip
+        assert got_h == want_h and {v for _, v, _ in want_h} == {0, 1, 2, 3}
 
     # The resumed steps train the same samples from the same weights, so their losses and gradient norms
     # match; the update follows Adam's moments, and with it the later gradient norms and the final weights:

@@ -468,7 +468,11 @@ def test_stale_marks_and_acceptance_windows_round_trip_and_older_state_has_none(
     older = {k: v for k, v in state.items() if k not in ("acceptance", "stale")}
     fresh = Tuner(config)
     fresh.load_state_dict(older)
-    assert fresh.stale() == {} and fresh.state_dict()["acceptance"] == {"eagle": [], "hybrid": []}
+    assert fresh.stale() == {} and fresh.state_dict()["acceptance"] == {
+        "eagle": [],
+        "hybrid": [],
+        "cascade": [],
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------

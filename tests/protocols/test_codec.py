@@ -41,7 +41,7 @@ GOLDEN = {
         "36349102c4100100000000000000020000000000000002cb3fe8000000000000cb3ff0000000000000c0b23c616e7377"
         "65723e323c2f616e737765723e01"
     ),
-    "rollout.iteration": "9a000a04a86e6772616d3a643410090dcb3fa999999999999a9090",
+    "rollout.iteration": "9b000a04a86e6772616d3a643410090dcb3fa999999999999a9090cb0000000000000000",
     "reward.score": "960301a4312b313fb23c616e737765723e323c2f616e737765723eae7b22616e73776572223a2232227d02",
     "reward.reward": "960301c0b374696d656f757420616674657220322e302073cb400000000000000002",
     "reward.calls": "9181a56a7564676595020ccb3ff80000000000000801",
@@ -187,6 +187,12 @@ def test_a_generate_request_without_sample_indices_decodes_to_all_samples(codec:
     )
     msg = codec.decode([b"rollout.generate", body])
     assert isinstance(msg, GenerateRequest) and msg.sample_indices == [] and msg.num_samples == 4
+
+
+def test_iteration_stats_from_before_draft_s_decode_as_plain_drafting_time(codec: Codec) -> None:
+    body = bytes.fromhex("9a000a04a86e6772616d3a643410090dcb3fa999999999999a9090")  # ten fields
+    msg = codec.decode([b"rollout.iteration", body])
+    assert msg.arm == "ngram:d4" and msg.draft_s == 0.0
 
 
 def test_sample_indices_must_be_distinct_and_below_num_samples(codec: Codec) -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import torch
+
 from slipstream.protocols.reward import CallTotals
-from slipstream.rl.step import StepMetrics, batch_bucket
+from slipstream.protocols.rollout import GenerateRequest, SamplingSpec
+from slipstream.rl.step import StepMetrics, batch_bucket, deal_plan, pool_arm_tables
 
 
 def test_a_step_reports_what_speculation_accepted_per_batch_bucket() -> None:
@@ -78,3 +81,49 @@ def test_a_step_sums_each_reward_terms_calls_over_the_verifiers_reports() -> Non
         },
     }
     assert StepMetrics().reward_terms() == {} and StepMetrics().reward_call_s == 0.0
+
+
+def test_a_step_reports_each_arms_acceptance_drafting_cost_and_share_per_bucket() -> None:
+    m = StepMetrics()
+    m.add_iteration(1, "cascade:d8", accepted=6, iter_s=0.05, committed=7, drafted=8, draft_s=0.002)
+    m.add_iteration(1, "cascade:d8", accepted=2, iter_s=0.05, committed=3, drafted=8, draft_s=0.002)
+    m.add_iteration(1, "off", accepted=0, iter_s=0.04, committed=1)
+    m.add_iteration(6, "off", accepted=0, iter_s=0.1, committed=6)
+    table = m.arm_table()
+    cascade = table["cascade:d8"]["1"]
+    assert cascade["iterations"] == 2 and cascade["accept_length"] == 5.0  # 1 + 8 accepted / 2 sequences
+    assert cascade["draft_ms_per_token"] == 0.25 and cascade["token_share"] == round(10 / 17, 4)
+    assert cascade["tokens_per_s"] == 100.0 and table["off"]["5-8"]["token_share"] == round(6 / 17, 4)
+    # Tables of several steps pool by their counts, not by averaging their ratios.
+    other = StepMetrics()
+    for _ in range(8):
+        other.add_iteration(1, "cascade:d8", accepted=0, iter_s=0.05, committed=1, drafted=8, draft_s=0.002)
+    pooled = pool_arm_tables([{"arm_table": table}, {"arm_table": other.arm_table()}, {}])
+    assert pooled["cascade:d8"]["1"]["accept_length"] == 1.8 and pooled["cascade:d8"]["1"]["iterations"] == 10
+
+
+def request(group_id: int) -> GenerateRequest:
+    return GenerateRequest(group_id=group_id, prompt_ids=torch.tensor([group_id]), num_samples=4, seed=group_id,
+                           sampling=SamplingSpec(max_tokens=8), policy_version=0)  # fmt: skip
+
+
+def test_groups_go_where_their_prompt_was_decoded_when_that_costs_no_balance() -> None:
+    rollouts = ["rollout:0", "rollout:1"]
+    requests = [request(g) for g in range(8)]
+    equal = lambda r: 1.0  # noqa: E731
+    plain = deal_plan(requests, rollouts, equal, {})
+    assert sorted(plain.values()) == ["rollout:0"] * 4 + ["rollout:1"] * 4
+    homes = {g: rollouts[g < 4] for g in range(8)}  # another split than the plain deal's alternation
+    assert deal_plan(requests, rollouts, equal, homes) == homes
+    # Six prompts at home on one rollout: four stay (its fair share), the other two move.
+    crowded = {g: "rollout:0" for g in range(6)}
+    near = deal_plan(requests, rollouts, equal, crowded)
+    assert sorted(near.values()) == ["rollout:0"] * 4 + ["rollout:1"] * 4
+    assert sum(near[g] == "rollout:0" for g in range(6)) == 4
+    # Unequal costs: affinity never ends above the plain deal's largest load.
+    cost = lambda r: float(1 + r.group_id % 3)  # noqa: E731
+    loads = lambda plan: [sum(cost(r) for r in requests if plan[r.group_id] == n) for n in rollouts]  # noqa: E731
+    assert max(loads(deal_plan(requests, rollouts, cost, homes))) <= max(
+        loads(deal_plan(requests, rollouts, cost, {}))
+    )
+    assert deal_plan(requests, rollouts, equal, {g: "rollout:9" for g in range(8)}) == plain  # a gone home
