@@ -6,11 +6,12 @@ A run whose prompts recur (`dataset_size` ≤ its steps × `prompts_per_step`) l
 samples/step-N.jsonl. This replays its last step (or `--step N`): that step's groups, each sample with the
 run's own seed and sampling, decoded by the run's trained policy (RUN/hf, else its config's model) in
 reproducible mode, so every arm commits the same tokens. History is what the run sampled before that step
-(engine/history.py); the group's siblings are the step's other samples. Rows per batch size (the first B
-samples in group order, so a batch holds whole groups): plain, the n-gram drafter (siblings), history
-alone, and with --drafter the EAGLE head and the cascade (history and siblings, else the head); each with
-tokens/s against plain's, accept length and drafting time per drafted token. The arms of a batch size take
-turns one iteration each (benchmarks/decode.py `interleaved_round`).
+(engine/history.py). A batch of B is the tail: the B samples whose recorded responses were longest, their
+groups' other samples already done (their responses are the siblings the drafters see, as in a rollout's
+tail). Rows per batch size: plain, the n-gram drafter (siblings), history alone, and with --drafter the
+EAGLE head and the cascade (history and siblings, else the head); each with tokens/s against plain's,
+accept length and drafting time per drafted token. The arms of a batch size take turns one iteration each
+(benchmarks/decode.py `interleaved_round`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 import msgspec
 
 from slipstream.engine import eagle_export, hub
-from slipstream.engine.drafters import Drafter, NGramDrafter, SuffixDrafter
+from slipstream.engine.drafters import Drafter, DraftState, NGramDrafter, SuffixDrafter
 from slipstream.engine.generator import Generator, Request
 from slipstream.engine.history import History, HistoryConfig, prompt_key
 from slipstream.engine.model import Transformer
@@ -76,9 +77,11 @@ def _records(run_dir: Path, step: int) -> list[dict]:
     return sorted(rows, key=lambda r: (r["group_id"], r["sample_index"]))
 
 
-def load_workload(run_dir: Path, step: int | None) -> tuple[dict, int, list[Request], History]:
-    """The run's config, the step replayed, its requests (each sample with its own seed), and the history of
-    the steps before it."""
+def load_workload(
+    run_dir: Path, step: int | None
+) -> tuple[dict, int, list[Request], History, dict[str, list[int]]]:
+    """The run's config, the step replayed, its requests (each sample with its own seed, the longest recorded
+    response first), the history of the steps before it, and each request's recorded response."""
     config = json.loads((run_dir / "config.json").read_text())
     steps = sorted(
         int(p.stem.split("-")[1].split(".")[0]) for p in (run_dir / "samples").glob("step-*.jsonl")
@@ -101,14 +104,32 @@ def load_workload(run_dir: Path, step: int | None) -> tuple[dict, int, list[Requ
         )
         for r in _records(run_dir, step)
     ]  # fmt: skip
-    return config, step, requests, history
+    recorded = {f"{r['group_id']}:{r['sample_index']}": r["token_ids"] for r in _records(run_dir, step)}
+    requests.sort(key=lambda r: -len(recorded[r.request_id]))
+    return config, step, requests, history, recorded
+
+
+def _done_siblings(
+    gen: Generator, tail: list[Request], everyone: list[Request], recorded: dict[str, list[int]]
+) -> None:
+    """The drafters of `gen` see the responses of the tail's groups' other samples, already finished."""
+    groups = {r.group_id for r in tail}
+    decoding = {r.request_id for r in tail}
+    for r in everyone:
+        if r.group_id in groups and r.request_id not in decoding:
+            done = DraftState(request_id=r.request_id, group_id=r.group_id, prompt_len=len(r.prompt_ids),
+                              tokens=[*r.prompt_ids, *recorded[r.request_id]], params=r.params)  # fmt: skip
+            for drafter in gen.speculator.drafters.values():
+                drafter.observe(done)
+                drafter.reset(r.request_id)
 
 
 def _drafters(arm: str, model: Transformer, history: History, cfg: HistoryConfig, eagle: Path | None) -> dict:
     drafters: dict[str, Drafter] = {}
     method = arm.split(":")[0]
     if method in ("history", "cascade"):
-        drafters["history"] = SuffixDrafter(history, max_extend=cfg.max_extend, growth=cfg.growth)
+        drafters["history"] = SuffixDrafter(history, max_extend=cfg.max_extend, growth=cfg.growth,
+                                            head_depth=cfg.head_depth)  # fmt: skip
     if method == "ngram":
         drafters["ngram"] = NGramDrafter()
     if method in ("eagle", "cascade"):
@@ -118,7 +139,8 @@ def _drafters(arm: str, model: Transformer, history: History, cfg: HistoryConfig
 
 
 def _round(model: Transformer, requests: list[Request], arms: Sequence[str], history: History,
-           cfg: HistoryConfig, eagle: Path | None) -> list[_Tally]:  # fmt: skip
+           cfg: HistoryConfig, eagle: Path | None, everyone: list[Request],
+           recorded: dict[str, list[int]]) -> list[_Tally]:  # fmt: skip
     gens = []
     for arm in arms:
         spec = None
@@ -128,6 +150,7 @@ def _round(model: Transformer, requests: list[Request], arms: Sequence[str], his
         # The model config's stop ids, as the run's rollouts had: responses end where they ended.
         gen = Generator.for_requests(model, requests, max_batch=len(requests), spec=spec,
                                      drafters=_drafters(arm, model, history, cfg, eagle))  # fmt: skip
+        _done_siblings(gen, requests, everyone, recorded)
         for request in requests:
             gen.add(request)
         gens.append(gen)
@@ -153,7 +176,7 @@ def run(run_dir: Path, *, step: int | None = None, batches: Sequence[int] = (1, 
         drafter: Path | None = None, log: bool = True) -> HistoryResult:  # fmt: skip
     """Replays step `step` (default: the last) of `run_dir` with each arm; see the module docstring."""
     started = time.perf_counter()
-    config, step, requests, history = load_workload(run_dir, step)
+    config, step, requests, history, recorded = load_workload(run_dir, step)
     eagle = hub.drafter_dir(drafter) if drafter is not None else None
     arms = [a for a in ARMS if eagle is not None or a.split(":")[0] not in ("eagle", "cascade")]
     model_dir = run_dir / "hf" if (run_dir / "hf" / "config.json").is_file() else hub.resolve(config["model"])
@@ -162,7 +185,9 @@ def run(run_dir: Path, *, step: int | None = None, batches: Sequence[int] = (1, 
     rows: list[HistoryRow] = []
     for batch in batches:
         chosen = requests[:batch]
-        rounds = [_round(model, chosen, arms, history, cfg, eagle) for _ in range(repeats)]
+        rounds = [
+            _round(model, chosen, arms, history, cfg, eagle, requests, recorded) for _ in range(repeats)
+        ]
         rates = [statistics.median(rd[a].tokens / rd[a].seconds for rd in rounds) for a in range(len(arms))]
         for a, arm in enumerate(arms):
             t = _Tally(**{f: sum(getattr(rd[a], f) for rd in rounds) for f in _Tally.__struct_fields__})

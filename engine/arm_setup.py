@@ -44,7 +44,11 @@ def held_drafters(
     if "history" in needs:
         cfg = history if history is not None else HistoryConfig()
         drafters["history"] = SuffixDrafter(
-            cfg.build(), max_extend=cfg.max_extend, growth=cfg.growth, device=device
+            cfg.build(),
+            max_extend=cfg.max_extend,
+            growth=cfg.growth,
+            head_depth=cfg.head_depth,
+            device=device,
         )
     if head is not None:
         drafters["eagle"] = head

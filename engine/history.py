@@ -42,6 +42,7 @@ class HistoryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     max_n: int = 6  # the longest n-gram indexed; a match is then measured backwards up to `max_extend`
     max_extend: int = 64
     growth: float = 1.0  # draft tokens per matched token (DAS), at least 1, at most the arm's depth
+    head_depth: int = 3  # the cascade's EAGLE chain where nothing matches (its 4th+ tokens rarely pay)
 
     def __post_init__(self) -> None:
         for name, least in (("per_prompt", 1), ("max_tokens", 1), ("min_n", 1)):
@@ -53,6 +54,8 @@ class HistoryConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             raise ValueError(f"history.max_extend must be >= max_n ({self.max_n}), got {self.max_extend}")
         if not self.growth > 0:
             raise ValueError(f"history.growth must be > 0, got {self.growth}")
+        if self.head_depth < 1:
+            raise ValueError(f"history.head_depth must be >= 1, got {self.head_depth}")
 
     def build(self) -> History:
         return History(per_prompt=self.per_prompt, max_tokens=self.max_tokens, min_n=self.min_n,

@@ -189,7 +189,8 @@ class Speculator:
             drafter: Drafter = HybridDrafter(self.drafters["ngram"], self.drafters["eagle"])
         elif spec.method == "cascade":
             history = self.drafters["history"]
-            drafter = HybridDrafter(getattr(history, "with_siblings", history), self.drafters["eagle"])
+            drafter = HybridDrafter(getattr(history, "with_siblings", history), self.drafters["eagle"],
+                                    head_depth=getattr(history, "head_depth", 0))  # fmt: skip
         else:
             drafter = self.drafters[spec.method]
         drafts = drafter.propose(asked_states, spec.depth, spec.topk, spec.verify_budget)

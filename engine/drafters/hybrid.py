@@ -28,14 +28,19 @@ class HybridDrafter(Drafter):
     name = "hybrid"
     uses_hidden = True
 
-    def __init__(self, ngram: Drafter, eagle: Drafter) -> None:
-        self.ngram, self.eagle = ngram, eagle
+    def __init__(self, ngram: Drafter, eagle: Drafter, head_depth: int = 0) -> None:
+        """head_depth: the most levels the head drafts (0: the arm's depth). A long arm (cascade:d8) drafts
+        long where text repeats; the head's later tokens are rarely accepted and each costs a head step."""
+        self.ngram, self.eagle, self.head_depth = ngram, eagle, head_depth
 
     def propose(self, states: Sequence[DraftState], depth: int, topk: int, verify: int) -> list[Draft]:
         drafts = self.ngram.propose(states, depth, topk, verify)
         missing = [i for i, draft in enumerate(drafts) if len(draft) == 0]
         if missing:
-            heads = self.eagle.propose([states[i] for i in missing], depth, topk, verify)
+            shallow = min(depth, self.head_depth) if self.head_depth else depth
+            heads = self.eagle.propose(
+                [states[i] for i in missing], shallow, topk, min(verify, shallow * topk)
+            )
             for i, draft in zip(missing, heads, strict=True):
                 drafts[i] = draft
         return drafts

@@ -46,11 +46,12 @@ class SuffixDrafter(NGramDrafter):
         max_candidates: int = 64,
         max_extend: int = 64,
         growth: float = 1.0,
+        head_depth: int = 3,
         device: torch.device | str = "cpu",
     ) -> None:
         """history: the prompts' earlier responses (its n-gram range is this drafter's); max_candidates: the
         newest occurrences of an n-gram extended backwards; max_extend: the longest match measured; growth:
-        draft tokens per matched token."""
+        draft tokens per matched token; head_depth: the cascade arm's EAGLE draft where nothing matches."""
         super().__init__(history.min_n, history.max_n, max_matches, device)
         if max_candidates < 1 or max_extend < history.max_n or growth <= 0:
             raise ValueError(
@@ -59,6 +60,7 @@ class SuffixDrafter(NGramDrafter):
             )
         self.history = history
         self.max_candidates, self.max_extend, self.growth = max_candidates, max_extend, growth
+        self.head_depth = head_depth
         self._groups_seen: dict[
             Hashable, tuple[str, int]
         ] = {}  # group -> (prompt key, versions visible below)

@@ -167,6 +167,10 @@ def test_the_cascade_asks_the_head_only_where_history_and_siblings_have_nothing(
     cascade = HybridDrafter(suffix.with_siblings, _Head())
     drafts = cascade.propose([state("a", 0, [*PROMPT, 1, 2]), state("b", 0, [*PROMPT, 8, 8])], 2, 1, 8)
     assert [d.tokens.tolist() for d in drafts] == [[3, 4], [99, 99]]
+    # A long arm drafts long from a match, the head only `head_depth` (its later tokens rarely pay).
+    capped = HybridDrafter(suffix.with_siblings, _Head(), head_depth=1)
+    drafts = capped.propose([state("c", 0, [*PROMPT, 1, 2]), state("d", 0, [*PROMPT, 8, 8])], 8, 1, 8)
+    assert [d.tokens.tolist() for d in drafts] == [[3, 4], [99]]
 
 
 def test_keyed_rows_follow_the_race_over_the_history_counts() -> None:
