@@ -129,7 +129,7 @@ def _drafters(arm: str, model: Transformer, history: History, cfg: HistoryConfig
     method = arm.split(":")[0]
     if method in ("history", "cascade"):
         drafters["history"] = SuffixDrafter(history, max_extend=cfg.max_extend, growth=cfg.growth,
-                                            head_depth=cfg.head_depth)  # fmt: skip
+                                            head_depth=cfg.head_depth, head_below=cfg.head_below)  # fmt: skip
     if method == "ngram":
         drafters["ngram"] = NGramDrafter()
     if method in ("eagle", "cascade"):

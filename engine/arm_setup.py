@@ -48,6 +48,7 @@ def held_drafters(
             max_extend=cfg.max_extend,
             growth=cfg.growth,
             head_depth=cfg.head_depth,
+            head_below=cfg.head_below,
             device=device,
         )
     if head is not None:

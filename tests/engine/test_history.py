@@ -54,7 +54,7 @@ def state(rid: str, gid: object, tokens: list[int], prompt_len: int = 4, params:
 
 
 def test_the_store_keeps_responses_per_prompt_bounded_and_hides_the_step_that_sampled_them() -> None:
-    h = History(per_prompt=3, max_tokens=10_000, min_n=2, max_n=3, tail=2)
+    h = History(per_prompt=3, max_tokens=10_000, n=2, tail=2)
     key, other = prompt_key(PROMPT), prompt_key([1, 2])
     assert key == prompt_key(torch.tensor(PROMPT).tolist()) and key != other
     for version in range(5):
@@ -63,21 +63,25 @@ def test_the_store_keeps_responses_per_prompt_bounded_and_hides_the_step_that_sa
     assert h.responses(key, before=4) == [[2, 7, 8], [3, 7, 8]] and h.visible(key, 3) == 1
     # Each occurrence is the response after the prompt's last two tokens, newest first, and only from
     # versions before the one asking.
-    assert [(doc[pos], pos) for doc, pos in h.occurrences(key, (52, 53), before=10)] == [
-        (4, 2),
-        (3, 2),
-        (2, 2),
-    ]
+    # (Responses lie one after another in the prompt's text; each occurrence says where its own lies.)
+    found = [(text[pos], list(text[lo:hi])) for text, pos, lo, hi in h.occurrences(key, (52, 53), before=10)]
+    assert found == [(4, [52, 53, 4, 7, 8]), (3, [52, 53, 3, 7, 8]), (2, [52, 53, 2, 7, 8])]
     assert list(h.occurrences(key, (7, 8), before=10)) == []  # nothing follows a response's last tokens
-    assert [doc[:3] for doc, _ in h.occurrences(key, (52, 53), before=4)] == [[52, 53, 3], [52, 53, 2]]
-    assert list(h.occurrences(other, (7, 8), before=10)) == []
+    assert [text[pos] for text, pos, _, _ in h.occurrences(key, (52, 53), before=4)] == [3, 2]
+    assert list(h.occurrences(other, (7, 8), before=10)) == [] and list(h.occurrences(key, (52,), 10)) == []
     # The total bound drops the oldest responses anywhere.
     h.max_tokens = 12
     h.add(other, 5, [1, 2], [9, 9, 9])
     assert h.tokens <= 12 and h.responses(other) == [[9, 9, 9]] and len(h.responses(key)) == 1
     assert h.stats()["evicted"] == 4
-    with pytest.raises(ValueError, match="max_n"):
-        History(min_n=4, max_n=3)
+    with pytest.raises(ValueError, match="History.n must be >= 1"):
+        History(n=0)
+    # Evicted responses leave the chains: after many, what is kept is found, and only that.
+    churn = History(per_prompt=2, n=2, tail=0)
+    for version in range(50):
+        churn.add(key, version, PROMPT, [1, 2, version])
+    assert [text[pos] for text, pos, _, _ in churn.occurrences(key, (1, 2), before=99)] == [49, 48]
+    assert len(churn._prompts[key].text) <= 4 * 3  # re-packed as the dead outweighed the live
 
 
 def test_the_store_is_journaled_and_a_successor_replays_it(tmp_path: Path) -> None:
@@ -105,7 +109,7 @@ def test_the_store_is_journaled_and_a_successor_replays_it(tmp_path: Path) -> No
 
 
 def test_the_longest_match_wins_measured_past_the_ngram_it_was_found_by() -> None:
-    h = History(min_n=2, max_n=2, tail=0)
+    h = History(n=2, tail=0)
     key = prompt_key(PROMPT)
     h.add(key, 0, PROMPT, [1, 2, 3, 4, 5, 6])  # "... 2 3" then 4
     h.add(key, 1, PROMPT, [9, 2, 3, 7, 8, 6])  # "9 2 3" then 7: matches the request's "9 2 3"
@@ -119,7 +123,7 @@ def test_the_longest_match_wins_measured_past_the_ngram_it_was_found_by() -> Non
 
 
 def test_the_draft_grows_with_the_match_and_stops_at_the_arms_depth() -> None:
-    h = History(min_n=2, max_n=3, tail=4)
+    h = History(n=3, tail=4)
     key = prompt_key(PROMPT)
     response = list(range(100, 140))
     h.add(key, 0, PROMPT, response)
@@ -132,7 +136,7 @@ def test_the_draft_grows_with_the_match_and_stops_at_the_arms_depth() -> None:
 
 
 def test_history_alone_or_with_the_siblings_and_the_step_that_sampled_it_unseen() -> None:
-    h = History(min_n=2, max_n=3, tail=4)
+    h = History(n=2, tail=4)
     key = prompt_key(PROMPT)
     h.add(key, 0, PROMPT, [1, 2, 3, 4])
     h.add(key, 1, PROMPT, [6, 6, 5, 5])  # this step's own: not history for a group sampled at version 1
@@ -161,7 +165,7 @@ class _Head(Drafter):
 
 
 def test_the_cascade_asks_the_head_only_where_history_and_siblings_have_nothing() -> None:
-    h = History(min_n=2, max_n=3, tail=4)
+    h = History(n=2, tail=4)
     h.add(prompt_key(PROMPT), 0, PROMPT, [1, 2, 3, 4])
     suffix = SuffixDrafter(h)
     cascade = HybridDrafter(suffix.with_siblings, _Head())
@@ -171,12 +175,17 @@ def test_the_cascade_asks_the_head_only_where_history_and_siblings_have_nothing(
     capped = HybridDrafter(suffix.with_siblings, _Head(), head_depth=1)
     drafts = capped.propose([state("c", 0, [*PROMPT, 1, 2]), state("d", 0, [*PROMPT, 8, 8])], 8, 1, 8)
     assert [d.tokens.tolist() for d in drafts] == [[3, 4], [99]]
+    # A short match is weak evidence: below `head_below` tokens the head drafts (history alone still does).
+    suffix.observe(state("s", 0, [*PROMPT, 8, 5, 6, 9]))
+    weak = state("w", 0, [*PROMPT, 7, 5, 6])  # matches "5 6" only: 2 tokens
+    assert [d.tokens.tolist() for d in cascade.propose([weak], 2, 1, 8)] == [[99, 99]]
+    assert [d.tokens.tolist() for d in suffix.draft([weak], 2, 1, 8, siblings=True)] == [[9]]
 
 
 def test_keyed_rows_follow_the_race_over_the_history_counts() -> None:
     """Where earlier responses diverge after the match, a keyed row's chain follows the branch its own noise
     picks with the counts as the distribution (as the n-gram drafter's does): across seeds both branches."""
-    h = History(min_n=2, max_n=2, tail=0)
+    h = History(n=2, tail=0)
     key = prompt_key(PROMPT)
     for cont in ([3, 5], [3, 5], [4, 6]):
         h.add(key, 0, PROMPT, [1, 2, *cont])
@@ -240,7 +249,7 @@ def test_rejection_mode_keeps_the_law_of_plain_sampling_with_history_drafts(
     # drafts are offered at every position and often rejected (the residual correction matters).
     probs = exact.view(8, 8).sum(0)
     unlikely = probs.argsort()[:3].tolist()
-    h = History(min_n=1, max_n=2, tail=3)
+    h = History(n=1, tail=3)
     rng = random.Random(0)
     for _ in range(12):
         h.add(prompt_key(LAW_PROMPT), 0, LAW_PROMPT, [rng.choice(unlikely) for _ in range(6)])
