@@ -74,7 +74,7 @@ def test_the_store_keeps_responses_per_prompt_bounded_and_hides_the_step_that_sa
     h.add(other, 5, [1, 2], [9, 9, 9])
     assert h.tokens <= 12 and h.responses(other) == [[9, 9, 9]] and len(h.responses(key)) == 1
     assert h.stats()["evicted"] == 4
-    with pytest.raises(ValueError, match="History.n must be >= 1"):
+    with pytest.raises(ValueError, match=r"History\.n must be >= 1"):
         History(n=0)
     # Evicted responses leave the chains: after many, what is kept is found, and only that.
     churn = History(per_prompt=2, n=2, tail=0)
