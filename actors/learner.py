@@ -14,10 +14,13 @@ Non-obvious choices:
   what a rollout loading the same directory holds). The cast copy is what is checksummed and sent, so a
   rollout's bitwise re-hash matches; checkpoints keep the masters.
 - Several ranks form one torch.distributed group (NCCL on CUDA, gloo on CPU) through a file store in the
-  run directory; every rank trains on the groups dealt to it, the trainer all-reduces gradients, so all
-  hold the same weights and only rank 0 pushes. A rank dealt no group still steps (the others wait for it
-  in their all-reduces); alone, a step without groups trains nothing. On stop the ranks meet at a store
-  barrier before destroying the group: none closes its connections while a peer is in a collective.
+  run directory and shard the policy with FSDP2 (engine/sharding.py): each holds 1/N of the weights,
+  gradients and AdamW's moments and trains on the groups dealt to it. A rank dealt no group still steps
+  (the others wait for it in their collectives); alone, a step without groups trains nothing. Every rank
+  takes `PushWeights` and `SaveCheckpoint`: a push gathers one bucket at a time from the shards (rank 0
+  sends it, the others drop it), a checkpoint has each rank write its shards (engine/policy_checkpoint.py).
+  On stop the ranks meet at a store barrier before destroying the group: none closes its connections
+  while a peer is in a collective.
 - Across hosts (tcp:// destinations) a push sends XOR deltas, zstd-compressed (engine/weight_delta.py),
   against the version a destination acknowledged (`PushWeights.delta_base`) when rank 0 kept a copy of it,
   else full buckets; `WeightsPushed` reports the bytes that crossed hosts against full buckets'.
@@ -25,7 +28,6 @@ Non-obvious choices:
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Annotated, Literal
@@ -33,13 +35,17 @@ from typing import Annotated, Literal
 import msgspec
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.api as dcp_api
 
 from slipstream.actors.learner_samples import check_group, policy_samples, without_samples
 from slipstream.engine import hub
 from slipstream.engine.config import ModelConfig, dtype_from_name
 from slipstream.engine.device import capabilities, parse_device, require_device
 from slipstream.engine.grpo import LossConfig
+from slipstream.engine.memory_plan import plan_learner
+from slipstream.engine.policy_checkpoint import load_policy, save_policy
 from slipstream.engine.policy_train import OptimConfig, PolicyTrainer
+from slipstream.engine.sharding import full_tensors, shard_policy
 from slipstream.engine.weight_delta import blob_tensor, xor_delta
 from slipstream.engine.weights import HEAD_PARTS, load_model
 from slipstream.protocols import samples_record
@@ -91,6 +97,8 @@ class LearnerActor(Actor):
         delta_threads: Annotated[int, msgspec.Meta(ge=0)] = 0  # zstd threads per delta (0: this one alone)
         # bf16: forward and backward under bf16 autocast, fp32 masters and optimizer state (PolicyTrainer)
         precision: Literal["fp32", "bf16"] = "fp32"
+        # Each decoder layer keeps only its input for backward and recomputes the rest (long samples)
+        activation_checkpointing: bool = False
         # Weights on a GPU go to destinations on the same node as CUDA IPC refs (runtime/cuda_ipc.py):
         # no host copy; False: through host memory as on a CPU.
         push_ipc: bool = True
@@ -115,6 +123,7 @@ class LearnerActor(Actor):
         self._duplicates = 0  # samples dropped: a copy of one held or trained on already
         self._held_at = 0.0  # when the newest sample came (time.monotonic())
         self._pending: TrainStep | None = None
+        self.sharded = False  # FSDP2 over the ranks (set below when there are several)
         if cfg.hold_only:
             return  # no rank group, no model: what it skips is said at `hold_only`
         device = require_device(cfg.device)
@@ -137,6 +146,22 @@ class LearnerActor(Actor):
         ref = None
         if cfg.loss.kl_coef > 0:
             ref = load_model(path, dtype=torch.float32, device=device)
+        if cfg.activation_checkpointing:
+            for layer in self.model.layers:
+                layer.checkpointing = True
+        self.sharded = cfg.world_size > 1
+        if self.sharded:
+            compute = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+            shard_policy(self.model, compute_dtype=compute)
+            if ref is not None:
+                shard_policy(ref, compute_dtype=compute)
+        self.plan = plan_learner(
+            self.model.config, ranks=cfg.world_size, micro_batch_tokens=cfg.optim.micro_batch_tokens,
+            logprob_chunk_tokens=cfg.optim.logprob_chunk_tokens,
+            activation_checkpointing=cfg.activation_checkpointing,
+            compute_dtype="bfloat16" if cfg.precision == "bf16" else "float32", reference=ref is not None,
+            device=str(device),
+        )  # fmt: skip
         self.trainer = PolicyTrainer(
             self.model, optim=cfg.optim, loss=cfg.loss, ref_model=ref, precision=cfg.precision
         )
@@ -144,6 +169,7 @@ class LearnerActor(Actor):
             self._load(cfg.resume_from)
         if cfg.warm_up:
             self.trainer.warm_up()  # step 0 then costs what every step does, and an OOM shows at start
+        self.log.info("memory_plan", **self.plan.as_dict(), measured=self.trainer.state_bytes())
         # name -> (version, tensor) as last pushed to a cross-host destination: the base of its next delta.
         # Memory: one model copy in the push dtype on the CPU (the cast copies a push makes anyway, kept),
         # held only once a push has had a tcp:// destination, so never in a one-host run.
@@ -182,28 +208,35 @@ class LearnerActor(Actor):
     @handler
     def on_checkpoint(self, msg: SaveCheckpoint, sender: str) -> None:
         """The named verb `save_checkpoint`: rank 0 saves the policy and optimizer to `msg.path` (atomic),
-        then says so; the coordinator records the run's state only after that."""
-        if self.rank != 0:
+        then says so; the coordinator records the run's state only after that. Sharded, every rank takes it
+        and writes its shards; rank 0 answers once the checkpoint is whole."""
+        if self.rank != 0 and not self.sharded:
             return
         error = ""
         try:
             if self.config.hold_only:
                 raise RuntimeError("a hold_only learner (bench scale) holds no policy to save")
             self._save(msg.path)
-        except (OSError, RuntimeError) as exc:  # a full disk reaches torch.save as a RuntimeError
+        except (OSError, RuntimeError, dcp_api.CheckpointException) as exc:  # a full disk, on any rank
             # Said, not only logged: the coordinator waits for this answer and ends the run with it.
             self.log.error("checkpoint_failed", step=msg.step, path=msg.path, error=str(exc))
             error = str(exc)
-        self.send(
-            COORDINATOR, CheckpointSaved(step=msg.step, path=msg.path, version=self.version, error=error)
-        )
+        if self.rank == 0:
+            self.send(
+                COORDINATOR, CheckpointSaved(step=msg.step, path=msg.path, version=self.version, error=error)
+            )
 
     @handler
     def on_push(self, msg: PushWeights, sender: str) -> None:
         """The named verb `push_weights`: the current policy to `to` (and the head parts to `head_to`).
-        Handlers run between steps, so a push never sees half-updated weights."""
-        if self.rank != 0:
+        Handlers run between steps, so a push never sees half-updated weights. Sharded, every rank takes it
+        and gathers each bucket with rank 0, which alone sends."""
+        if self.rank != 0 and not self.sharded:
             self.log.warning("push_ignored", version=msg.version, why="only rank 0 pushes")
+            return
+        if self.rank != 0:
+            if not self.config.hold_only and msg.version == self.version and (msg.to or msg.head_to):
+                self._gather_only(self._push_groups(msg.to, msg.head_to or []))
             return
         error = ""
         if self.config.hold_only:
@@ -336,15 +369,7 @@ class LearnerActor(Actor):
         path). A drafter completes a version when it holds every head part; the smaller parts come first,
         so its completing bucket is the embedding and it is copied once, into its parameters, not staged."""
         head_to = head_to or []
-        params = list(self.model.named_parameters())
-        head = sorted((p for p in params if p[0] in HEAD_PARTS), key=lambda p: p[1].numel())
-        rest = [p for p in params if p[0] not in HEAD_PARTS]
-        if not head_to:
-            groups = [(params, dests)]
-        elif dests:
-            groups = [(head, [*dests, *head_to]), (rest, dests)]
-        else:
-            groups = [(head, head_to)]
+        groups = self._push_groups(dests, head_to)
         event = "weights_pushed" if dests else "head_pushed"
         span = "push" if dests else "push_head"
         with self.spans.span(span, version - 1, version=version, dests=[*dests, *head_to]) as fields:
@@ -364,6 +389,27 @@ class LearnerActor(Actor):
         )
         self.log.info(event, dests=dests, head_to=head_to, version=version, **moved)
 
+    def _push_groups(
+        self, dests: list[str], head_to: list[str]
+    ) -> list[tuple[list[tuple[str, torch.nn.Parameter]], list[str]]]:
+        """(parameters, destinations) in push order: the head parts first, smallest first, when drafters
+        are fed (see `push`); every rank computes the same order (a sharded push gathers in it)."""
+        params = list(self.model.named_parameters())
+        head = sorted((p for p in params if p[0] in HEAD_PARTS), key=lambda p: p[1].numel())
+        rest = [p for p in params if p[0] not in HEAD_PARTS]
+        if not head_to:
+            return [(params, dests)]
+        if dests:
+            return [(head, [*dests, *head_to]), (rest, dests)]
+        return [(head, head_to)]
+
+    def _gather_only(self, groups: list[tuple[list[tuple[str, torch.nn.Parameter]], list[str]]]) -> None:
+        """A sharded rank other than 0: joins rank 0's gather of every bucket, in its order, and drops it."""
+        for bucket, _ in _buckets(groups, self.push_dtype.itemsize, self.config.bucket_bytes):
+            for _ in full_tensors(bucket):
+                pass
+            self.tick()
+
     def _push_buckets(
         self,
         groups: list[tuple[list[tuple[str, torch.nn.Parameter]], list[str]]],
@@ -377,7 +423,10 @@ class LearnerActor(Actor):
         delta_dests: set[str] = set()
         buckets = _buckets(groups, self.push_dtype.itemsize, self.config.bucket_bytes)
         on_gpu = self.config.push_ipc and next(self.model.parameters()).device.type == "cuda"
-        for index, (bucket, dests) in enumerate(buckets):
+        for index, (params, dests) in enumerate(buckets):
+            # Gathered once from the shards (every sharded rank gathers it too: `_gather_only`); plain
+            # parameters pass through. Dropped at the next bucket: one bucket in full at a time.
+            bucket = list(full_tensors(params))
             remote = [d for d in dests if self.peers.get(d, "").startswith("tcp://")]
             if on_gpu and (local := [d for d in dests if d not in remote]):
                 # Same node, same GPUs: the bucket stays in GPU memory, its IPC refs travel (no host copy).
@@ -395,13 +444,13 @@ class LearnerActor(Actor):
         return {**moved, "encode_s": round(moved["encode_s"], 3), "deltas": len(delta_dests)}
 
     def _host_update(
-        self, index: int, version: int, num_buckets: int, bucket: list[tuple[str, torch.nn.Parameter]]
+        self, index: int, version: int, num_buckets: int, bucket: list[tuple[str, torch.Tensor]]
     ) -> WeightUpdate:
         """Bucket `index` as one cast copy on the CPU for every destination: frames leave zero-copy, the next
         step must not change what is still in flight, and the copy, not the master, is what the checksum
         covers. (Same-host destinations then share one shared-memory slot per tensor: `broadcast`.)"""
         names = [n for n, _ in bucket]
-        tensors = [p.detach().to("cpu", self.push_dtype, copy=True) for _, p in bucket]
+        tensors = [p.to("cpu", self.push_dtype, copy=True) for _, p in bucket]
         return WeightUpdate(
             version=version, bucket=index, num_buckets=num_buckets, names=names, tensors=tensors,
             checksum=checksum(names, tensors),
@@ -444,7 +493,7 @@ class LearnerActor(Actor):
         return deltas
 
     def _ipc_update(
-        self, index: int, version: int, num_buckets: int, bucket: list[tuple[str, torch.nn.Parameter]]
+        self, index: int, version: int, num_buckets: int, bucket: list[tuple[str, torch.Tensor]]
     ) -> WeightUpdate:
         """Bucket `index` cast into this learner's GPU buffers for it (allocated once, rewritten in place, so
         receivers' mappings of them stay valid) and described by CUDA IPC refs, checksummed on the GPU."""
@@ -454,8 +503,8 @@ class LearnerActor(Actor):
             held = [(n, torch.empty_like(p, dtype=self.push_dtype).detach()) for n, p in bucket]
             self._ipc_buffers[index] = held
         with torch.no_grad():
-            for (_, buffer), (_, param) in zip(held, bucket, strict=True):
-                buffer.copy_(param)
+            for (_, buffer), (_, value) in zip(held, bucket, strict=True):
+                buffer.copy_(value)
         tensors = [t for _, t in held]
         refs = [cuda_ipc.export(n, t) for n, t in held]
         torch.cuda.current_stream(tensors[0].device).synchronize()  # written before any receiver reads
@@ -469,27 +518,14 @@ class LearnerActor(Actor):
             self._save_now(path)
 
     def _save_now(self, path: str) -> None:
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(target.suffix + ".tmp")
-        state = {
-            "model": self.model.state_dict(),
-            "trainer": self.trainer.state_dict(),
-            "version": self.version,
-        }
-        try:
-            torch.save(state, tmp)
-        except BaseException:
-            tmp.unlink(missing_ok=True)  # a half-written file on a full disk would hold what space is left
-            raise
-        os.replace(tmp, target)  # atomic: a reader sees the old checkpoint or the new one, never half
-        self.log.info("checkpoint_saved", path=str(target), version=self.version)
+        # Atomic (a reader sees the old checkpoint or the new one); every rank writes its own shards.
+        save_policy(path, self.model, self.trainer.optimizer, steps=self.trainer.steps, version=self.version)
+        self.log.info("checkpoint_saved", path=path, version=self.version)
 
     def _load(self, path: str) -> None:
-        state = torch.load(path, weights_only=True, map_location=self.model.embed_tokens.weight.device)
-        self.model.load_state_dict(state["model"])
-        self.trainer.load_state_dict(state["trainer"])
-        self.version = int(state["version"])
+        info = load_policy(path, self.model, self.trainer.optimizer)
+        self.trainer.steps = info["steps"]
+        self.version = info["version"]
         self.log.info("checkpoint_loaded", path=path, version=self.version)
 
 

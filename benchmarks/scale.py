@@ -79,6 +79,9 @@ class ScaleRun(Run):
         super().__init__(cfg, run_dir, baseline=False, resume=False, log=log)
         self.corpus, self.answer_ids = corpus, answer_ids
 
+    def check_memory(self, hosts: Any) -> None:
+        """Nothing to check: the stand-in learner holds no model."""
+
     def plan_actors(self, hosts: Any, rendezvous: str) -> list[ActorSpec]:
         specs = []
         for spec in super().plan_actors(hosts, rendezvous):

@@ -6,6 +6,7 @@
     slipstream bench e2e [--config F] [key=value …] --json      # train vs --baseline, each a child process
     slipstream bench soak [--steps N] --json                    # a run under random SIGKILLs vs without
     slipstream bench sync [--dtype bfloat16] --json             # a cross-host push: full vs XOR delta
+    slipstream bench learner [--ranks 1,2] --json               # per-rank memory and step, sharded vs not
     slipstream bench gpu --json [--quick] [--shapes S]          # the GPU runbook (docs/gpu.md)
     slipstream bench reward --json                              # rewards/s: per completion vs batched; judge
     slipstream bench scale [--fractions 1/8,1] --json           # a users'-size step through the head's paths
@@ -339,6 +340,21 @@ def _sync(args: argparse.Namespace) -> int:
     return 0
 
 
+def _learner_arguments(p: argparse.ArgumentParser) -> None:
+    _json(p, "the learner bench's dict")
+    p.add_argument("--model", default="smollm2-135m", help="model directory or name")
+    p.add_argument("--ranks", default="1,2", help="comma-separated rank counts (must include 1)")
+    p.add_argument("--steps", type=int, default=3, help="identical optimizer steps per rank count")
+
+
+def _learner(args: argparse.Namespace) -> int:
+    from slipstream.benchmarks import learner
+
+    ranks = tuple(int(r) for r in args.ranks.split(",") if r.strip())
+    _print(learner.run(args.model, ranks, args.steps), args.json, str)
+    return 0
+
+
 def _gpu_arguments(p: argparse.ArgumentParser) -> None:
     _json(p, "GpuResult")
     p.add_argument("--quick", action="store_true", help="one shape, batches 1/16/128")
@@ -516,6 +532,15 @@ BENCHES = {
         _sync_arguments,
         _sync,
     ),
+    "learner": Bench(
+        "learner memory per rank and step seconds, at 1 and N sharded ranks",
+        "Trains the policy for --steps identical steps at each of --ranks (FSDP2 over gloo, real "
+        "processes, one count at a time): per rank count, the weights, gradients and optimizer state a rank "
+        "holds (from its tensors) beside the memory plan's prediction, peak RSS, step seconds, and the "
+        "weights' largest difference from the 1-rank run's (benchmarks/learner.py).",
+        _learner_arguments,
+        _learner,
+    ),
     "gpu": Bench(
         "the GPU runbook (docs/gpu.md)",
         "The GPU runbook (docs/gpu.md): the gpu-marked tests, then per model shape and batch "
@@ -565,7 +590,8 @@ def add_parser(sub: Any) -> None:
     """The `bench` subcommand on `sub` (the `slipstream` command's subparsers), a subcommand per bench."""
     bench = sub.add_parser(
         "bench",
-        help="benchmarks printing JSON: transport, decode, rollout, e2e, soak, sync, gpu, reward, scale, startup",
+        help="benchmarks printing JSON: transport, decode, rollout, e2e, soak, sync, learner, gpu, reward, scale, "
+        "startup",
         description="Benchmarks; each prints one JSON object with --json (fields: docs/benchmarks.md). "
         "`slipstream bench NAME --help` lists a bench's flags.",
     )

@@ -3,7 +3,7 @@
     slipstream export runs/train-…  --out exported/policy            # the newest checkpoint
     slipstream export runs/train-…  --step 20 --out exported/step-20 [--dtype bfloat16] [--force]
 
-Reads `checkpoints/step-N/learner.pt` (the learner's fp32 masters) and the run's config.json for the model
+Reads `checkpoints/step-N/learner` (the learner's fp32 masters, gathered from its shards) and the run's config.json for the model
 it started from, whose config and tokenizer files the export takes (`engine/hf_export.py`: layout, name
 map, sharding). The result is the HF layout vLLM and SGLang read: it loads with
 `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and as `model: DIR` in a new `slipstream train`.
@@ -45,12 +45,18 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 
 def checkpoints(run_dir: Path) -> dict[int, Path]:
-    """Every complete learner checkpoint of a run: step → checkpoints/step-N/learner.pt (the learner writes
-    it atomically, so one that exists is whole)."""
-    from slipstream.rl.run_dir import CHECKPOINT_FILE, checkpoint_dirs  # torch: not with the parser
+    """Every complete learner checkpoint of a run: step → checkpoints/step-N/learner (the learner writes
+    it atomically, so one that exists is whole; an older run's learner.pt file counts too)."""
+    from slipstream.engine.policy_checkpoint import is_checkpoint  # torch: not with the parser
+    from slipstream.rl.run_dir import CHECKPOINT_FILE, checkpoint_dirs
 
-    files = {step: path / CHECKPOINT_FILE for step, path in checkpoint_dirs(run_dir).items()}
-    return {step: path for step, path in files.items() if path.is_file()}
+    found = {}
+    for step, path in checkpoint_dirs(run_dir).items():
+        for name in (CHECKPOINT_FILE, "learner.pt"):
+            if is_checkpoint(path / name):
+                found[step] = path / name
+                break
+    return found
 
 
 def find_checkpoint(run_dir: Path, step: int | None = None) -> tuple[int, Path]:
@@ -61,7 +67,7 @@ def find_checkpoint(run_dir: Path, step: int | None = None) -> tuple[int, Path]:
     found = checkpoints(run_dir)
     if not found:
         raise ValueError(
-            f"{run_dir}: no checkpoint in this run directory (checkpoints/step-N/learner.pt); "
+            f"{run_dir}: no checkpoint in this run directory (checkpoints/step-N/learner); "
             "a run checkpoints every `checkpoint_every` steps"
         )
     if step is None:
@@ -96,31 +102,30 @@ def export_checkpoint(
     max_shard_bytes: int | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write the policy in `checkpoint` (a learner.pt) as an HF model directory at `out`, taking config and
+    """Write the policy in `checkpoint` (a learner checkpoint) as an HF model directory at `out`, taking config and
     tokenizer from `model` (a model directory or registry name: the run's `model`). dtype: "float32",
     "bfloat16" or "float16"; None = the model's own. max_shard_bytes: None = hf_export's default (5 GB).
     Returns `out`."""
-    import torch
-
     from slipstream.engine import hf_export, hub
     from slipstream.engine.config import ModelConfig, dtype_from_name
+    from slipstream.engine.policy_checkpoint import checkpoint_version, read_weights
 
     try:
         model_dir = hub.resolve(model)
     except ValueError as e:
         raise ValueError(f"the run's model: {e}") from None
     config = ModelConfig.from_pretrained(model_dir)
-    # mmap: the optimizer state beside the weights is never paged in.
+    # The weights only: the optimizer state beside them is never read.
     try:
-        state = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
-    except (RuntimeError, EOFError, ValueError) as e:  # a damaged or foreign file
+        weights, version = read_weights(checkpoint), checkpoint_version(checkpoint)
+    except ValueError:
+        raise
+    except (RuntimeError, EOFError, OSError, KeyError) as e:  # a damaged or foreign checkpoint
         raise ValueError(f"{checkpoint}: not a readable learner checkpoint ({e})") from None
-    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
-        raise ValueError(f"{checkpoint}: not a learner checkpoint (no 'model' state)")
     try:
         return hf_export.export(
             config,
-            state["model"],
+            weights,
             out,
             source=model_dir,
             dtype=dtype_from_name(dtype, field="dtype") if dtype else None,
@@ -129,7 +134,7 @@ def export_checkpoint(
             info={
                 "checkpoint": str(checkpoint),
                 "step": step,
-                "policy_version": int(state.get("version", 0)),
+                "policy_version": version,
                 "base_model": str(model_dir),
                 "weights": f"learner fp32 masters written as {dtype or config.torch_dtype}",
             },

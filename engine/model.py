@@ -20,12 +20,14 @@ Non-obvious choices (figures: docs/engine.md, "Model"):
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from slipstream.engine import invariant
 from slipstream.engine.batch import AttentionGroup, BatchLayout
@@ -117,11 +119,17 @@ def _unpack_fixups(plain: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return negative_zeros, bad_rows, plain[bad_rows].clone()
 
 
-def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, pack: _PackedWeight) -> Tensor:
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, pack: _PackedWeight | None) -> Tensor:
+    """x @ weightᵀ + bias; pack None: never a packed copy (a sharded learner's weights are gathered into
+    storage that FSDP frees and refills, so a pack keyed on it could outlive what it copied)."""
     if invariant.active(x, weight):
         return invariant.linear(x, weight, bias)  # rows independent of the batch (engine/invariant.py)
-    gemm = packed_gemm(x.device, weight.dtype, weight.shape[0])
-    if gemm is not None and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)):
+    gemm = None if pack is None else packed_gemm(x.device, weight.dtype, weight.shape[0])
+    if (
+        pack is not None
+        and gemm is not None
+        and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+    ):
         packed = pack.get(weight, gemm)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if gemm == "mkl":
@@ -145,9 +153,10 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self._pack = _PackedWeight()
+        self.packable = True  # False: F.linear always (a sharded learner's, `Transformer.train_only`)
 
     def forward(self, x: Tensor) -> Tensor:
-        return _linear(x, self.weight, self.bias, self._pack)
+        return _linear(x, self.weight, self.bias, self._pack if self.packable else None)
 
 
 class RMSNorm(nn.Module):
@@ -332,6 +341,20 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(config)
         self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        # Activation checkpointing: keep the layer's input only, recompute the rest in backward.
+        self.checkpointing = False
+
+    def forward_train(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """The layer over x [B, T, hidden] without a cache (the learner's path). A method of the layer, so
+        a sharded learner registers it with FSDP (`register_fsdp_forward_method`: the layer's weights are
+        gathered around it); checkpointing runs inside it, so the gather also wraps the recompute."""
+        if self.checkpointing and torch.is_grad_enabled():
+            return checkpoint(self._train_body, x, cos, sin, use_reentrant=False)
+        return self._train_body(x, cos, sin)
+
+    def _train_body(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attn.forward_train(self.input_norm(x), cos, sin)
+        return x + self.mlp(self.post_norm(x))
 
 
 class Transformer(nn.Module):
@@ -351,7 +374,7 @@ class Transformer(nn.Module):
             None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False)
         )
         self.rotary = Rotary(config)
-        self._tied_head_pack = _PackedWeight()
+        self._tied_head_pack: _PackedWeight | None = _PackedWeight()
 
     @property
     def lm_head_weight(self) -> Tensor:
@@ -473,6 +496,16 @@ class Transformer(nn.Module):
         logits at response positions only: the head is ~a fifth of a small model's forward, and its
         backward over prompt rows would be pure waste). Differentiable; used by the learner for log-probs.
         """
+        hidden = self.hidden_train(input_ids, positions, rows=rows)
+        if rows is None:
+            hidden = hidden.view(*input_ids.shape, -1)
+        return self.head(hidden)
+
+    def hidden_train(
+        self, input_ids: Tensor, positions: Tensor | None = None, *, rows: Tensor | None = None
+    ) -> Tensor:
+        """`forward_train` up to the last layer's output (before the final norm) at `rows`: the learner runs
+        the head on chunks of these rows (`head`), so [tokens, vocab] logits never exist whole."""
         seq = input_ids.shape[1]
         if positions is None:
             positions, length = torch.arange(seq, device=input_ids.device), seq
@@ -482,11 +515,51 @@ class Transformer(nn.Module):
         cos, sin = cos_table[positions].unsqueeze(-2), sin_table[positions].unsqueeze(-2)  # [.., T, 1, hd]
         x = self.embed_tokens(input_ids)  # [B, T, hidden]
         for layer in self.layers:
-            x = x + layer.attn.forward_train(layer.input_norm(x), cos, sin)
-            x = x + layer.mlp(layer.post_norm(x))
-        if rows is not None:
-            x = x.reshape(-1, x.shape[-1]).index_select(0, rows)
-        return self.head(x)
+            x = layer.forward_train(x, cos, sin)
+        x = x.reshape(-1, x.shape[-1])
+        return x if rows is None else x.index_select(0, rows)
+
+    def forward_scored(
+        self,
+        input_ids: Tensor,
+        rows: Tensor,
+        score: Callable[[Tensor, int, int], Tensor],
+        *,
+        chunk: int = 0,
+    ) -> Tensor:
+        """`score(logits, start, end)` -> [end - start] over the logits at `rows` [N], `chunk` rows at a time
+        (0: all at once), concatenated: [N]. With gradients on, each chunk's logits are recomputed in
+        backward (checkpointed), so at most one chunk's [chunk, vocab] logits and their gradient exist: an
+        8k-token sample's fp32 logits (1.6 GB at SmolLM2's vocabulary) never do. Row-wise, so the values do
+        not depend on `chunk`. A method of the root, registered with FSDP on a sharded learner."""
+        hidden = self.hidden_train(input_ids, rows=rows)
+        total = hidden.shape[0]
+        if chunk <= 0 or total <= chunk:
+            return score(self.head(hidden), 0, total)
+        parts = []
+        for start in range(0, total, chunk):
+            end = min(total, start + chunk)
+            part = functools.partial(self._score_chunk, score, start, end)
+            if torch.is_grad_enabled():
+                parts.append(checkpoint(part, hidden[start:end], use_reentrant=False))
+            else:
+                parts.append(part(hidden[start:end]))
+        return torch.cat(parts)
+
+    def _score_chunk(
+        self, score: Callable[[Tensor, int, int], Tensor], start: int, end: int, hidden: Tensor
+    ) -> Tensor:
+        return score(self.head(hidden), start, end)
+
+    def train_only(self, *, checkpointing: bool = False) -> None:
+        """For a learner: projections always F.linear (no packed copies: see `_linear`) and, with
+        `checkpointing`, each decoder layer keeps only its input for backward."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.packable = False
+        self._tied_head_pack = None
+        for layer in self.layers:
+            layer.checkpointing = checkpointing
 
 
 def _fold_mask(mask: Tensor, groups: int, kv_heads: int, dtype: torch.dtype) -> Tensor:

@@ -12,13 +12,17 @@ Non-obvious choices:
   log-softmax over the bf16 logits is computed in fp32).
 - Token-mean over the GLOBAL batch: every micro-batch's and rank's loss is divided by the total response-
   token count, so micro-batching and ranks change nothing but rounding.
-- Data parallel without DDP: one all-reduce (SUM) of a flat gradient buffer per step (gloo on CPU, NCCL on
-  GPU: every collective's tensor lives on the model's device). Every rank calls `step`, an empty one too,
-  and reduces the same sorted stats vector (the keys `grpo_loss` reports for this config, zeros or -inf
-  where a rank has none), so collectives always match. No token on any rank: no optimizer step.
-- Micro-batches pack length-sorted sequences up to `micro_batch_tokens` padded tokens (the LM head runs on
-  response positions only, and the logits' gradient overwrites them: one [tokens, vocab] buffer, not two).
-  The activations scale with that budget: it is the learner's memory knob.
+- Several ranks: the model is sharded with FSDP2 (engine/sharding.py: each rank holds 1/N of the weights,
+  gradients and moments; gradients reduce-scattered as sums). Every forward and backward gathers weights
+  collectively, so every rank runs as many micro-batches as the busiest one (an idle pass adds exact
+  zeros), an empty rank too, and reduces the same sorted stats vector (the keys `grpo_loss` reports for
+  this config, zeros or -inf where a rank has none). No token on any rank: no optimizer step.
+  One rank: the plain model (FSDP over one rank holds the same bytes and gathers nothing).
+- Micro-batches pack length-sorted sequences up to `micro_batch_tokens` padded tokens; the LM head runs on
+  response positions only, `logprob_chunk_tokens` rows at a time (each chunk's logits recomputed in
+  backward; within a chunk the logits' gradient overwrites them): an 8k-token sample never holds its
+  [tokens, vocab] fp32 logits whole. With `activation_checkpointing` each decoder layer keeps only its
+  input. The activations scale with the budget: it is the learner's memory knob (engine/memory_plan.py).
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ import msgspec
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from slipstream.engine.grpo import LossConfig, grpo_loss, pad_sequences, processed_logprobs
 from slipstream.engine.model import Transformer
+from slipstream.engine.sharding import is_sharded, local_bytes
 
 __all__ = ["PRECISIONS", "OptimConfig", "PolicySample", "PolicyTrainer", "Precision", "micro_batches"]
 
@@ -90,6 +96,7 @@ class OptimConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     total_steps: int = 0  # > 0: cosine decay to min_lr_ratio * lr at total_steps; 0: constant after warmup
     min_lr_ratio: float = 0.1
     micro_batch_tokens: int = 4096  # padded (prompt + response) tokens per forward/backward pass
+    logprob_chunk_tokens: int = 4096  # response rows whose [rows, vocab] logits exist at once (0: all)
 
     def __post_init__(self) -> None:
         checks = {
@@ -100,6 +107,7 @@ class OptimConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
             "total_steps": self.total_steps >= 0,
             "min_lr_ratio": 0 <= self.min_lr_ratio <= 1,
             "micro_batch_tokens": self.micro_batch_tokens >= 1,
+            "logprob_chunk_tokens": self.logprob_chunk_tokens >= 0,
         }
         for name, ok in checks.items():
             if not ok:
@@ -113,6 +121,19 @@ class OptimConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
             return 1.0
         progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _scorer(
+    tokens: Tensor, sampling: dict[str, Tensor], *, overwrite: bool
+) -> Callable[[Tensor, int, int], Tensor]:
+    """score(logits, start, end): the log-probs of `tokens[start:end]` under their rows' processed sampling
+    distribution (`grpo.processed_logprobs`), for `Transformer.forward_scored`'s chunks."""
+
+    def score(logits: Tensor, start: int, end: int) -> Tensor:
+        part = {name: value[start:end] for name, value in sampling.items()}
+        return processed_logprobs(logits, tokens[start:end], **part, overwrite_logits=overwrite)
+
+    return score
 
 
 def _own(sample: PolicySample) -> Sequence[bool]:
@@ -189,8 +210,11 @@ class PolicyTrainer:
         loss: LossConfig | None = None,
         ref_model: Transformer | None = None,
         precision: Precision = "fp32",
+        activation_checkpointing: bool = False,
     ) -> None:
-        """precision: "fp32", or "bf16" for the forward and backward under bf16 autocast (fp32 masters)."""
+        """precision: "fp32", or "bf16" for the forward and backward under bf16 autocast (fp32 masters).
+        A sharded `model` (engine/sharding.py) is trained as such; activation_checkpointing: each decoder
+        layer keeps only its input for backward (set before sharding, or here on a plain model)."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.precision = precision
@@ -202,6 +226,10 @@ class PolicyTrainer:
         self.ref_model = ref_model
         if ref_model is not None:
             ref_model.requires_grad_(False)
+        self.sharded = is_sharded(model)
+        if activation_checkpointing:
+            for layer in model.layers:
+                layer.checkpointing = True
         self.params = [p for p in model.parameters() if p.requires_grad]
         dtypes = sorted({str(p.dtype) for p in self.params if p.dtype != torch.float32})
         if dtypes:
@@ -240,20 +268,57 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         losses = 0.0
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-        for group in micro_batches(lengths, self.optim.micro_batch_tokens):
-            batch = [samples[i] for i in group if samples[i].response_ids]
-            if not batch:
-                continue
+        batches = [
+            batch
+            for group in micro_batches(lengths, self.optim.micro_batch_tokens)
+            if (batch := [samples[i] for i in group if samples[i].response_ids])
+        ]
+        idle = self._idle_passes(len(batches), world, device)
+        for batch in batches:
             loss, stats, tokens = self._micro_step(batch, num_tokens, num_seqs, device)
             loss.backward()
             losses += float(loss.detach())
             totals.add(stats, tokens)
             if on_progress is not None:
                 on_progress()
+        for _ in range(idle):
+            self._idle_pass(device)
+            if on_progress is not None:
+                on_progress()
         grad_norm = self._reduce_and_clip(world)
         self.optimizer.step()
         self.steps += 1
         return self._summary(totals, losses, grad_norm, num_tokens, num_seqs, world, device)
+
+    def _idle_passes(self, passes: int, world: int, device: torch.device) -> int:
+        """How many idle passes this rank adds so that every rank runs as many forward/backward passes as
+        the busiest (a sharded model gathers weights collectively in each); 0 when not sharded."""
+        if not self.sharded or world == 1:
+            return 0
+        most = torch.tensor([passes], dtype=torch.int64, device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return int(most) - passes
+
+    def _idle_pass(self, device: torch.device) -> None:
+        """A forward and backward of one two-token sequence whose loss is 0 · its log-prob: every gradient it
+        adds is an exact zero, and the weights' gathers and reduce-scatters match the other ranks'."""
+        ids = torch.zeros(1, 1, dtype=torch.int64, device=device)
+        rows = torch.zeros(1, dtype=torch.int64, device=device)
+        logp = self._forward(self.model, ids, rows, lambda logits, _s, _e: logits.float().logsumexp(-1))
+        (logp.sum() * 0.0).backward()
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now of the policy's weights, their gradients and AdamW's state (measured
+        from the tensors: a sharded rank's local shards), for the memory plan's check."""
+        params = self.params
+        moments = [
+            t for state in self.optimizer.state.values() for t in state.values() if isinstance(t, Tensor)
+        ]
+        return {
+            "weights": local_bytes(params),
+            "gradients": local_bytes([p.grad for p in params]),
+            "optimizer": local_bytes(moments),
+        }
 
     def warm_up(self) -> None:
         """One forward and backward over a synthetic micro-batch of the full token budget, gradients then
@@ -324,7 +389,7 @@ class PolicyTrainer:
                 continue
             batch = [samples[i] for i in index]
             ids, rows, tokens, sampling, per_token = self._inputs(batch, device)
-            logp = processed_logprobs(self._forward(self.model, ids, rows), tokens, **sampling)
+            logp = self._forward(self.model, ids, rows, _scorer(tokens, sampling, overwrite=False))
             for i, part in zip(index, torch.split(logp, per_token), strict=True):
                 out[i] = part.cpu()
         return out
@@ -368,13 +433,12 @@ class PolicyTrainer:
         self, batch: list[PolicySample], num_tokens: int, num_seqs: int, device: torch.device
     ) -> tuple[Tensor, dict[str, float], int]:
         ids, rows, tokens, sampling, per_token = self._inputs(batch, device)
-        logits = self._forward(self.model, ids, rows)  # [tokens, V]: response rows only
-        # Nothing reads the logits after backward: their gradient may take their place.
-        logp = processed_logprobs(logits, tokens, **sampling, overwrite_logits=True)
+        # Nothing reads a chunk's logits after backward: their gradient may take their place.
+        logp = self._forward(self.model, ids, rows, _scorer(tokens, sampling, overwrite=True))
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref = processed_logprobs(self._forward(self.ref_model, ids, rows), tokens, **sampling)
+                ref = self._forward(self.ref_model, ids, rows, _scorer(tokens, sampling, overwrite=False))
         pad = lambda x: pad_sequences(list(torch.split(x, per_token)))  # noqa: E731
         logp_padded, mask = pad(logp)
         if any(s.policy_mask is not None for s in batch):
@@ -396,27 +460,32 @@ class PolicyTrainer:
         )
         return loss, stats, int(mask.sum())
 
-    def _forward(self, model: Transformer, ids: Tensor, rows: Tensor) -> Tensor:
-        """`model.forward_train` at the trainer's precision (logits in bf16 under autocast)."""
+    def _forward(
+        self, model: Transformer, ids: Tensor, rows: Tensor, score: Callable[[Tensor, int, int], Tensor]
+    ) -> Tensor:
+        """`score` over `model`'s logits at `rows`, chunk by chunk (`Transformer.forward_scored`), at the
+        trainer's precision (logits in bf16 under autocast)."""
+        chunk = self.optim.logprob_chunk_tokens
         if self.precision == "fp32":
-            return model.forward_train(ids, rows=rows)
+            return model.forward_scored(ids, rows, score, chunk=chunk)
         with torch.autocast(ids.device.type, dtype=torch.bfloat16):
-            return model.forward_train(ids, rows=rows)
+            return model.forward_scored(ids, rows, score, chunk=chunk)
 
     def _reduce_and_clip(self, world: int) -> float:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        if world > 1:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat)
-            offset = 0
-            for p, g in zip(self.params, grads, strict=True):
-                p.grad = flat[offset : offset + g.numel()].view_as(p).clone()
-                offset += g.numel()
-        else:
-            for p, g in zip(self.params, grads, strict=True):
-                p.grad = g
+        """Clips the global gradient norm; returns it. Sharded, the gradients are reduce-scattered already
+        (FSDP) and the norm is summed over the shards; one rank has nothing to reduce."""
+        if world > 1 and not self.sharded:
+            raise RuntimeError("several learner ranks need the sharded model (engine/sharding.py)")
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         max_norm = self.optim.max_grad_norm if self.optim.max_grad_norm > 0 else math.inf
-        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        grads = [p.grad for p in self.params]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()  # the shards' partial norms, combined
+        torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, norm)
+        return float(norm)
 
     def _summary(
         self,

@@ -373,11 +373,12 @@ class Coordinator:
         if not self.learners:
             raise ValueError("no learner actors to checkpoint")
         self._saved.pop(step, None)
-        await self.sup.send(self.learners[0], SaveCheckpoint(step=step, path=path))
+        for learner in self.learners:  # sharded ranks each write their shards; rank 0 answers
+            await self.sup.send(learner, SaveCheckpoint(step=step, path=path))
         for drafter in drafters:
             if drafter not in self.dead:
                 await self.sup.send(drafter, SaveCheckpoint(step=step))
-        await self.wait_until(lambda: step in self._saved, self.learners[:1], f"checkpoint of step {step}")
+        await self.wait_until(lambda: step in self._saved, self.learners, f"checkpoint of step {step}")
         if error := self._saved.pop(step):
             raise RuntimeError(f"{self.learners[0]} could not save checkpoint {step} to {path}: {error}")
 
@@ -401,7 +402,8 @@ class Coordinator:
         # a restarted actor whose death is not seen yet, is refused by it and answered in full).
         bases = {d: self._holds[d] for d in [*to, *head_to] if d in self._holds} if deltas else {}
         push = PushWeights(version=version, to=list(to), head_to=list(head_to), delta_base=bases)
-        await self.sup.send(self.learners[0], push)
+        for learner in self.learners:  # sharded ranks gather each bucket with rank 0, which sends it
+            await self.sup.send(learner, push)
         await self._applied(version, list(to), timeout_s, full=not deltas)
 
     async def weights_applied(

@@ -143,7 +143,8 @@ async def recover_drafter(coord: Coordinator, drafter: str) -> None:
     coord.drafter_steps.pop(drafter, None)  # it counts again from its checkpoint's steps
     version = coord.policy_version
     if version > 0 and coord.learners:  # the restarted process loaded the step-0 head
-        await coord.sup.send(coord.learners[0], PushWeights(version=version, to=[], head_to=[drafter]))
+        for learner in coord.learners:  # sharded ranks gather with rank 0
+            await coord.sup.send(learner, PushWeights(version=version, to=[], head_to=[drafter]))
         await coord.heads_applied(version, [drafter])
 
 

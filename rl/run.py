@@ -39,7 +39,14 @@ from slipstream.rl import recovery
 from slipstream.rl import run_dir as run_dir_files
 from slipstream.rl.coordinator import Coordinator
 from slipstream.rl.run_config import TrainConfig, data_stream, episode_tokens, sampling_of
-from slipstream.rl.run_plan import actor_names, actor_specs, environment_names, lease_plan
+from slipstream.rl.run_plan import (
+    actor_names,
+    actor_specs,
+    environment_names,
+    learner_capacity,
+    learner_memory_plan,
+    lease_plan,
+)
 from slipstream.rl.step import Arrival, rollout_step
 from slipstream.rl.step_work import StepWork, explain_reward_errors, step_line, step_record
 from slipstream.runtime.agent import AgentLauncher
@@ -81,6 +88,9 @@ class Run:
         # addresses and counts.
         (run_dir / RENDEZVOUS_FILE).unlink(missing_ok=True)
         self.tokenizer = Tokenizer.from_dir(hub.resolve(cfg.model))
+        # What a learner rank will hold (engine/memory_plan.py): printed first, checked before any actor
+        # starts (`open`), kept in summary.json.
+        self.memory_plan = learner_memory_plan(cfg, hub.resolve(cfg.model))
         state = run_dir_files.read_state(run_dir) if resume else {"step": 0, "checkpoint": ""}
         if state["checkpoint"]:
             state["checkpoint"] = str(run_dir / state["checkpoint"])  # relative (an absolute one stays)
@@ -117,6 +127,7 @@ class Run:
         hands its weights to the fresh rollouts and drafters."""
         cfg, run_dir = self.cfg, self.run_dir
         hosts, key_file = await self._join(cluster, keys_dir, join_timeout_s)
+        self.check_memory(hosts)
         self.specs = self.plan_actors(
             hosts, cluster.head_endpoint(RENDEZVOUS) if cluster.multi and cfg.learner.ranks > 1 else ""
         )
@@ -144,6 +155,19 @@ class Run:
         if self.start > 0:  # the resumed learner hands its weights to the fresh rollouts first
             await self.coord.push_weights(self.start, to=self.rollouts, head_to=self.drafters)
             await self.coord.heads_applied(self.start, self.drafters)
+
+    def check_memory(self, hosts: list[Host] | None) -> None:
+        """Says the learner's memory plan (log, and the step lines' first line) and raises PlanDoesNotFit,
+        naming the field to change, where it exceeds what a rank's device has: before any actor starts.
+        `bench scale` overrides it: its learners hold no model."""
+        plan = self.memory_plan
+        if self.log is not None:
+            self.log.info("memory_plan", **plan.as_dict())
+        if self.step_lines is not None:
+            print(plan.line(), file=self.step_lines, flush=True)
+        capacity = learner_capacity(self.cfg, hosts)
+        if capacity is not None:
+            plan.check(capacity)
 
     def plan_actors(self, hosts: list[Host] | None, rendezvous: str) -> list[ActorSpec]:
         """Every process of the run (rl/run_plan.py `actor_specs`). `bench scale` overrides it: stand-in
@@ -199,6 +223,7 @@ class Run:
         summary = run_dir_files.summary(
             msgspec.to_builtins(self.cfg), self.records, self.run_dir, baseline=self.baseline
         )
+        summary["memory_plan"] = self.memory_plan.as_dict()
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 

@@ -120,7 +120,9 @@ class EnvironmentSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True
 
 
 class LearnerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    ranks: Positive = 1  # data-parallel learner ranks (gloo on CPU, NCCL on CUDA)
+    # learner ranks (gloo on CPU, NCCL on CUDA); several shard the policy (FSDP2): each holds 1/ranks of the
+    # weights, gradients and AdamW's moments
+    ranks: Positive = 1
     threads: Positive = 2  # torch threads per rank: the rollouts are idle while the learner trains
     # Pushes to other hosts as XOR deltas against the version each acknowledged (zstd); false: full buckets
     # (for a network faster than the encode, ~0.5 GB/s a core in fp32: docs/cluster.md)
@@ -134,6 +136,9 @@ class LearnerSection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
     # throughout; "auto": bf16 on cuda, fp32 on a CPU (until a CPU measures it faster and learning as well).
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     push_ipc: bool = True  # on a GPU, pushes to the same node as CUDA IPC refs; false: through host memory
+    # each decoder layer keeps only its input for backward and recomputes the rest: long samples (8k-32k
+    # tokens) train in a fraction of the activations, for ~a third more learner compute
+    activation_checkpointing: bool = False
 
 
 class GpuMemorySection(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

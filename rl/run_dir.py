@@ -93,8 +93,9 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     env_wait_max_s: float = 0.0
 
 
-CHECKPOINT_FILE = "learner.pt"
-"""The learner's file in each checkpoints/step-N directory."""
+CHECKPOINT_FILE = "learner"
+"""The learner's checkpoint in each checkpoints/step-N directory: a torch.distributed.checkpoint directory
+(engine/policy_checkpoint.py; runs before 2026-12 wrote a `learner.pt` file, still read)."""
 
 
 def checkpoint_dirs(run_dir: Path) -> dict[int, Path]:

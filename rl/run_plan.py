@@ -10,15 +10,19 @@ only turns a config and a placement into names and specs, so the loop reads top 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import msgspec
+import torch
 
 from slipstream.actors.drafter import DrafterActor
 from slipstream.actors.environment import EnvironmentActor
 from slipstream.actors.learner import LearnerActor
 from slipstream.actors.rollout import RolloutActor
 from slipstream.actors.verifier import VerifierActor
+from slipstream.engine.config import ModelConfig
+from slipstream.engine.memory_plan import MemoryPlan, plan_learner
 from slipstream.engine.tuner_config import TunerConfig
 from slipstream.rl.run_config import (
     TrainConfig,
@@ -279,6 +283,7 @@ def _learner_specs(
                 delta_threads=cfg.learner.delta_threads,
                 precision=learner_precision(cfg),
                 push_ipc=cfg.learner.push_ipc,
+                activation_checkpointing=cfg.learner.activation_checkpointing,
             ),
             threads=slot.threads,
             hang_s=cfg.faults.hang_s,
@@ -287,3 +292,34 @@ def _learner_specs(
         )
         for r, slot in enumerate(where.learners)
     ]
+
+
+def learner_memory_plan(cfg: TrainConfig, model_dir: str | Path) -> MemoryPlan:
+    """The learner's per-rank memory plan for `cfg` (engine/memory_plan.py), from the model's config alone."""
+    optim = cfg.learner.optim
+    return plan_learner(
+        ModelConfig.from_pretrained(model_dir),
+        ranks=cfg.learner.ranks,
+        micro_batch_tokens=optim.micro_batch_tokens,
+        logprob_chunk_tokens=optim.logprob_chunk_tokens,
+        activation_checkpointing=cfg.learner.activation_checkpointing,
+        compute_dtype="bfloat16" if learner_precision(cfg) == "bf16" else "float32",
+        reference=cfg.learner.loss.kl_coef > 0,
+        device=cfg.device,
+    )
+
+
+def learner_capacity(cfg: TrainConfig, hosts: list[Host] | None = None) -> int | None:
+    """Bytes one learner rank may use: its GPU's memory (its `placement.gpu_memory` share where actors
+    share the card), or on a CPU the host's memory over the ranks it runs; None where unknown (no card
+    here to ask: the rank's own allocation fails first)."""
+    slot = placement(cfg, hosts).learners[0]
+    if slot.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            return None
+        index = torch.device(slot.device).index or 0
+        card = int(torch.cuda.get_device_properties(index).total_memory)
+        return int(card * slot.memory_fraction) if slot.memory_fraction else card
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    here = sum(1 for s in placement(cfg, hosts).learners if s.node == slot.node)
+    return ram // max(here, 1)

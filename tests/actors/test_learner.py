@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from slipstream.actors.learner import LearnerActor, policy_samples
+from slipstream.engine.policy_checkpoint import is_checkpoint
 from slipstream.protocols.control import CheckpointSaved, SaveCheckpoint
 from slipstream.protocols.learner import (
     GroupPlan,
@@ -217,10 +218,10 @@ def test_a_malformed_group_counts_as_arrived_and_trains_nothing(tiny: Path, tmp_
 
 def test_checkpoint_then_resume_continues_the_same_run(tiny: Path, tmp_path: Path) -> None:
     groups = scored_groups(tiny, tmp_path, [[1.0, 0.0], [0.0, 1.0]])
-    ckpt = tmp_path / "ckpt" / "learner.pt"
+    ckpt = tmp_path / "ckpt" / "learner"
     first, _ = make_learner(tiny, tmp_path, optim={"lr": 1e-3})
     train(first, groups, version=1, checkpoint=str(ckpt))
-    assert ckpt.is_file() and not ckpt.with_suffix(".pt.tmp").exists()
+    assert is_checkpoint(ckpt) and not ckpt.with_name("learner.tmp").exists()
     resumed, _ = make_learner(tiny, tmp_path, optim={"lr": 1e-3}, resume_from=str(ckpt))
     assert resumed.version == 1 and resumed.trainer.steps == 1
     for (name, a), b in zip(first.model.named_parameters(), resumed.model.parameters(), strict=True):
@@ -261,14 +262,14 @@ def test_a_checkpoint_that_cannot_be_written_is_answered_as_failed(tiny: Path, t
     learner, out = make_learner(tiny, tmp_path)
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
-    learner.on_checkpoint(SaveCheckpoint(step=3, path=str(blocker / "step-3" / "learner.pt")), "coordinator")
+    learner.on_checkpoint(SaveCheckpoint(step=3, path=str(blocker / "step-3" / "learner")), "coordinator")
     (answer,) = out.of(CheckpointSaved)
     assert answer.error and answer.step == 3
     assert "not-a-directory" in answer.error
-    good = tmp_path / "ckpt" / "learner.pt"
+    good = tmp_path / "ckpt" / "learner"
     learner.on_checkpoint(SaveCheckpoint(step=4, path=str(good)), "coordinator")
     assert [bool(s.error) for s in out.of(CheckpointSaved)] == [True, False]
-    assert good.is_file() and not good.with_suffix(".pt.tmp").exists()
+    assert is_checkpoint(good) and not good.with_name("learner.tmp").exists()
 
 
 def test_samples_are_held_and_receipted_once_a_newer_try_replaces_and_duplicates_are_counted(

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from slipstream.actors.learner import LearnerActor
+from slipstream.engine.policy_checkpoint import read_weights
 from slipstream.engine.weights import load_head_parts
 from slipstream.protocols.learner import WeightAck, WeightUpdate
 from slipstream.runtime.codec import checksum
@@ -48,7 +49,7 @@ def test_a_bf16_checkpoint_trains_fp32_masters_and_pushes_them_cast(tiny: Path, 
     learner, sent = make_learner(bf16, tmp_path / "bf16-run", optim={"lr": 1e-6})
     reference, _ = make_learner(same_in_fp32, tmp_path / "fp32-run", optim={"lr": 1e-6})
     start = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
-    ckpt = tmp_path / "ckpt" / "learner.pt"
+    ckpt = tmp_path / "ckpt" / "learner"
     train(learner, groups, version=1, push_to=["rollout:0"], checkpoint=str(ckpt))
     train(reference, groups, version=1)
 
@@ -62,7 +63,7 @@ def test_a_bf16_checkpoint_trains_fp32_masters_and_pushes_them_cast(tiny: Path, 
     assert changed / total > 0.9  # in place on bf16 weights, lr 1e-6 moved 0.3% of them
     states = learner.trainer.optimizer.state.values()
     assert all(s[k].dtype == torch.float32 for s in states for k in ("exp_avg", "exp_avg_sq"))
-    saved = torch.load(ckpt, weights_only=True)["model"]
+    saved = read_weights(ckpt)
     assert all(torch.equal(saved[n], p) for n, p in masters.items())  # checkpoints keep the masters
 
     updates = sent.of(WeightUpdate)

@@ -45,11 +45,14 @@ Recorded = dict[tuple[int, int, int], tuple[list[int], list[float], float | None
 
 
 def recorded_samples(run_dir: Path, steps: int) -> Recorded:
-    """(step, group, sample) -> its tokens, log-probs and reward, as samples/step-N.jsonl hold them (each
-    once: a sample recorded twice fails here)."""
+    """(step, group, sample) -> its tokens, log-probs and reward, as samples/step-N.jsonl and the other learner
+    ranks' shares (step-N.rank-R.jsonl) hold them (each once: a sample recorded twice fails here)."""
     out: Recorded = {}
     for step in range(steps):
-        for line in (run_dir / "samples" / f"step-{step}.jsonl").read_text().splitlines():
+        shares = [run_dir / "samples" / f"step-{step}.jsonl"]
+        shares += sorted((run_dir / "samples").glob(f"step-{step}.rank-*.jsonl"))
+        lines = [line for share in shares for line in share.read_text().splitlines()]
+        for line in lines:
             r = json.loads(line)
             key = (step, r["group_id"], r["sample_index"])
             assert key not in out, f"{key} recorded twice"

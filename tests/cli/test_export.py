@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -75,7 +76,7 @@ def test_export_writes_the_newest_checkpoint_as_a_model_transformers_loads(
     assert out.strip() == str(tmp_path / "hf")
     exported = Path(out.strip())
     source = json.loads((exported / "SOURCE.json").read_text())
-    assert source["step"] == 2 and source["checkpoint"].endswith("step-2/learner.pt")
+    assert source["step"] == 2 and source["checkpoint"].endswith("step-2/learner")
 
     policy = policy_at(run_dir, weights[2])
     assert_same_logits(policy, exported)
@@ -120,10 +121,8 @@ def test_directories_without_a_checkpoint_are_refused(
     rc, _, err = cli(capsys, str(tmp_path / "nowhere"), "--out", str(tmp_path / "hf"))
     assert rc == 1 and "no such run directory" in err
     not_a_run = tmp_path / "not-a-run"
-    (not_a_run / "checkpoints" / "step-1").mkdir(parents=True)
-    (not_a_run / "checkpoints" / "step-1" / run_dir_files.CHECKPOINT_FILE).write_bytes(
-        (run_dir / "checkpoints" / "step-1" / run_dir_files.CHECKPOINT_FILE).read_bytes()
-    )
+    (not_a_run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(run_dir / "checkpoints" / "step-1", not_a_run / "checkpoints" / "step-1")
     rc, _, err = cli(capsys, str(not_a_run), "--out", str(tmp_path / "hf"))
     assert rc == 1 and "no config.json" in err
     assert not (tmp_path / "hf").exists()

@@ -20,6 +20,7 @@ import uvloop
 
 from slipstream.cli import trace as trace_cli
 from slipstream.cli import train
+from slipstream.engine.policy_checkpoint import is_checkpoint
 from slipstream.engine.tokenizer import Tokenizer
 from slipstream.rl import run_config, run_plan
 from slipstream.tasks.datasets import chat_prompt_ids
@@ -91,7 +92,7 @@ def test_three_steps_learn_sync_and_train_the_drafter_in_idle_time(tiny_chat: Pa
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [0, 1, 2]
     assert json.loads((run_dir / "summary.json").read_text())["last_reward"] == steps[-1]["reward_mean"]
-    assert (run_dir / "checkpoints" / "step-2" / "learner.pt").is_file()
+    assert is_checkpoint(run_dir / "checkpoints" / "step-2" / "learner")
     # The per-bucket arm counts add up to the step's, draft depths accept a share, a push has a size.
     for s in steps:
         by_bucket: dict[str, int] = {}
@@ -264,6 +265,17 @@ def test_the_gpu_config_is_checked_and_refused_at_start_naming_the_device(tmp_pa
     cfg = run_config.load_config(packaged_config("gpu-7b.yaml"))  # every key valid: a typo would fail here
     assert cfg.device == "cuda" and cfg.group_size == 16 and cfg.learner.loss.tis_cap == 2.0
     assert all(parse_arm(arm) for arm in cfg.rollout.tuner.arms)
+    # Its learner fits an 80 GB card as its comment says (Qwen2.5-7B's shape: the model is not here).
+    from slipstream.engine.memory_plan import plan_learner
+    from tests.engine.test_sharding import H100, QWEN_7B
+
+    learner = cfg.learner
+    plan = plan_learner(
+        QWEN_7B, ranks=learner.ranks, micro_batch_tokens=learner.optim.micro_batch_tokens,
+        activation_checkpointing=learner.activation_checkpointing, compute_dtype="bfloat16", device="cuda",
+    )  # fmt: skip
+    plan.check(H100)
+    assert f"{plan.total / 2**30:.2f} GiB" in packaged_config("gpu-7b.yaml").read_text()
     with pytest.raises(ValueError, match="device: 'cuda' is not available"):
         uvloop.run(train.train(cfg, tmp_path / "run"))
     assert not (tmp_path / "run").exists()  # refused before anything started

@@ -25,6 +25,7 @@ import uvloop
 from slipstream.actors.rollout_history import journal_path
 from slipstream.cli import train
 from slipstream.engine.history import read_journal
+from slipstream.engine.policy_checkpoint import read_weights
 from slipstream.protocols.control import SaveCheckpoint
 from slipstream.protocols.learner import TrainStep
 from slipstream.rl import run_config
@@ -206,14 +207,23 @@ def clean_four(tiny_chat: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return clean
 
 
+@pytest.fixture(scope="module")
+def clean_four_sharded(tiny_chat: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """clean_four with two sharded learner ranks (the deal of groups to ranks follows the rank count)."""
+    clean = tmp_path_factory.mktemp("clean-four-sharded")
+    learner = {"threads": 1, "optim": {"lr": 1e-3}, "ranks": 2}
+    uvloop.run(train.train(config(tiny_chat, steps=4, checkpoint_every=2, learner=learner), clean))
+    return clean
+
+
 def _kill_after_sending(kind: type, step: int, victim: str, pids: list[int]) -> Any:
     """Supervisor.send that SIGKILLs `victim` right after sending it the `kind` message of step `step`
     (a TrainStep: it dies holding its groups, before it can have trained; a SaveCheckpoint: it dies in its
     checkpoint, after the step's weights were applied everywhere)."""
     send = Supervisor.send
 
-    async def send_then_kill(self: Supervisor, name: str, msg: Any) -> None:
-        await send(self, name, msg)
+    async def send_then_kill(self: Supervisor, name: str, msg: Any, **kwargs: Any) -> None:
+        await send(self, name, msg, **kwargs)  # kwargs: the heartbeat loop's wait=False
         if name == victim and isinstance(msg, kind) and msg.step == step and not pids:
             pids.append(self.pid(name))
             os.kill(pids[0], signal.SIGKILL)
@@ -221,17 +231,28 @@ def _kill_after_sending(kind: type, step: int, victim: str, pids: list[int]) -> 
     return send_then_kill
 
 
-@pytest.mark.parametrize("when", ["between steps", "inside a step", "in its checkpoint"])
+@pytest.mark.parametrize(
+    "when", ["between steps", "inside a step", "in its checkpoint", "sharded, inside a step"]
+)
 def test_a_killed_learner_restarts_from_its_checkpoint_and_replays_to_the_same_run(
-    tiny_chat: Path, clean_four: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+    tiny_chat: Path,
+    clean_four: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    when: str,
+    request: pytest.FixtureRequest,
 ) -> None:
-    import torch
-
-    cfg = config(tiny_chat, steps=4, checkpoint_every=2, faults={"restart_backoff_s": 0.1})
-    clean, faulty = clean_four, tmp_path / "faulty"
+    """ "sharded": two learner ranks (FSDP2), rank 1 killed holding step 3's groups; both restart from the
+    step-2 checkpoint their shards make, and the run is the one-rank clean run's."""
+    sharded = when.startswith("sharded")
+    learner = {"threads": 1, "optim": {"lr": 1e-3}, "ranks": 2 if sharded else 1}
+    cfg = config(tiny_chat, steps=4, checkpoint_every=2, faults={"restart_backoff_s": 0.1}, learner=learner)
+    clean = request.getfixturevalue("clean_four_sharded") if sharded else clean_four
+    faulty = tmp_path / "faulty"
     pids: list[int] = []
-    if when == "inside a step":
-        monkeypatch.setattr(Supervisor, "send", _kill_after_sending(TrainStep, 3, "learner:0", pids))
+    victim = "learner:1" if sharded else "learner:0"
+    if when.endswith("inside a step"):
+        monkeypatch.setattr(Supervisor, "send", _kill_after_sending(TrainStep, 3, victim, pids))
     elif when == "in its checkpoint":  # the step-2 checkpoint: none on disk yet, so from the start
         monkeypatch.setattr(Supervisor, "send", _kill_after_sending(SaveCheckpoint, 2, "learner:0", pids))
 
@@ -248,7 +269,7 @@ def test_a_killed_learner_restarts_from_its_checkpoint_and_replays_to_the_same_r
     steps = uvloop.run(run_with_kill())["steps"]
     assert len(pids) == 1
     assert [s["policy_version"] for s in steps] == [1, 2, 3, 4]
-    events = _events(faulty / "logs" / "learner-0.jsonl")
+    events = _events(faulty / "logs" / ("learner-1.jsonl" if sharded else "learner-0.jsonl"))
     loaded = [e["version"] for e in events if e["event"] == "checkpoint_loaded"]
     trained = [e["step"] for e in events if e["event"] == "trained"]
     if when == "in its checkpoint":
@@ -258,7 +279,7 @@ def test_a_killed_learner_restarts_from_its_checkpoint_and_replays_to_the_same_r
         assert "learner:0" in steps[1]["restarts"]
         assert loaded == [] and trained == [0, 1, 0, 1, 2, 3]
     else:
-        assert "learner:0" in steps[3]["restarts"]
+        assert victim in steps[3]["restarts"]
         assert loaded == [2] and trained == [0, 1, 2, 2, 3]  # step-2 checkpoint, step 2 replayed, step 3
     # The replay reproduced the lost step: the same losses, gradient norms and final weights as without
     # faults. Weights within fp32 tolerance, not bitwise: the rollouts' behaviour log-probs agree to rounding
@@ -275,10 +296,7 @@ def test_a_killed_learner_restarts_from_its_checkpoint_and_replays_to_the_same_r
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), got["step"]
     if tie < 4:
         return
-    final = [
-        torch.load(run / "checkpoints" / "step-4" / "learner.pt", weights_only=True)["model"]
-        for run in (clean, faulty)
-    ]
+    final = [read_weights(run / "checkpoints" / "step-4" / "learner") for run in (clean, faulty)]
     assert final[0].keys() == final[1].keys()
     off = sum(int(((final[1][n] - t).abs() > 1e-5).sum()) for n, t in final[0].items())
     total = sum(t.numel() for t in final[0].values())

@@ -29,6 +29,7 @@ import uvloop
 from slipstream.actors.rollout_history import journal_path
 from slipstream.cli import train
 from slipstream.engine.history import History, read_journal
+from slipstream.engine.policy_checkpoint import read_weights
 from slipstream.runtime.process import pid_alive
 from tests.cli.conftest import config
 
@@ -161,7 +162,7 @@ def test_a_killed_coordinator_resumes_where_it_stopped(tiny_chat: Path, tmp_path
         )
 
     def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
-        return torch.load(run / "checkpoints" / f"step-{step}" / "learner.pt", weights_only=True)["model"]
+        return read_weights(run / "checkpoints" / f"step-{step}" / "learner")
 
     # Not elementwise: the two runs' behaviour log-probs agree to rounding only (~1e-6), since fp32 rows
     # decoded in other batch shapes differ in their last bits and the batches depend on timing (when requests

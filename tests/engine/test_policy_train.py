@@ -24,6 +24,7 @@ from slipstream.engine.generator import Generator, Request
 from slipstream.engine.grpo import LossConfig
 from slipstream.engine.policy_train import OptimConfig, PolicySample, PolicyTrainer, micro_batches
 from slipstream.engine.sampling import SamplingParams
+from slipstream.engine.sharding import shard_policy
 from slipstream.engine.weights import load_model
 
 PROMPTS = [[5, 17, 33, 2], [9, 9, 40], [120, 3, 77, 15, 8], [1, 2]]
@@ -198,9 +199,11 @@ def test_every_collective_holds_a_tensor_on_the_model_device(
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "all_reduce", lambda tensor, op=None: seen.append(tensor.device))
-    stats = PolicyTrainer(load_model(model_dir, device=device)).step(samples)
+    trainer = PolicyTrainer(load_model(model_dir, device=device))
+    trainer.sharded = True  # the trainer's own collectives (FSDP's gathers are its own, on the device)
+    stats = trainer.step(samples)
     assert stats["tokens"] > 0
-    assert len(seen) == 4 and all(d.type == device.type for d in seen)  # counts, grads, sums, maxima
+    assert len(seen) == 4 and all(d.type == device.type for d in seen)  # counts, passes, sums, maxima
 
 
 def test_kl_needs_a_reference(make_checkpoint) -> None:
@@ -253,12 +256,13 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     join_group(rank, world, port)
     try:
         samples = rollout(Path(model_dir))
-        model = load_model(Path(model_dir))
+        model = shard_policy(load_model(Path(model_dir)))
         trainer = PolicyTrainer(model, optim=DP_OPTIM)
         stats = trainer.step(samples[rank::world])
-        grads = {n: p.grad for n, p in model.named_parameters()}
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        weights = {n: p.full_tensor() for n, p in model.state_dict().items()}
         torch.save(
-            {"weights": model.state_dict(), "grads": grads, "stats": stats},
+            {"weights": weights, "grads": grads, "stats": stats},
             os.path.join(out, f"rank{rank}.pt"),
         )
         dist.barrier()  # nobody tears the group down while a peer may still be in a collective

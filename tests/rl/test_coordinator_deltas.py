@@ -36,7 +36,9 @@ def test_train_names_the_version_each_destination_acknowledged() -> None:
             )
             await asyncio.sleep(0.05)
             pushes = [(n, m) for n, m in sup.sent if isinstance(m, PushWeights)]
-            assert [n for n, _ in pushes] == ["learner:0"]  # only rank 0 pushes
+            # Every rank is asked (sharded ranks gather each bucket with rank 0, which alone sends), alike.
+            assert [n for n, _ in pushes] == ["learner:0", "learner:1"]
+            assert pushes[0][1] == pushes[1][1]
             assert pushes[0][1].delta_base == {"rollout:0": 2, "drafter:0": 2}
             for rank in (0, 1):
                 sup.deliver(f"rollout:{rank}", ack(rank, 3))
