@@ -232,7 +232,7 @@ def test_an_8k_token_sample_trains_within_the_plans_activation_bytes(make_checkp
     the gradients, stays within the plan's activation term; whole fp32 logits alone would exceed it, and
     the same step without checkpointing holds every layer's activations (far more)."""
     # A vocabulary whose whole logits outweigh the rest, and layers enough for checkpointing to show.
-    model_dir = make_checkpoint(vocab_size=16384, num_hidden_layers=6)
+    model_dir = make_checkpoint(vocab_size=8192, num_hidden_layers=4)
     config = ModelConfig.from_pretrained(model_dir)
     length = 8192
     sample = PolicySample(
