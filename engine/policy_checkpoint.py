@@ -16,9 +16,12 @@ Run: `python -m pytest tests/engine/test_sharding.py -k checkpoint`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +51,14 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
+@contextlib.contextmanager
+def _one_process_is_meant() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process: here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        yield
+
+
 def is_checkpoint(path: Path) -> bool:
     """A complete checkpoint at `path`: a directory with DCP's metadata and the trainer file, or a
     legacy torch.save file."""
@@ -68,7 +79,8 @@ def save_policy(
         dist.barrier()  # nobody writes into the directory rank 0 is clearing
     model_state, optim_state = get_state_dict(model, optimizer)
     try:
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
+        with _one_process_is_meant():
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
         if rank == 0:
             (tmp / TRAINER_FILE).write_text(json.dumps({"steps": steps, "version": version}))
     except BaseException:
@@ -97,7 +109,8 @@ def load_policy(path: str | Path, model: nn.Module, optimizer: torch.optim.Optim
         raise ValueError(f"{source}: not a learner checkpoint (no .metadata or {TRAINER_FILE})")
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=source)
+    with _one_process_is_meant():
+        dcp.load(state, checkpoint_id=source)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     info = json.loads((source / TRAINER_FILE).read_text())
     return {"steps": int(info["steps"]), "version": int(info["version"])}
@@ -133,7 +146,8 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     }
     if not weights:
         raise ValueError(f"{source}: a checkpoint with no model weights")
-    dcp.load({"model": weights}, checkpoint_id=source, no_dist=True)
+    with _one_process_is_meant():
+        dcp.load({"model": weights}, checkpoint_id=source, no_dist=True)
     return weights
 
 
