@@ -19,8 +19,7 @@ Non-obvious choices:
   (the others wait for it in their collectives); alone, a step without groups trains nothing. Every rank
   takes `PushWeights` and `SaveCheckpoint`: a push gathers one bucket at a time from the shards (rank 0
   sends it, the others drop it), a checkpoint has each rank write its shards (engine/policy_checkpoint.py).
-  On stop the ranks meet at a store barrier before destroying the group: none closes its connections
-  while a peer is in a collective.
+  On stop the ranks meet at a store barrier: none tears the group down while a peer is in a collective.
 - Across hosts (tcp:// destinations) a push sends XOR deltas, zstd-compressed (engine/weight_delta.py),
   against the version a destination acknowledged (`PushWeights.delta_base`) when rank 0 kept a copy of it,
   else full buckets; `WeightsPushed` reports the bytes that crossed hosts against full buckets'.
@@ -42,7 +41,6 @@ from slipstream.engine import hub
 from slipstream.engine.config import ModelConfig, dtype_from_name
 from slipstream.engine.device import capabilities, parse_device, require_device
 from slipstream.engine.grpo import LossConfig
-from slipstream.engine.memory_plan import plan_learner
 from slipstream.engine.policy_checkpoint import load_policy, save_policy
 from slipstream.engine.policy_train import OptimConfig, PolicyTrainer
 from slipstream.engine.sharding import full_tensors, shard_policy
@@ -146,30 +144,26 @@ class LearnerActor(Actor):
         ref = None
         if cfg.loss.kl_coef > 0:
             ref = load_model(path, dtype=torch.float32, device=device)
-        if cfg.activation_checkpointing:
-            for layer in self.model.layers:
-                layer.checkpointing = True
         self.sharded = cfg.world_size > 1
         if self.sharded:
             compute = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
             shard_policy(self.model, compute_dtype=compute)
             if ref is not None:
                 shard_policy(ref, compute_dtype=compute)
-        self.plan = plan_learner(
-            self.model.config, ranks=cfg.world_size, micro_batch_tokens=cfg.optim.micro_batch_tokens,
-            logprob_chunk_tokens=cfg.optim.logprob_chunk_tokens,
-            activation_checkpointing=cfg.activation_checkpointing,
-            compute_dtype="bfloat16" if cfg.precision == "bf16" else "float32", reference=ref is not None,
-            device=str(device),
-        )  # fmt: skip
         self.trainer = PolicyTrainer(
-            self.model, optim=cfg.optim, loss=cfg.loss, ref_model=ref, precision=cfg.precision
+            self.model,
+            optim=cfg.optim,
+            loss=cfg.loss,
+            ref_model=ref,
+            precision=cfg.precision,
+            activation_checkpointing=cfg.activation_checkpointing,
         )
         if cfg.resume_from:
             self._load(cfg.resume_from)
         if cfg.warm_up:
             self.trainer.warm_up()  # step 0 then costs what every step does, and an OOM shows at start
-        self.log.info("memory_plan", **self.plan.as_dict(), measured=self.trainer.state_bytes())
+        # What this rank holds (the run's memory plan predicted it: rl/run.py `check_memory`).
+        self.log.info("memory_held", **self.trainer.state_bytes())
         # name -> (version, tensor) as last pushed to a cross-host destination: the base of its next delta.
         # Memory: one model copy in the push dtype on the CPU (the cast copies a push makes anyway, kept),
         # held only once a push has had a tcp:// destination, so never in a one-host run.
@@ -195,9 +189,12 @@ class LearnerActor(Actor):
             self.log.warning("duplicate_dropped", group_id=key[0], sample_index=key[1], sender=sender)
             return
         self._held[key] = msgspec.structs.replace(
-            msg, token_ids=msg.token_ids.clone(), logprobs=msg.logprobs.clone(),
-            policy_mask=msg.policy_mask.clone(), prompt_ids=msg.prompt_ids.clone(),
-        )  # fmt: skip
+            msg,
+            token_ids=msg.token_ids.clone(),
+            logprobs=msg.logprobs.clone(),
+            policy_mask=msg.policy_mask.clone(),
+            prompt_ids=msg.prompt_ids.clone(),
+        )
         self._held_at = time.monotonic()
         self.send(COORDINATOR, samples_record.receipt_of(msg))
 
@@ -341,11 +338,20 @@ class LearnerActor(Actor):
         self.send(
             COORDINATOR,
             StepStats(
-                step=msg.step, version=msg.version, loss=0.0, grad_norm=0.0, tokens=tokens, elapsed_s=0.0,
-                metrics={"held_at": held_at, "groups": float(len(groups)), "samples": float(samples),
-                         "invalid_samples": float(invalid)},
+                step=msg.step,
+                version=msg.version,
+                loss=0.0,
+                grad_norm=0.0,
+                tokens=tokens,
+                elapsed_s=0.0,
+                metrics={
+                    "held_at": held_at,
+                    "groups": float(len(groups)),
+                    "samples": float(samples),
+                    "invalid_samples": float(invalid),
+                },
             ),
-        )  # fmt: skip
+        )
         self.log.info(
             "held", step=msg.step, groups=len(groups), samples=samples, tokens=tokens, **memory_now()
         )
@@ -452,9 +458,13 @@ class LearnerActor(Actor):
         names = [n for n, _ in bucket]
         tensors = [p.to("cpu", self.push_dtype, copy=True) for _, p in bucket]
         return WeightUpdate(
-            version=version, bucket=index, num_buckets=num_buckets, names=names, tensors=tensors,
+            version=version,
+            bucket=index,
+            num_buckets=num_buckets,
+            names=names,
+            tensors=tensors,
             checksum=checksum(names, tensors),
-        )  # fmt: skip
+        )
 
     def _send_host_copy(
         self,
@@ -509,9 +519,15 @@ class LearnerActor(Actor):
         refs = [cuda_ipc.export(n, t) for n, t in held]
         torch.cuda.current_stream(tensors[0].device).synchronize()  # written before any receiver reads
         return WeightUpdate(
-            version=version, bucket=index, num_buckets=num_buckets, names=names, tensors=[],
-            checksum=cuda_ipc.device_checksum(names, tensors), encoding=CUDA_IPC, ipc=refs,
-        )  # fmt: skip
+            version=version,
+            bucket=index,
+            num_buckets=num_buckets,
+            names=names,
+            tensors=[],
+            checksum=cuda_ipc.device_checksum(names, tensors),
+            encoding=CUDA_IPC,
+            ipc=refs,
+        )
 
     def _save(self, path: str) -> None:
         with self.spans.span("checkpoint", self.version - 1, path=path):

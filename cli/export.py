@@ -118,8 +118,6 @@ def export_checkpoint(
     # The weights only: the optimizer state beside them is never read.
     try:
         weights, version = read_weights(checkpoint), checkpoint_version(checkpoint)
-    except ValueError:
-        raise
     except (RuntimeError, EOFError, OSError, KeyError) as e:  # a damaged or foreign checkpoint
         raise ValueError(f"{checkpoint}: not a readable learner checkpoint ({e})") from None
     try:

@@ -125,11 +125,8 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None, pack: _PackedWeight 
     if invariant.active(x, weight):
         return invariant.linear(x, weight, bias)  # rows independent of the batch (engine/invariant.py)
     gemm = None if pack is None else packed_gemm(x.device, weight.dtype, weight.shape[0])
-    if (
-        pack is not None
-        and gemm is not None
-        and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
-    ):
+    if gemm is not None and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)):
+        assert pack is not None
         packed = pack.get(weight, gemm)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if gemm == "mkl":
@@ -551,15 +548,12 @@ class Transformer(nn.Module):
     ) -> Tensor:
         return score(self.head(hidden), start, end)
 
-    def train_only(self, *, checkpointing: bool = False) -> None:
-        """For a learner: projections always F.linear (no packed copies: see `_linear`) and, with
-        `checkpointing`, each decoder layer keeps only its input for backward."""
+    def train_only(self) -> None:
+        """For a sharded learner: projections always F.linear, never a packed copy (see `_linear`)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.packable = False
         self._tied_head_pack = None
-        for layer in self.layers:
-            layer.checkpointing = checkpointing
 
 
 def _fold_mask(mask: Tensor, groups: int, kv_heads: int, dtype: torch.dtype) -> Tensor:

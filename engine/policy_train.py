@@ -214,7 +214,7 @@ class PolicyTrainer:
     ) -> None:
         """precision: "fp32", or "bf16" for the forward and backward under bf16 autocast (fp32 masters).
         A sharded `model` (engine/sharding.py) is trained as such; activation_checkpointing: each decoder
-        layer keeps only its input for backward (set before sharding, or here on a plain model)."""
+        layer keeps only its input for backward."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.precision = precision
@@ -227,9 +227,8 @@ class PolicyTrainer:
         if ref_model is not None:
             ref_model.requires_grad_(False)
         self.sharded = is_sharded(model)
-        if activation_checkpointing:
-            for layer in model.layers:
-                layer.checkpointing = True
+        for layer in model.layers:
+            layer.checkpointing = activation_checkpointing
         self.params = [p for p in model.parameters() if p.requires_grad]
         dtypes = sorted({str(p.dtype) for p in self.params if p.dtype != torch.float32})
         if dtypes:
@@ -300,7 +299,7 @@ class PolicyTrainer:
         return int(most) - passes
 
     def _idle_pass(self, device: torch.device) -> None:
-        """A forward and backward of one two-token sequence whose loss is 0 · its log-prob: every gradient it
+        """A forward and backward of a one-token sequence whose loss is 0 · its log-prob: every gradient it
         adds is an exact zero, and the weights' gathers and reduce-scatters match the other ranks'."""
         ids = torch.zeros(1, 1, dtype=torch.int64, device=device)
         rows = torch.zeros(1, dtype=torch.int64, device=device)

@@ -44,7 +44,7 @@ def shard_policy(model: Transformer, *, compute_dtype: torch.dtype = torch.float
     are reduced in fp32 and the sharded masters stay fp32."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("shard_policy needs an initialised process group (torch.distributed)")
-    model.train_only(checkpointing=any(layer.checkpointing for layer in model.layers))
+    model.train_only()
     policy = (
         MixedPrecisionPolicy()
         if compute_dtype == torch.float32

@@ -313,7 +313,8 @@ def learner_capacity(cfg: TrainConfig, hosts: list[Host] | None = None) -> int |
     """Bytes one learner rank may use: its GPU's memory (its `placement.gpu_memory` share where actors
     share the card), or on a CPU the host's memory over the ranks it runs; None where unknown (no card
     here to ask: the rank's own allocation fails first)."""
-    slot = placement(cfg, hosts).learners[0]
+    learners = placement(cfg, hosts).learners
+    slot = learners[0]
     if slot.device.startswith("cuda"):
         if not torch.cuda.is_available():
             return None
@@ -321,5 +322,5 @@ def learner_capacity(cfg: TrainConfig, hosts: list[Host] | None = None) -> int |
         card = int(torch.cuda.get_device_properties(index).total_memory)
         return int(card * slot.memory_fraction) if slot.memory_fraction else card
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    here = sum(1 for s in placement(cfg, hosts).learners if s.node == slot.node)
+    here = sum(1 for s in learners if s.node == slot.node)
     return ram // max(here, 1)
